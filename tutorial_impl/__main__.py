@@ -1,0 +1,59 @@
+"""``python -m tutorial_impl <section> [options]`` and ``python -m tutorial_impl bench <name>``.
+
+Each section is a module with a ``main(argv)`` of its own, like the one-script-per-concept
+examples in pytorch/examples; this file only dispatches. Modules are imported only when
+chosen, so ``--help`` answers without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line description), in tutorial order.
+SECTIONS: dict[str, tuple[str, str]] = {
+    "p2p": ("tutorial_impl.p2p", "2.1 blocking send/recv and 2.2 isend/irecv + wait"),
+    "collectives": ("tutorial_impl.collectives", "3. all_reduce with every ReduceOp, groups, ..."),
+    "train": ("tutorial_impl.sgd", "4. distributed synchronous SGD on MNIST-shaped data"),
+    "ring": ("tutorial_impl.ring", "4.5 the tutorial's ring allreduce and a bandwidth-optimal one"),
+    "hybrid": ("tutorial_impl.hybrid", "DDP + RPC: trainers, master and a parameter server"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "harness": ("tutorial_impl.bench.harness", "per-test overhead: harness vs mp.spawn"),
+    "ring": ("tutorial_impl.bench.ring", "tutorial ring vs bandwidth-optimal ring vs gloo"),
+    "ddp-rpc": ("tutorial_impl.bench.ddp_rpc", "the DDP + RPC benchmark (trainers, PS, master)"),
+}
+MAIN_DEMO = "train"
+
+
+def _usage() -> str:
+    lines = ["usage: python -m tutorial_impl <section> [options]   (--help after a section)"]
+    lines.append("       python -m tutorial_impl bench <name> [options]\n\nsections:")
+    lines += [f"  {name:<12} {text}" for name, (_, text) in SECTIONS.items()]
+    lines.append("\nbenchmarks (python -m tutorial_impl bench <name>):")
+    lines += [f"  {name:<12} {text}" for name, (_, text) in BENCHES.items()]
+    return "\n".join(lines)
+
+
+def _dispatch(table: dict[str, tuple[str, str]], kind: str, argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in table:
+        print(f"unknown {kind} {name!r}; choose one of: {', '.join(table)}\n", file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[name][0])
+    return int(module.main(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return _dispatch(BENCHES, "benchmark", argv[1:])
+    return _dispatch(SECTIONS, "section", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The tutorial's run template: ``init_process`` and starting N local ranks.
+
+The tutorial's ``run.py`` sets ``MASTER_ADDR``/``MASTER_PORT`` itself and starts the ranks
+with ``mp.Process``. We keep ``init_process`` exactly as the tutorial has it, with one change:
+the address is a *default* (``setdefault``), so whoever starts the ranks can give a better
+one. Our launcher does, through the test harness: its parent process owns the rendezvous
+store on a port the kernel picked, so two demos (or two test runs) never fight over 29500.
+Under ``torchrun`` the environment already holds RANK, WORLD_SIZE and the agent's store, and
+``launch`` simply runs this process's rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from tutorial_impl.testing.supervisor import run_ranks
+
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def init_process(
+    rank: int, size: int, fn: Callable[[int, int], Any], backend: str = "gloo"
+) -> Any:
+    """Initialize the distributed environment, run ``fn(rank, size)``, leave the group."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(backend, rank=rank, world_size=size)
+    try:
+        return fn(rank, size)
+    finally:
+        dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    """True when this process is one rank that torchrun (torch.distributed.run) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def check_backend(backend: str, world_size: int) -> None:
+    """Refuse, with a clear message, a backend this machine cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ValueError("backend 'mpi' needs a torch built with MPI; this one is not")
+    if backend == "nccl":
+        import torch
+
+        if not dist.is_nccl_available() or not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA GPUs and a CUDA build of torch")
+        if torch.cuda.device_count() < world_size and not under_torchrun():
+            raise ValueError(
+                f"backend 'nccl' needs one GPU per rank: {world_size} ranks, "
+                f"{torch.cuda.device_count()} GPUs"
+            )
+
+
+def launch(
+    fn: Callable[[int, int], Any],
+    world_size: int = 2,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(rank, size)`` on ``world_size`` local ranks and print their output live.
+
+    Returns each rank's return value. Under torchrun, runs only this process's rank.
+    """
+    if under_torchrun():
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        check_backend(backend, size)
+        return [init_process(rank, size, fn, backend)]
+    if world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {world_size}")
+    check_backend(backend, world_size)
+    # backend=None: the ranks get only the rendezvous environment, and init_process does
+    # the init_process_group call itself, as in the tutorial.
+    return list(
+        run_ranks(
+            init_process,
+            fn,
+            backend,
+            world_size=world_size,
+            backend=None,
+            timeout=timeout,
+            stream=sys.stdout,
+            stream_prefix=False,
+        )
+    )
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser, world_size: int = 2) -> None:
+    """The options every tutorial section's demo takes."""
+    parser.add_argument("--world-size", type=int, default=world_size, help="number of ranks")
+    parser.add_argument("--backend", default="gloo", help=f"one of {', '.join(BACKENDS)}")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds before the ranks are stopped"
+    )

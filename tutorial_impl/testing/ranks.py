@@ -1,0 +1,209 @@
+"""Starting rank processes fast, and what runs inside each one.
+
+Spawning a fresh interpreter per rank costs seconds here, almost all of it ``import torch``.
+So we use multiprocessing's *forkserver*: one clean, single-threaded server process is
+started once per pytest process, imports torch once (the "preload"), and then forks a copy
+of itself for every rank. Forking an interpreter that has already imported torch takes a few
+milliseconds.
+
+Why not plain ``fork`` of the test process itself? A pytest(-xdist) process has threads
+(execnet, the TCPStore server, pytest-timeout), and forking a threaded process can copy a
+lock that some other thread held, deadlocking the child. It may also have initialised CUDA,
+which cannot survive a fork. The forkserver is neither threaded nor touches CUDA.
+
+Everything in this module below ``rank_main`` runs *in the rank*.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing.rendezvous import init_method_url
+
+# Modules every rank needs; imported once in the forkserver, so a forked rank starts warm.
+DEFAULT_PRELOAD = ["torch", "torch.distributed", "torch.nn", __name__]
+_preload: list[str] = list(DEFAULT_PRELOAD)
+_context: Any = None
+
+
+def add_preload(modules: list[str]) -> None:
+    """Ask the forkserver to import ``modules`` once, before it forks any rank.
+
+    Only effective before the first rank starts in this process (the server starts then).
+    """
+    for name in modules:
+        if name not in _preload:
+            _preload.append(name)
+
+
+def context() -> Any:
+    """The multiprocessing context ranks are started with (a forkserver, started lazily)."""
+    global _context
+    if _context is None:
+        ctx = mp.get_context("forkserver")
+        # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
+        ctx.set_forkserver_preload(list(_preload))
+        _context = ctx
+    return _context
+
+
+@dataclass
+class RankSpec:
+    """Everything one rank needs, sent to it by pickle. The function travels *by name*."""
+
+    rank: int
+    world_size: int
+    fn_module: str
+    fn_qualname: str
+    payload: bytes  # pickle of (args, kwargs): unpickled inside the rank, errors reported
+    env: dict[str, str]
+    log_path: str
+    stack_path: str
+    backend: str | None = "gloo"  # None: the function initialises what it needs itself
+    init_method: str = "env"
+    tmp_dir: str | None = None
+    timeout: float = 60.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def function_ref(fn: Callable[..., Any]) -> tuple[str, str]:
+    """Check that ``fn`` can be found by name in a fresh rank, and return that name.
+
+    Lambdas, nested functions and functions of ``__main__`` cannot: the rank is a different
+    process that only has importable modules. We say so here, in the parent, before any rank
+    starts, instead of letting every rank die while unpickling.
+    """
+    if not callable(fn):
+        raise TypeError(f"rank function must be callable, got {fn!r}")
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or "<" in qualname:
+        raise TypeError(
+            f"rank function {fn!r} is not a module-level function: ranks look functions up by "
+            "name in an importable module (e.g. tutorial_impl/...); lambdas and nested "
+            "functions cannot be found there"
+        )
+    if module == "__main__":
+        raise TypeError(
+            f"rank function {qualname} is defined in __main__, which a forked rank does not "
+            "have; move it into an importable module"
+        )
+    return module, qualname
+
+
+def resolve(module: str, qualname: str) -> Callable[..., Any]:
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"rank cannot import the module of its function {module}.{qualname}: {exc}. "
+            "Rank functions must live in an importable module (tutorial_impl/..., not a test file)"
+        ) from exc
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------
+# Inside the rank
+# ---------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this rank when its parent (the forkserver) dies.
+
+    The forkserver exits as soon as the pytest process that owns it is gone, even after a
+    SIGKILL, so this chain guarantees no rank outlives a killed test run.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _redirect_output(spec: RankSpec) -> None:
+    """Point this rank's fd 1 and 2 at its own log file (C++ and subprocess output too)."""
+    fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Line buffering keeps stdout and stderr lines in the order they were written.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+
+
+def _is_skip(exc: BaseException) -> bool:
+    # pytest.skip() raises _pytest.outcomes.Skipped; we avoid importing pytest here.
+    return type(exc).__name__ in ("Skipped", "SkipTest")
+
+
+def init_process_group(spec: RankSpec) -> None:
+    """Join the process group of the test with the requested backend and init method."""
+    assert spec.backend is not None
+    if spec.backend == "nccl":
+        # One GPU per rank, chosen before NCCL initialises.
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=spec.backend,
+        init_method=init_method_url(spec.init_method, spec.tmp_dir),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout),
+    )
+
+
+def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:
+    """The body of every rank process. Reports exactly one message, then exits at once."""
+    _die_with_parent()
+    os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
+    _redirect_output(spec)
+    stacks = open(spec.stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.enable(file=stacks, all_threads=True)  # segfaults, aborts
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the deadline
+    os.environ.update(spec.env)
+    torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
+
+    try:
+        fn = resolve(spec.fn_module, spec.fn_qualname)
+        args, kwargs = pickle.loads(spec.payload)
+        if spec.backend is not None:
+            init_process_group(spec)
+        value = fn(spec.rank, spec.world_size, *args, **kwargs)
+        if spec.backend is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        try:
+            message = pickle.dumps(("ok", value))
+        except Exception as exc:  # noqa: BLE001
+            message = pickle.dumps(
+                ("error", f"rank {spec.rank} returned a value that cannot be pickled: {exc!r}")
+            )
+    except BaseException as exc:  # noqa: BLE001 - everything must be reported, even exit()
+        if _is_skip(exc):
+            message = pickle.dumps(("skip", str(getattr(exc, "msg", exc))))
+        else:
+            message = pickle.dumps(("error", traceback.format_exc()))
+    try:
+        conn.send_bytes(message)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: atexit hooks of torch/gloo can block on peers that the
+        # parent is about to kill, and there is nothing left to clean up in a dying fork.
+        os._exit(0)

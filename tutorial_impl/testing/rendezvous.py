@@ -1,0 +1,104 @@
+"""Race-free rendezvous: the parent owns the store, the ranks only connect to it.
+
+Every process group starts with a *rendezvous*: the ranks meet at a key-value store to
+exchange addresses. The tutorial's template hard-codes ``MASTER_PORT=29500`` and lets rank 0
+host that store. Under ``pytest -n auto`` that is how suites break: two tests pick the same
+port (EADDRINUSE), or a harness "finds a free port", closes it, and another process grabs it
+before rank 0 binds it again.
+
+We do what ``torchrun`` does instead. Its *agent* (the parent of the ranks) hosts a
+``TCPStore`` and sets ``TORCHELASTIC_USE_AGENT_STORE=True``; every rank then connects to that
+store as a client and nobody binds a port but the agent. Our parent binds its ``TCPStore`` to
+port 0, so the kernel hands out a free port atomically and there is nothing to race for.
+Because all three of the tutorial's init methods (``env://``, ``tcp://`` and RPC's ``tcp://``)
+go through the same torch helper that honours that variable, they all rendezvous on the
+parent's store. ``file://`` needs no port at all: a fresh file in the test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+INIT_METHODS = ("env", "tcp", "file")
+
+_file_counter = itertools.count()
+
+
+class AgentStore:
+    """A ``TCPStore`` server owned by the parent process, on a port the kernel picks.
+
+    The store outlives every rank, so a rank that exits early (or crashes) never takes the
+    rendezvous down with it, which is what happens when rank 0 hosts the store.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
+        self.host = host
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            host,
+            0,  # port 0: the kernel assigns a free port while binding; no probe, no race
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+        )
+        self.port: int = self._store.port
+
+    def rank_env(self, rank: int, world_size: int) -> dict[str, str]:
+        """The environment ``torchrun`` would give this rank (single node)."""
+        return {
+            "MASTER_ADDR": self.host,
+            "MASTER_PORT": str(self.port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            # Make env:// and tcp:// rendezvous connect to our store as clients instead of
+            # having rank 0 start a second server on MASTER_PORT.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+        }
+
+    def close(self) -> None:
+        # Dropping the last reference stops the server thread and frees the port.
+        self._store = None
+
+    def __enter__(self) -> AgentStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def init_method_url(kind: str, tmp_dir: str | os.PathLike[str] | None = None) -> str:
+    """The ``init_method`` URL of one of the tutorial's three init methods, inside a rank.
+
+    ``env`` and ``tcp`` read MASTER_ADDR/MASTER_PORT, which the harness set to its store.
+    ``file`` needs a *fresh* file for every init (a FileStore file that already holds keys
+    from an earlier group confuses the next one), so each call names a new file.
+    """
+    if kind == "env":
+        return "env://"
+    if kind == "tcp":
+        return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if kind == "file":
+        if tmp_dir is None:
+            raise ValueError("init method 'file' needs a directory shared by all ranks")
+        # All ranks must agree on the name, so it depends on a per-process counter that
+        # advances identically on every rank (one call per init), never on the pid.
+        name = Path(tmp_dir) / f"rendezvous-{next(_file_counter)}"
+        return f"file://{name}"
+    raise ValueError(f"unknown init method {kind!r}; expected one of {', '.join(INIT_METHODS)}")
+
+
+def rpc_init_method() -> str:
+    """``init_method`` for ``TensorPipeRpcBackendOptions`` inside a rank.
+
+    RPC keys live under their own ``rpc_prefix_N`` in the store, so RPC and a process
+    group can share the parent's store without colliding (file:// would need two files).
+    Under ``torchrun`` this is the agent's store, exactly as in the harness.
+    """
+    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"

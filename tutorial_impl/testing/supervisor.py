@@ -1,0 +1,350 @@
+"""Running a function on N ranks and waiting for them, with deadlines and no leftovers.
+
+``run_ranks(fn, *args, world_size=2)`` starts the ranks, waits for each one to report, and
+returns their return values in rank order. The waiting is where multi-rank tests usually go
+wrong, so here are the rules this module keeps:
+
+* **Fail fast.** The first rank that raises, skips or dies ends the wait; the others are
+  killed at once, since they are probably blocked in a collective waiting for it.
+* **Crashes are seen at once.** We wait on each process's *sentinel* (a file descriptor that
+  becomes readable when the process exits) together with its result pipe, so a rank killed by
+  a signal or by ``os._exit`` is noticed immediately rather than at a timeout.
+* **Every wait has a deadline.** When it expires, each live rank gets SIGUSR1, which its
+  ``faulthandler`` answers by writing the Python stack of every thread; we put those stacks in
+  the error, then kill the ranks.
+* **Nothing outlives the call.** A ``finally`` kills every rank's process group and reaps it,
+  whatever happened, Ctrl-C included; see ``ranks.py`` for the case where *we* are killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from tutorial_impl.testing import ranks as _ranks
+from tutorial_impl.testing.rendezvous import INIT_METHODS, AgentStore
+
+DEFAULT_TIMEOUT = 60.0
+_OUTPUT_TAIL_LINES = 200  # per rank, in error messages
+_live: dict[int, Any] = {}  # pid -> Process, for the last-resort cleanup at exit
+
+
+class RankError(Exception):
+    """Base of everything ``run_ranks`` raises about its ranks."""
+
+    def __init__(self, message: str, outputs: dict[int, str]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class RankFailed(RankError):
+    """A rank raised an exception; ``rank`` and ``traceback`` say which and where."""
+
+    def __init__(self, rank: int, tb: str, message: str, outputs: dict[int, str]) -> None:
+        super().__init__(message, outputs)
+        self.rank = rank
+        self.traceback = tb
+
+
+class RankCrashed(RankError):
+    """A rank process ended (signal, ``os._exit``) without reporting a result."""
+
+    def __init__(self, rank: int, exitcode: int | None, message: str, outputs: dict[int, str]):
+        super().__init__(message, outputs)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class RankTimeout(RankError):
+    """The deadline passed; ``stacks`` maps each rank still alive to its Python stacks."""
+
+    def __init__(self, stacks: dict[int, str], message: str, outputs: dict[int, str]) -> None:
+        super().__init__(message, outputs)
+        self.stacks = stacks
+
+
+class RankSkipped(RankError):
+    """A rank called ``pytest.skip``; the pytest plugin turns this into a skipped test."""
+
+    def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
+        super().__init__(f"rank {rank} skipped: {reason}", outputs)
+        self.rank = rank
+        self.reason = reason
+
+
+class RankResults(list):  # type: ignore[type-arg]
+    """The ranks' return values in rank order, plus what each rank printed (``outputs``)."""
+
+    outputs: list[str]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: Any
+    conn: Connection
+    log_path: Path
+    stack_path: Path
+    outcome: tuple[str, Any] | None = None
+    streamed: int = field(default=0)
+
+    def output(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+def _kill(r: _Rank) -> None:
+    """SIGKILL the rank's whole process group (the rank and anything it started)."""
+    pid = r.process.pid
+    if pid is None or r.process.exitcode is not None:
+        return
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            target()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _reap(ranks: list[_Rank], grace: float) -> None:
+    deadline = time.monotonic() + grace
+    for r in ranks:
+        r.process.join(max(0.0, deadline - time.monotonic()))
+    for r in ranks:
+        if r.process.exitcode is None:
+            _kill(r)
+            r.process.join(5.0)
+        _live.pop(r.process.pid, None)
+        r.conn.close()
+
+
+@atexit.register
+def kill_all() -> None:
+    """Kill every rank this process started that is still alive (interpreter exit)."""
+    for pid in list(_live):
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                target()
+            except (ProcessLookupError, PermissionError):
+                pass
+        _live.pop(pid, None)
+
+
+def _prefixed(rank: int, text: str, limit: int = _OUTPUT_TAIL_LINES) -> str:
+    lines = text.rstrip("\n").splitlines()
+    cut = len(lines) - limit
+    shown = [f"[rank {rank}] {line}" for line in lines[-limit:]]
+    if cut > 0:
+        shown.insert(0, f"[rank {rank}] ... ({cut} earlier lines cut)")
+    return "\n".join(shown)
+
+
+def _outputs_section(ranks: list[_Rank]) -> str:
+    parts = [_prefixed(r.rank, out) for r in ranks if (out := r.output()).strip()]
+    if not parts:
+        return ""
+    return "\n\n----- output of the ranks (stdout and stderr) -----\n" + "\n".join(parts)
+
+
+def _dump_stacks(alive: list[_Rank]) -> dict[int, str]:
+    """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) and collect them."""
+    for r in alive:
+        try:
+            os.kill(r.process.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    # faulthandler writes from the signal handler, even while the rank is blocked in C++;
+    # wait until every file has stopped growing (or a second has passed).
+    sizes: dict[int, int] = {}
+    stop = time.monotonic() + 1.0
+    while time.monotonic() < stop:
+        time.sleep(0.05)
+        now = {r.rank: r.stack_path.stat().st_size for r in alive if r.stack_path.exists()}
+        if now == sizes and all(now.get(r.rank) for r in alive):
+            break
+        sizes = now
+    return {r.rank: r.stack_path.read_text(errors="replace") for r in alive if r.stack_path.exists()}
+
+
+def _relay(ranks: list[_Rank], stream: TextIO, prefix: bool) -> None:
+    """Copy complete new lines of each rank's log to ``stream`` (live output for the CLI)."""
+    for r in ranks:
+        text = r.output()
+        end = text.rfind("\n", r.streamed) + 1
+        if end > r.streamed:
+            chunk = text[r.streamed : end]
+            r.streamed = end
+            stream.write(_prefixed(r.rank, chunk, 10**9) + "\n" if prefix else chunk)
+            stream.flush()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    backend: str | None = "gloo",
+    init_method: str = "env",
+    timeout: float = DEFAULT_TIMEOUT,
+    fn_kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    stream: TextIO | None = None,
+    stream_prefix: bool = True,
+) -> RankResults:
+    """Run ``fn(rank, world_size, *args, **fn_kwargs)`` on ``world_size`` fresh ranks.
+
+    With ``backend`` set (the default, ``"gloo"``) each rank has joined a process group with
+    that backend through ``init_method`` (``env``, ``tcp`` or ``file``) before ``fn`` runs,
+    and leaves it afterwards. With ``backend=None`` the ranks start with only the rendezvous
+    environment (MASTER_ADDR, RANK, ...) and ``fn`` sets up what it needs: several groups,
+    RPC, roles. ``timeout`` is the deadline for the whole run, in seconds.
+
+    Returns the return values in rank order; raises ``RankFailed``, ``RankCrashed``,
+    ``RankTimeout`` or ``RankSkipped``. ``stream`` relays the ranks' output while they run.
+    """
+    __tracebackhide__ = True
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if init_method not in INIT_METHODS:
+        raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    fn_module, fn_qualname = _ranks.function_ref(fn)
+    try:
+        payload = pickle.dumps((args, fn_kwargs or {}))
+    except Exception as exc:
+        raise TypeError(f"arguments for {fn_qualname} cannot be sent to the ranks: {exc}") from exc
+
+    own_dir = log_dir is None
+    work = Path(tempfile.mkdtemp(prefix="ranks-") if own_dir else log_dir)  # type: ignore[arg-type]
+    work.mkdir(parents=True, exist_ok=True)
+    store = AgentStore(timeout=timeout)
+    ctx = _ranks.context()
+    started: list[_Rank] = []
+    try:
+        for rank in range(world_size):
+            spec = _ranks.RankSpec(
+                rank=rank,
+                world_size=world_size,
+                fn_module=fn_module,
+                fn_qualname=fn_qualname,
+                payload=payload,
+                env={**store.rank_env(rank, world_size), **(env or {})},
+                log_path=str(work / f"rank{rank}.log"),
+                stack_path=str(work / f"rank{rank}.stacks"),
+                backend=backend,
+                init_method=init_method,
+                tmp_dir=str(work),
+                timeout=timeout,
+            )
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_ranks.rank_main, args=(spec, writer), daemon=True)
+            process.start()
+            writer.close()  # only the rank holds the write end: EOF then means it is gone
+            _live[process.pid] = process
+            started.append(_Rank(rank, process, reader, Path(spec.log_path), Path(spec.stack_path)))
+        return _supervise(started, time.monotonic() + timeout, timeout, stream, stream_prefix)
+    finally:
+        for r in started:
+            if r.process.exitcode is None and r.outcome is None:
+                _kill(r)
+        _reap(started, grace=5.0)
+        store.close()
+        if own_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _supervise(
+    ranks: list[_Rank], deadline: float, timeout: float, stream: TextIO | None, prefix: bool
+) -> RankResults:
+    __tracebackhide__ = True
+    pending = {r.rank: r for r in ranks}
+    by_handle: dict[Any, _Rank] = {}
+    for r in ranks:
+        by_handle[r.conn] = r
+        by_handle[r.process.sentinel] = r
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            alive = [r for r in pending.values() if r.process.exitcode is None]
+            stacks = _dump_stacks(alive)
+            for r in ranks:
+                _kill(r)
+            names = ", ".join(str(r) for r in sorted(pending))
+            body = "\n\n".join(
+                f"----- Python stacks of rank {rank} -----\n{text.rstrip()}"
+                for rank, text in sorted(stacks.items())
+            )
+            raise RankTimeout(
+                stacks,
+                f"rank(s) {names} still running after the harness deadline of {timeout:g} s "
+                "(raise it with @pytest.mark.rank_timeout(SECONDS) or --rank-timeout)\n\n"
+                + body
+                + _outputs_section(ranks),
+                {r.rank: r.output() for r in ranks},
+            )
+        handles = [h for r in pending.values() for h in (r.conn, r.process.sentinel)]
+        ready = wait(handles, timeout=min(remaining, 0.1) if stream else remaining)
+        if stream is not None:
+            _relay(ranks, stream, prefix)
+        for handle in ready:
+            r = by_handle[handle]
+            if r.rank not in pending:
+                continue
+            r.outcome = _receive(r)
+            del pending[r.rank]
+            if r.outcome[0] != "ok":
+                for other in ranks:
+                    _kill(other)  # fail fast: the others may wait for this rank forever
+                if stream is not None:
+                    _relay(ranks, stream, prefix)
+                _raise_for(r, ranks)
+    if stream is not None:
+        _relay(ranks, stream, prefix)
+    results = RankResults(r.outcome[1] for r in ranks)  # type: ignore[index]
+    results.outputs = [r.output() for r in ranks]
+    return results
+
+
+def _receive(r: _Rank) -> tuple[str, Any]:
+    """The rank's one message, or a description of how it died without sending one."""
+    if r.conn.poll():
+        try:
+            return pickle.loads(r.conn.recv_bytes())
+        except (EOFError, OSError):
+            pass
+    r.process.join(1.0)
+    code = r.process.exitcode
+    if code is not None and code < 0:
+        how = f"was killed by signal {signal.Signals(-code).name}"
+    elif code is None:
+        how = "closed its result pipe but is still running"
+    else:
+        how = f"exited with code {code} (os._exit or a crash)"
+    return ("crash", (code, how))
+
+
+def _raise_for(r: _Rank, ranks: list[_Rank]) -> None:
+    __tracebackhide__ = True
+    kind, detail = r.outcome  # type: ignore[misc]
+    outputs = {x.rank: x.output() for x in ranks}
+    if kind == "skip":
+        raise RankSkipped(r.rank, detail, outputs)
+    if kind == "error":
+        message = f"rank {r.rank} raised:\n\n{detail.rstrip()}" + _outputs_section(ranks)
+        raise RankFailed(r.rank, detail, message, outputs)
+    code, how = detail
+    stacks = r.stack_path.read_text(errors="replace") if r.stack_path.exists() else ""
+    extra = f"\n\n----- fatal-signal stack of rank {r.rank} -----\n{stacks}" if stacks.strip() else ""
+    message = f"rank {r.rank} {how} before returning a result" + extra + _outputs_section(ranks)
+    raise RankCrashed(r.rank, code, message, outputs)
