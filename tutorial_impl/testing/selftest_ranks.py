@@ -12,15 +12,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from tutorial_impl.testing import proctable
+
 
 def write_pid(pid_dir: str | None, rank: int) -> None:
-    """Record this rank's pid and kernel start time, so a test can check the process table."""
-    if pid_dir is None:
-        return
-    with open(f"/proc/{os.getpid()}/stat") as f:
-        start_time = f.read().rsplit(")", 1)[1].split()[19]
-    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
-        f.write(f"{os.getpid()} {start_time}\n")
+    """Record this rank in the process table check (see ``proctable``), if asked to."""
+    if pid_dir is not None:
+        proctable.record_self(pid_dir, f"rank{rank}")
 
 
 def all_reduce_rank(rank: int, world_size: int, pid_dir: str | None = None) -> float:
@@ -103,8 +101,7 @@ def spawn_child_and_hang(rank: int, world_size: int, pid_dir: str) -> None:
 
     write_pid(pid_dir, rank)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    with open(os.path.join(pid_dir, f"grandchild{rank}.pid"), "w") as f:
-        f.write(f"{child.pid}\n")
+    proctable.record(pid_dir, f"grandchild{rank}", child.pid)
     _sleep_forever()
 
 
