@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -23,9 +24,7 @@ from tutorial_impl.testing.supervisor import run_ranks
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
-def init_process(
-    rank: int, size: int, fn: Callable[[int, int], Any], backend: str = "gloo"
-) -> Any:
+def init_process(rank: int, size: int, fn: Callable[[int, int], Any], backend: str = "gloo") -> Any:
     """Initialize the distributed environment, run ``fn(rank, size)``, leave the group."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")

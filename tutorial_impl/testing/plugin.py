@@ -18,8 +18,9 @@ skipped in ``pytest_collection_modifyitems``, in the parent, before any rank exi
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -53,7 +54,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="how ranks rendezvous: env (default), tcp or file; all are race-free",
     )
-    parser.addini("rank_timeout", "default harness deadline in seconds", default=str(DEFAULT_TIMEOUT))
+    parser.addini(
+        "rank_timeout", "default harness deadline in seconds", default=str(DEFAULT_TIMEOUT)
+    )
     parser.addini(
         "rank_preload",
         "modules the rank forkserver imports once, so each rank starts with them loaded",

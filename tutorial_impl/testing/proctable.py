@@ -49,9 +49,7 @@ def recorded(directory: str | os.PathLike[str]) -> dict[str, tuple[int, str]]:
 def alive(directory: str | os.PathLike[str]) -> dict[str, int]:
     """The recorded processes that still exist (same pid, same start time, not a zombie)."""
     return {
-        name: pid
-        for name, (pid, start) in recorded(directory).items()
-        if _start_time(pid) == start
+        name: pid for name, (pid, start) in recorded(directory).items() if _start_time(pid) == start
     }
 
 

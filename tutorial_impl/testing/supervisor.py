@@ -25,10 +25,11 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.rendezvous import INIT_METHODS, AgentStore
@@ -104,16 +105,18 @@ class _Rank:
             return ""
 
 
-def _kill(r: _Rank) -> None:
-    """SIGKILL the rank's whole process group (the rank and anything it started)."""
-    pid = r.process.pid
-    if pid is None or r.process.exitcode is not None:
-        return
-    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+def _kill_pid(pid: int) -> None:
+    """SIGKILL the process group a rank leads (the rank and anything it started)."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
         try:
-            target()
+            kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _kill(r: _Rank) -> None:
+    if r.process.pid is not None and r.process.exitcode is None:
+        _kill_pid(r.process.pid)
 
 
 def _reap(ranks: list[_Rank], grace: float) -> None:
@@ -132,11 +135,7 @@ def _reap(ranks: list[_Rank], grace: float) -> None:
 def kill_all() -> None:
     """Kill every rank this process started that is still alive (interpreter exit)."""
     for pid in list(_live):
-        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-            try:
-                target()
-            except (ProcessLookupError, PermissionError):
-                pass
+        _kill_pid(pid)
         _live.pop(pid, None)
 
 
@@ -173,7 +172,7 @@ def _dump_stacks(alive: list[_Rank]) -> dict[int, str]:
         if now == sizes and all(now.get(r.rank) for r in alive):
             break
         sizes = now
-    return {r.rank: r.stack_path.read_text(errors="replace") for r in alive if r.stack_path.exists()}
+    return {r.rank: r.stack_path.read_text(errors="replace") for r in alive}
 
 
 def _relay(ranks: list[_Rank], stream: TextIO, prefix: bool) -> None:
@@ -345,6 +344,8 @@ def _raise_for(r: _Rank, ranks: list[_Rank]) -> None:
         raise RankFailed(r.rank, detail, message, outputs)
     code, how = detail
     stacks = r.stack_path.read_text(errors="replace") if r.stack_path.exists() else ""
-    extra = f"\n\n----- fatal-signal stack of rank {r.rank} -----\n{stacks}" if stacks.strip() else ""
+    extra = ""
+    if stacks.strip():
+        extra = f"\n\n----- fatal-signal stack of rank {r.rank} -----\n{stacks}"
     message = f"rank {r.rank} {how} before returning a result" + extra + _outputs_section(ranks)
     raise RankCrashed(r.rank, code, message, outputs)
