@@ -37,7 +37,14 @@ import torch.distributed as dist
 from tutorial_impl.testing.rendezvous import init_method_url
 
 # Modules every rank needs; imported once in the forkserver, so a forked rank starts warm.
-DEFAULT_PRELOAD = ["torch", "torch.distributed", "torch.nn", __name__]
+# ``forkserver_init`` comes first: it stops ranks from re-running the parent's main script.
+DEFAULT_PRELOAD = [
+    "tutorial_impl.testing.forkserver_init",
+    "torch",
+    "torch.distributed",
+    "torch.nn",
+    __name__,
+]
 _preload: list[str] = list(DEFAULT_PRELOAD)
 _context: Any = None
 
@@ -171,7 +178,7 @@ def init_process_group(spec: RankSpec) -> None:
 
 
 def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:
-    """The body of every rank process. Reports exactly one message, then exits at once."""
+    """The body of every rank process. Reports exactly one message, then waits to be killed."""
     _die_with_parent()
     os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
     _redirect_output(spec)
@@ -187,8 +194,6 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
         if spec.backend is not None:
             init_process_group(spec)
         value = fn(spec.rank, spec.world_size, *args, **kwargs)
-        if spec.backend is not None and dist.is_initialized():
-            dist.destroy_process_group()
         try:
             message = pickle.dumps(("ok", value))
         except Exception as exc:  # noqa: BLE001
@@ -201,10 +206,16 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
         else:
             message = pickle.dumps(("error", traceback.format_exc()))
     try:
-        conn.send_bytes(message)
-    finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        # Skip interpreter teardown: atexit hooks of torch/gloo can block on peers that the
-        # parent is about to kill, and there is nothing left to clean up in a dying fork.
+        conn.send_bytes(message)
+        conn.close()
+        # Stay alive, group and sockets intact, until the parent SIGKILLs us, which it does
+        # as soon as every rank has reported (or one has failed). A rank that left early could
+        # reset a connection a slower peer still reads from (gloo, RPC), and tearing the group
+        # down here (destroy_process_group, ~10 ms per peer in gloo) would only add latency.
+        while True:
+            signal.pause()
+    finally:
+        # Never run interpreter teardown: atexit hooks of torch/gloo can block on peers.
         os._exit(0)

@@ -29,6 +29,44 @@ def all_reduce_rank(rank: int, world_size: int, pid_dir: str | None = None) -> f
     return t.item()
 
 
+def all_reduce_value(rank: int, world_size: int, base: int) -> int:
+    """Every rank contributes ``base + rank``; the sum tells the parent which group ran."""
+    t = torch.tensor([base + rank], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def echo(rank: int, world_size: int, *args: object, **kwargs: object) -> tuple:
+    """Return what the rank received, to prove arguments travel to every rank intact."""
+    print(f"rank {rank} got {len(args)} args")
+    return rank, world_size, args, kwargs
+
+
+def init_itself(rank: int, world_size: int, how: str) -> dict[str, object]:
+    """``backend=None``: no group yet; join one through the rendezvous env, as under torchrun."""
+    from datetime import timedelta
+
+    from tutorial_impl.testing.rendezvous import init_method_url
+
+    had_group = dist.is_initialized()
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method_url(how),
+        rank=int(os.environ["RANK"]),  # tcp:// wants them spelled out; the harness set both
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=30),
+    )
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {
+        "had_group": had_group,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "sum": t.item(),
+        "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
+    }
+
+
 def report_env(rank: int, world_size: int) -> dict[str, object]:
     """What the rank sees of its world: group state, env vars, threads."""
     return {
@@ -45,6 +83,7 @@ def fail_on(rank: int, world_size: int, bad_rank: int, pid_dir: str | None = Non
     """``bad_rank`` raises; every other rank waits in a collective that can never finish."""
     write_pid(pid_dir, rank)
     print(f"rank {rank} is about to {'fail' if rank == bad_rank else 'wait'}")
+    dist.barrier()  # every rank has printed its line before anyone fails
     if rank == bad_rank:
         raise ValueError(f"boom from rank {rank}")
     dist.barrier()
@@ -82,6 +121,9 @@ def kill_self_on(rank: int, world_size: int, bad_rank: int, pid_dir: str | None 
 
     write_pid(pid_dir, rank)
     if rank == bad_rank:
+        if pid_dir is not None:  # when it died, to measure how soon the parent noticed
+            with open(os.path.join(pid_dir, f"rank{rank}.killed_at"), "w") as f:
+                f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
 
@@ -102,6 +144,22 @@ def spawn_child_and_hang(rank: int, world_size: int, pid_dir: str) -> None:
     write_pid(pid_dir, rank)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     proctable.record(pid_dir, f"grandchild{rank}", child.pid)
+    _sleep_forever()
+
+
+def family_then_hang(rank: int, world_size: int, pid_dir: str) -> None:
+    """Record this rank, its parent (the forkserver) and a grandchild, then hang.
+
+    For the tests that interrupt or kill the pytest run itself: every recorded process must
+    be gone shortly afterwards, including the forkserver and the rank's own child.
+    """
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proctable.record(pid_dir, f"grandchild{rank}", child.pid)
+    proctable.record(pid_dir, "forkserver", os.getppid())
+    write_pid(pid_dir, rank)  # last: once all rank files exist, every record is written
     _sleep_forever()
 
 

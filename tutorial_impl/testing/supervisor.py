@@ -115,19 +115,19 @@ def _kill_pid(pid: int) -> None:
 
 
 def _kill(r: _Rank) -> None:
-    if r.process.pid is not None and r.process.exitcode is None:
+    # Even a rank that has already exited may have left children in its process group
+    # (the group outlives its leader), so its group is always killed. Its pid cannot have
+    # been reused yet: a live process group keeps its id from being handed out again.
+    if r.process.pid is not None:
         _kill_pid(r.process.pid)
 
 
-def _reap(ranks: list[_Rank], grace: float) -> None:
-    deadline = time.monotonic() + grace
+def _reap(ranks: list[_Rank]) -> None:
+    """Collect the exit status of ranks that were sent SIGKILL (no zombies left behind)."""
     for r in ranks:
-        r.process.join(max(0.0, deadline - time.monotonic()))
-    for r in ranks:
-        if r.process.exitcode is None:
-            _kill(r)
-            r.process.join(5.0)
-        _live.pop(r.process.pid, None)
+        r.process.join(5.0)
+        if r.process.exitcode is not None:  # else: stuck in the kernel; atexit tries again
+            _live.pop(r.process.pid, None)
         r.conn.close()
 
 
@@ -218,6 +218,7 @@ def run_ranks(
         raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
+    _check_backend(backend)
     fn_module, fn_qualname = _ranks.function_ref(fn)
     try:
         payload = pickle.dumps((args, fn_kwargs or {}))
@@ -254,13 +255,32 @@ def run_ranks(
             started.append(_Rank(rank, process, reader, Path(spec.log_path), Path(spec.stack_path)))
         return _supervise(started, time.monotonic() + timeout, timeout, stream, stream_prefix)
     finally:
+        # Every rank that is still there is either done (it reported and now waits to be
+        # killed) or no longer needed: kill them all, then collect their exit statuses.
         for r in started:
-            if r.process.exitcode is None and r.outcome is None:
-                _kill(r)
-        _reap(started, grace=5.0)
+            _kill(r)
+        _reap(started)
         store.close()
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_backend(backend: str | None) -> None:
+    """Refuse a misspelt backend in the parent, instead of in every rank after it started."""
+    if backend is None:
+        return
+    import torch.distributed as dist
+
+    # "gloo", or per-device forms like "cpu:gloo,cuda:nccl"; backend_list includes
+    # third-party backends registered with dist.Backend.register_backend.
+    names = [part.rsplit(":", 1)[-1].strip().lower() for part in str(backend).split(",")]
+    unknown = [n for n in names if n not in dist.Backend.backend_list or n == "undefined"]
+    if unknown:
+        known = ", ".join(b for b in dist.Backend.backend_list if b != "undefined")
+        raise ValueError(
+            f"unknown backend {backend!r}; expected one of {known}, or None for ranks that "
+            "set up their own process groups"
+        )
 
 
 def _supervise(
@@ -302,6 +322,8 @@ def _supervise(
                 continue
             r.outcome = _receive(r)
             del pending[r.rank]
+            if r.outcome[0] == "error":
+                r = _crashed_peer(pending) or r
             if r.outcome[0] != "ok":
                 for other in ranks:
                     _kill(other)  # fail fast: the others may wait for this rank forever
@@ -313,6 +335,23 @@ def _supervise(
     results = RankResults(r.outcome[1] for r in ranks)  # type: ignore[index]
     results.outputs = [r.output() for r in ranks]
     return results
+
+
+def _crashed_peer(pending: dict[int, _Rank], grace: float = 0.2) -> _Rank | None:
+    """A rank that died without reporting, if one does within ``grace`` seconds.
+
+    When a rank dies, its peers' next collective fails ("Connection closed by peer"), and
+    that error can reach us a moment before the news of the death itself (the forkserver
+    reports exits after its SIGCHLD). The death is the cause, so it is what we report.
+    Ranks that reported stay alive until killed, so a pending rank that ended has crashed.
+    """
+    sentinels = {r.process.sentinel: r for r in pending.values()}
+    for handle in wait(list(sentinels), timeout=grace) if sentinels else ():
+        peer = sentinels[handle]
+        peer.outcome = _receive(peer)
+        if peer.outcome[0] == "crash":
+            return peer
+    return None
 
 
 def _receive(r: _Rank) -> tuple[str, Any]:
