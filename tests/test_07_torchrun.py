@@ -1,0 +1,149 @@
+"""The training demo under ``torchrun``: one node with two workers, then two agents as two nodes.
+
+``torchrun`` (``python -m torch.distributed.run``) is how the tutorial's ``run.py`` grows up:
+instead of our launcher forking ranks, an *agent* per machine starts the workers, and the
+agents meet at a *rendezvous* to agree on ranks. ``launch.launch`` notices it runs under an
+agent (TORCHELASTIC_RUN_ID and RANK are set) and runs just this worker's rank, so the very same
+``python -m tutorial_impl train`` works both ways.
+
+Ports, race-free under ``pytest -n auto``:
+
+* one node: ``--standalone`` makes the agent host the rendezvous store on port 0, so the
+  kernel picks a free port while binding; nothing to race for.
+* two agents: a c10d rendezvous needs one endpoint that *both* agents know in advance, and a
+  port cannot be handed from one process to another while it stays bound. So we do not let an
+  agent host it at all: the test process binds a ``TCPStore`` to port 0 (atomic, like the
+  harness's own store), and both agents join it as clients (``--rdzv-conf is_host=0``). That is
+  the "external rendezvous store" setup of a real cluster (etcd or a TCPStore on a login
+  node). The store the *workers* use is then created by the rank-0 agent, again on port 0.
+
+Each torchrun process and each worker imports torch (about 2 s each here), so these tests
+train on 256 samples for one epoch: the point is the plumbing, not the learning.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[1]
+DEADLINE = 150.0  # seconds for a whole torchrun job; generous, the machine is shared
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
+TRAIN = ["-m", "tutorial_impl", "train", "--epochs", "1", "--samples", "256"]
+EPOCH_LINE = re.compile(r"^Rank  (\d+) , epoch  0 :  (\d+\.\d+)$", re.MULTILINE)
+DIGEST_LINE = re.compile(r"^Rank  (\d+)  parameters sha256  ([0-9a-f]{16})$", re.MULTILINE)
+
+
+def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
+    """True once no process is left in process group ``pgid`` (the agent and its workers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _run_agents(commands: list[list[str]]) -> list[str]:
+    """Run the torchrun agents together; return their outputs. Kills everything on failure.
+
+    Each agent leads its own session (process group), so one ``killpg`` reaches its workers
+    too. Whatever happens (timeout, failure, Ctrl-C), the ``finally`` kills the groups.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for cmd in commands
+    ]
+    outputs: list[str] = []
+    try:
+        deadline = time.monotonic() + DEADLINE
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"torchrun did not finish within {DEADLINE:g} s: {proc.args}")
+            outputs.append(out)
+        for proc, out in zip(procs, outputs, strict=True):
+            assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{out}"
+            # A clean exit must leave nothing behind: no worker outlives its agent.
+            assert _group_gone(proc.pid), f"processes left in the group of {proc.args}"
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # the agent and all its workers are gone already
+            proc.wait(5)
+    return outputs
+
+
+def _check_training(output: str, world_size: int) -> None:
+    """Every rank trained one epoch and ended with the same parameters as every other rank."""
+    losses = {int(r): float(loss) for r, loss in EPOCH_LINE.findall(output)}
+    assert sorted(losses) == list(range(world_size)), output
+    # An untrained 10-class classifier starts near ln(10) = 2.30; two steps barely move it.
+    assert all(1.5 < loss < 3.0 for loss in losses.values()), losses
+    digests = dict(DIGEST_LINE.findall(output))
+    assert sorted(int(r) for r in digests) == list(range(world_size)), output
+    assert len(set(digests.values())) == 1, f"replicas diverged: {digests}"
+
+
+def test_torchrun_single_node_two_workers() -> None:
+    """``torchrun --standalone --nproc_per_node=2``: both workers train in lockstep."""
+    (out,) = _run_agents([[*TORCHRUN, "--standalone", "--nproc_per_node=2", *TRAIN]])
+    _check_training(out, world_size=2)
+    assert "2 ranks on cpu" in out  # rank 0 saw the world size torchrun gave it
+
+
+def test_torchrun_two_agents_form_a_two_node_job() -> None:
+    """Two agents, one worker each, meet at a c10d rendezvous and train as ranks 0 and 1."""
+    # The test owns the rendezvous store, bound to a port the kernel chose (see the module
+    # docstring); the agents are clients, so no process has to guess a free port.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=DEADLINE),
+    )
+    agent = [
+        *TORCHRUN,
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{store.port}",
+        f"--rdzv-id=test-{uuid.uuid4().hex[:8]}",
+        "--rdzv-conf=is_host=0,join_timeout=120",
+        "--local-addr=127.0.0.1",  # what the workers use to reach the rank-0 node
+        "--max-restarts=0",
+        *TRAIN,
+    ]
+    outputs = _run_agents([agent, agent])
+    # Each agent's output holds its own worker's lines; together they form the 2-rank job.
+    _check_training("\n".join(outputs), world_size=2)
+    ranks = [sorted(int(r) for r, _ in EPOCH_LINE.findall(out)) for out in outputs]
+    assert sorted(ranks) == [[0], [1]], "each agent should run exactly one of the two ranks"
