@@ -1,0 +1,185 @@
+"""The DDP + RPC benchmark: its arithmetic first, then two small runs end to end.
+
+The original script's table had two arithmetic defects: a throughput column labelled
+``epoch/sec`` that was really ``samples of the last epoch / percentile epoch time``. So the
+percentiles and the throughput are checked against an independent reference (numpy) on
+inputs where the last-epoch figure would give a different answer. The end-to-end runs then
+start real workers (trainers, parameter servers, a master) with small sizes and check the
+table and the JSON they produce, including figures the workers could only get right if
+every option reached them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tutorial_impl.bench import ddp_rpc, report, stats
+from tutorial_impl.bench.ddp_rpc_workers import BenchConfig, get_next_batch
+
+# ---------------------------------------------------------------------------------------
+# The arithmetic, against numpy
+# ---------------------------------------------------------------------------------------
+
+SAMPLES = [
+    [0.5],  # one epoch: every percentile is that epoch
+    [0.3, 0.1],  # unsorted, even length
+    [0.377, 0.384, 0.390, 0.396, 0.376, 0.401, 0.380],  # odd length, seed-figure-like
+    [1.0, 1.0, 2.0, 2.0, 10.0],  # ties and an outlier
+    list(np.random.default_rng(0).exponential(0.4, size=100)),  # 100 epochs, skewed
+]
+
+
+@pytest.mark.parametrize("values", SAMPLES, ids=lambda v: f"n{len(v)}")
+@pytest.mark.parametrize("q", [0, *stats.PERCENTILES, 100])
+def test_percentile_matches_numpy_linear(values, q):
+    # numpy's default method, "linear", interpolates between the two closest ranks.
+    expected = float(np.percentile(values, q, method="linear"))
+    assert stats.percentile(values, q) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_percentile_refuses_what_has_no_answer():
+    with pytest.raises(ValueError, match="empty"):
+        stats.percentile([], 50)
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        stats.percentile([1.0], 101)
+
+
+# Two trainers whose last epoch is unlike the others: a last-epoch throughput would be off.
+PER_TRAINER = {
+    "Trainer0": ([0.40, 0.42, 0.41, 0.90], [120, 118, 125, 40]),
+    "Trainer1": ([0.39, 0.45, 0.43, 0.44], [119, 130, 121, 60]),
+}
+
+
+def test_throughput_counts_every_timed_epoch():
+    rows = {row.name: row for row in stats.summarize(PER_TRAINER)}
+    for name, (seconds, samples) in PER_TRAINER.items():
+        expected = np.sum(samples) / np.sum(seconds)
+        assert rows[name].samples_per_s == pytest.approx(expected)
+        # The original's figure (last epoch's samples over the p50 epoch time) differs here,
+        # so this check would catch that formula.
+        last_epoch_figure = samples[-1] / np.percentile(seconds, 50)
+        assert not math.isclose(rows[name].samples_per_s, last_epoch_figure, rel_tol=0.05)
+        for q in stats.PERCENTILES:
+            assert rows[name].percentiles()[f"p{q}"] == pytest.approx(np.percentile(seconds, q))
+
+
+def test_all_row_pools_epochs_and_sums_samples():
+    rows = stats.summarize(PER_TRAINER)
+    assert [row.name for row in rows] == ["Trainer0", "Trainer1", "All"]
+    everything = np.concatenate([s for s, _ in PER_TRAINER.values()])
+    all_row = rows[-1]
+    for q in stats.PERCENTILES:
+        assert all_row.percentiles()[f"p{q}"] == pytest.approx(np.percentile(everything, q))
+    # The job's throughput: every sample of every trainer, over the slowest trainer's time.
+    total = sum(np.sum(n) for _, n in PER_TRAINER.values())
+    slowest = max(np.sum(s) for s, _ in PER_TRAINER.values())
+    assert all_row.samples == total
+    assert all_row.samples_per_s == pytest.approx(total / slowest)
+
+
+def test_summarize_refuses_mismatched_measurements():
+    with pytest.raises(ValueError, match="Trainer0"):
+        stats.summarize({"Trainer0": ([0.1, 0.2], [10])})
+    with pytest.raises(ValueError, match="no trainer"):
+        stats.summarize({})
+
+
+def test_table_has_a_row_per_trainer_and_a_labelled_throughput():
+    table = stats.format_table(stats.summarize(PER_TRAINER))
+    lines = table.splitlines()
+    assert "samples/s" in lines[0] and "epoch/sec" not in table
+    assert lines[1].strip().startswith("Trainer0:") and lines[3].strip().startswith("All:")
+    # The p50 of Trainer1, as printed, is numpy's to three decimals.
+    assert f"{np.percentile(PER_TRAINER['Trainer1'][0], 50):7.3f}s" in lines[2]
+
+
+def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
+    cfg = BenchConfig(num_embeddings=7, indices=(9, 9), bag_step=(2, 2))
+    import random
+
+    indices, offsets, target = get_next_batch(random.Random("0/0"), cfg, torch.device("cpu"))
+    # 9 indices in bags of 2: offsets 0, 2, 4, 6, 8 -> 5 bags, one label each.
+    assert offsets.tolist() == [0, 2, 4, 6, 8]
+    assert len(indices) == 9 and int(indices.min()) >= 0 and int(indices.max()) < 7
+    assert len(target) == 5 and int(target.max()) < 8
+
+
+# ---------------------------------------------------------------------------------------
+# End to end: real workers through the CLI
+# ---------------------------------------------------------------------------------------
+
+
+def _run_cli(capsys, tmp_path, *options):
+    path = tmp_path / "result.json"
+    common = ["--warmup", "1", "--epochs", "2", "--iterations", "3", "--timeout", "60"]
+    assert ddp_rpc.main([*common, *options, "--json", str(path)]) == 0
+    out = capsys.readouterr()
+    return out.out, out.err, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("trainers", "servers", "dim", "indices", "bag", "bags_per_batch"),
+    [
+        (2, 2, 3, 5, 1, 5),  # 5 indices in bags of 1: 5 samples a batch; MLP input 2*3
+        (3, 1, 5, 7, 2, 4),  # asymmetric: 3 trainers, 1 server; 7 in bags of 2 -> 4 bags
+    ],
+    ids=["2-trainers-2-ps", "3-trainers-1-ps"],
+)
+def test_small_runs_print_the_table_and_valid_json(
+    capsys, tmp_path, trainers, servers, dim, indices, bag, bags_per_batch
+):
+    out, err, result = _run_cli(
+        capsys,
+        tmp_path,
+        *("--trainers", str(trainers), "--parameter-servers", str(servers)),
+        *("--num-embeddings", "20", "--embedding-dim", str(dim)),
+        *("--batch-indices", str(indices), str(indices), "--bag-size", str(bag), str(bag)),
+    )
+    names = [f"Trainer{i}" for i in range(trainers)]
+    # The Info section and the table, as the original prints them.
+    assert f"PyTorch version: {torch.__version__}" in out
+    for name in [*names, "All"]:
+        assert f"{name}:" in out
+    # Progress went to stderr while the workers ran.
+    assert f"all {trainers + servers + 1} workers joined RPC" in err
+    assert "warm-up epoch 1/1" in err
+
+    rows = result["rows"]
+    assert set(rows) == {*names, "All"}
+    # Every trainer saw exactly the batch shape we asked for: 3 iterations x the bags of a
+    # batch, over 2 timed epochs. Only workers that received the options can count this.
+    per_trainer = 2 * 3 * bags_per_batch
+    for name in names:
+        row = rows[name]
+        assert row["epochs"] == 2 and row["samples"] == per_trainer
+        assert 0 < row["p50"] <= row["p75"] <= row["p90"] <= row["p95"] < 30
+        assert row["samples_per_s"] == pytest.approx(row["samples"] / row["seconds"])
+    everything = rows["All"]
+    assert everything["epochs"] == 2 * trainers
+    assert everything["samples"] == trainers * per_trainer
+    slowest = max(rows[n]["seconds"] for n in names)
+    assert everything["samples_per_s"] == pytest.approx(everything["samples"] / slowest)
+    assert 0 < result["join_s"] <= result["startup_s"] < result["wall_s"]
+    assert result["config"]["trainers"] == trainers
+
+
+def test_bad_options_are_refused_before_any_worker_starts(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_info:
+        ddp_rpc.main(["--trainers", "0"])
+    assert exit_info.value.code == 2
+    assert "trainers must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ddp_rpc.main(["--bag-size", "5", "2"])
+    assert "bag_step must satisfy 1 <= min <= max" in capsys.readouterr().err
+    # --plot without matplotlib: said at once, not after the run.
+    monkeypatch.setattr(report, "have_matplotlib", lambda: False)
+    with pytest.raises(SystemExit):
+        ddp_rpc.main(["--plot", "epochs.png"])
+    assert "--plot needs matplotlib" in capsys.readouterr().err

@@ -1,0 +1,207 @@
+"""``python -m tutorial_impl bench ddp-rpc``: the DDP + RPC benchmark's driver.
+
+PyTorch's ``benchmark_ddp_rpc.py`` starts 8 trainers, 8 parameter servers and a master,
+times each trainer's epochs, and prints their percentiles. The workers live in
+``ddp_rpc_workers.py`` (read that first); this module starts them through the test harness,
+turns what the master collected into the table (``stats.py``) and prints it the way the
+original does, with an Info section first.
+
+The harness is what makes any topology safe to start: the parent process owns the
+rendezvous store on a port the kernel picked, the workers are forked from a warm forkserver
+(one ``import torch`` for all 17 instead of 17), their output is relayed live as progress,
+and the run has a deadline after which every worker's stack is dumped and all are killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, TextIO
+
+import torch
+
+from tutorial_impl.bench import ddp_rpc_workers as workers
+from tutorial_impl.bench import report
+from tutorial_impl.bench.ddp_rpc_workers import HIDDEN, NUM_CLASSES, BenchConfig, run_worker
+from tutorial_impl.bench.stats import Row, format_table, summarize
+from tutorial_impl.testing import ranks
+from tutorial_impl.testing.supervisor import run_ranks
+
+
+def run_benchmark(cfg: BenchConfig, progress: TextIO | None = None) -> dict[str, Any]:
+    """Start the workers, wait for them, and return the measurements (see ``to_json``).
+
+    The workers' progress lines are relayed to ``progress`` (default: stderr) as they come.
+    """
+    progress = sys.stderr if progress is None else progress
+    cfg.check()
+    # Have the rank forkserver import this module (torch.distributed.rpc, optim, ...) once,
+    # instead of every one of the workers importing it after the fork. It only takes effect
+    # if no rank was started yet in this process (true for the CLI).
+    ranks.add_preload([workers.__name__])
+    t0 = time.time()
+    print(
+        f"starting {cfg.world_size} workers ({cfg.trainers} trainers, "
+        f"{cfg.parameter_servers} parameter servers, 1 master)...",
+        file=progress,
+        flush=True,
+    )
+    results = run_ranks(
+        run_worker,
+        cfg,
+        t0,
+        world_size=cfg.world_size,
+        backend=None,
+        timeout=cfg.timeout,
+        stream=progress,
+        stream_prefix=False,
+    )
+    report = results[-1]
+    trainers = report["trainers"]
+    rows = summarize({n: (r["seconds"], r["samples"]) for n, r in trainers.items()})
+    return {
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "join_s": report["joined"] - t0,
+        "startup_s": max(r["ready"] for r in trainers.values()) - t0,
+        "wall_s": time.time() - t0,
+        "rows": rows,
+    }
+
+
+def to_json(result: dict[str, Any]) -> dict[str, Any]:
+    rows: list[Row] = result["rows"]
+    return {**result, "rows": {row.name: row.as_dict() for row in rows}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m tutorial_impl bench ddp-rpc",
+        description="PyTorch Distributed Benchmark (DDP and RPC): trainers look up embeddings "
+        "on every parameter server and train a DDP-replicated MLP; epochs are timed.",
+    )
+    # The original's option names are accepted too (--number-trainers, ...).
+    p.add_argument("--trainers", "--number-trainers", type=int, default=d.trainers)
+    p.add_argument("--parameter-servers", "--number-ps", type=int, default=d.parameter_servers)
+    p.add_argument(
+        "--num-embeddings",
+        "--number-embeddings",
+        type=int,
+        default=d.num_embeddings,
+        help="rows of the EmbeddingBag on each parameter server",
+    )
+    p.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
+    p.add_argument(
+        "--warmup",
+        "--warmup-cycles",
+        type=int,
+        default=d.warmup,
+        help="untimed epochs first (default %(default)s)",
+    )
+    p.add_argument("--epochs", type=int, default=d.epochs, help="timed epochs")
+    p.add_argument("--iterations", type=int, default=d.iterations, help="batches an epoch")
+    p.add_argument(
+        "--batch-indices",
+        nargs=2,
+        type=int,
+        default=d.indices,
+        metavar=("MIN", "MAX"),
+        help="embedding indices in a batch, uniform in [MIN, MAX] (default 20 50)",
+    )
+    p.add_argument(
+        "--bag-size",
+        nargs=2,
+        type=int,
+        default=d.bag_step,
+        metavar=("MIN", "MAX"),
+        help="indices in one bag, uniform in [MIN, MAX] (default 1 10)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument(
+        "--optimizer",
+        choices=("python", "torchscript"),
+        default=d.optimizer,
+        help="DistributedOptimizer's local SGD: plain Python (default; fast start-up) or the "
+        "original's TorchScript functional SGD (compiled once per trainer on every server)",
+    )
+    p.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout, help="seconds per RPC")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds for the whole run")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="box plot of epoch times (needs matplotlib)")
+    p.add_argument(
+        "--spawn-baseline",
+        action="store_true",
+        help="also time starting one fresh interpreter per worker, as mp.spawn does",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot and not report.have_matplotlib():
+        # Say so before 17 processes start, not after the run.
+        parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    cfg = BenchConfig(
+        trainers=args.trainers,
+        parameter_servers=args.parameter_servers,
+        num_embeddings=args.num_embeddings,
+        embedding_dim=args.embedding_dim,
+        warmup=args.warmup,
+        epochs=args.epochs,
+        iterations=args.iterations,
+        indices=tuple(args.batch_indices),
+        bag_step=tuple(args.bag_size),
+        seed=args.seed,
+        device=args.device,
+        optimizer=args.optimizer,
+        rpc_timeout=args.rpc_timeout,
+        timeout=args.timeout,
+    )
+    try:
+        cfg.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    print(report.info_section())
+    width = cfg.parameter_servers * cfg.embedding_dim
+    print(
+        "\n---------- PyTorch Distributed Benchmark (DDP and RPC) ----------\n\n"
+        f"{cfg.trainers} trainers, {cfg.parameter_servers} parameter servers, 1 master; "
+        f"EmbeddingBag({cfg.num_embeddings}, {cfg.embedding_dim}) on each server; "
+        f"MLP {'-'.join(map(str, (width, *HIDDEN, NUM_CLASSES)))} on {cfg.device}; "
+        f"{cfg.optimizer} SGD\n"
+        f"{cfg.iterations} iterations an epoch; {cfg.warmup} warm-up + {cfg.epochs} timed epochs",
+        flush=True,
+    )
+    result = run_benchmark(cfg)
+    rows = result["rows"]
+    print("\n" + format_table(rows))
+    epoch_p50 = rows[-1].percentiles()["p50"]
+    print(
+        f"\nstart-up: {result['startup_s']:.2f} s (all workers joined RPC after "
+        f"{result['join_s']:.2f} s); iteration p50: {1000 * epoch_p50 / cfg.iterations:.1f} ms; "
+        f"wall: {result['wall_s']:.2f} s"
+    )
+    if args.spawn_baseline:
+        base = report.spawn_baseline(cfg.world_size)
+        result["spawn_baseline_s"] = base
+        print(
+            f"baseline: {cfg.world_size} fresh interpreters importing torch.distributed.rpc "
+            f"at once: {base:.2f} s (our whole start-up is {result['startup_s'] / base:.2f}x that)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(result), f, indent=2)
+        print(f"results written to {args.json}")
+    if args.plot:
+        title = f"{cfg.trainers} trainers, {cfg.parameter_servers} PS: epoch times"
+        trainers = {row.name: row.epoch_seconds for row in rows}
+        report.plot_epoch_times(trainers, args.plot, title)
+        print(f"plot written to {args.plot}")
+    return 0
