@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing.supervisor import run_ranks
@@ -28,11 +29,22 @@ def init_process(rank: int, size: int, fn: Callable[[int, int], Any], backend: s
     """Initialize the distributed environment, run ``fn(rank, size)``, leave the group."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    if backend == "nccl":
+        # One GPU per rank, chosen before NCCL initialises (5.1: "Set device").
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=size)
     try:
         return fn(rank, size)
     finally:
         dist.destroy_process_group()
+
+
+def rank_device() -> torch.device:
+    """Where this rank's tensors live: its GPU under NCCL (which moves CUDA tensors only),
+    else the CPU. Gloo and MPI work on CPU tensors."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def under_torchrun() -> bool:
@@ -47,8 +59,6 @@ def check_backend(backend: str, world_size: int) -> None:
     if backend == "mpi" and not dist.is_mpi_available():
         raise ValueError("backend 'mpi' needs a torch built with MPI; this one is not")
     if backend == "nccl":
-        import torch
-
         if not dist.is_nccl_available() or not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA GPUs and a CUDA build of torch")
         if torch.cuda.device_count() < world_size and not under_torchrun():
@@ -98,3 +108,22 @@ def add_launch_arguments(parser: argparse.ArgumentParser, world_size: int = 2) -
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before the ranks are stopped"
     )
+
+
+def parse_launch_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None, min_world_size: int = 1
+) -> argparse.Namespace:
+    """Parse ``argv`` and refuse a bad world size or backend with a clear usage error.
+
+    Done here, in the parent, so the user reads one line instead of a traceback per rank.
+    Under torchrun the world size comes from torchrun, so only the backend is checked.
+    """
+    args = parser.parse_args(argv)
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    if world_size < min_world_size:
+        parser.error(f"--world-size must be at least {min_world_size}, got {world_size}")
+    try:
+        check_backend(args.backend, world_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args

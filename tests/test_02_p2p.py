@@ -1,0 +1,74 @@
+"""2. Point-to-point communication (``tutorial_impl/p2p.py``).
+
+Rank 0 starts with zeros, adds one and sends; the others hold zeros until the data arrives.
+So a receiver that reports 1.0 has really received it: nothing else could have changed its
+buffer. Every rank returns its tensor, and we check every rank, including the sender.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tutorial_impl import p2p
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("fn", [p2p.run_blocking, p2p.run_nonblocking], ids=["send", "isend"])
+def test_every_rank_ends_with_rank_0s_tensor(run_ranks, fn, world_size):
+    results = run_ranks(fn, world_size=world_size)
+    # Every rank, sender included, must now hold the 1.0 that rank 0 made.
+    assert [t.tolist() for t in results] == [[1.0]] * world_size
+    # The printed line is the tutorial's, for every rank.
+    for rank, out in enumerate(results.outputs):
+        assert f"Rank  {rank}  has data  tensor(1.)" in out.splitlines()
+
+
+def test_prints_what_the_tutorial_prints(run_ranks):
+    """With two ranks the program is the tutorial's, and so is its output, line for line."""
+    results = run_ranks(p2p.run_nonblocking)
+    assert results.outputs[0].splitlines() == [
+        "Rank 0 started sending",
+        "Rank  0  has data  tensor(1.)",
+    ]
+    assert results.outputs[1].splitlines() == [
+        "Rank 1 started receiving",
+        "Rank  1  has data  tensor(1.)",
+    ]
+
+
+@pytest.mark.world_size(3)
+def test_irecv_buffer_is_only_valid_after_wait(run_ranks):
+    """An irecv returns at once, long before the data exists.
+
+    Each receiver looks at its request and buffer *before* it lets rank 0 send (see
+    ``irecv_before_send``): the request is not complete and the buffer still holds zeros.
+    After ``wait()`` the request is complete and the buffer holds rank 0's value for it.
+    """
+    sender, *receivers = run_ranks(p2p.irecv_before_send)
+    assert sender["sent"] == {1: 11.0, 2: 12.0}
+    for rank, seen in enumerate(receivers, start=1):
+        assert seen["completed_before_wait"] is False
+        assert seen["value_before_wait"] == 0.0
+        assert seen["completed_after_wait"] is True
+        assert seen["value_after_wait"] == sender["sent"][rank]
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.backend("nccl")
+@pytest.mark.parametrize("fn", [p2p.run_blocking, p2p.run_nonblocking], ids=["send", "isend"])
+def test_p2p_on_nccl_with_cuda_tensors(run_ranks, fn):
+    assert [t.tolist() for t in run_ranks(fn)] == [[1.0], [1.0]]
+
+
+def test_cli_runs_both_modes(capsys):
+    assert p2p.main(["--world-size", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out.count("Rank  1  has data  tensor(1.)") == 2  # once blocking, once non-blocking
+    assert "Rank 1 started receiving" in out
+
+
+def test_cli_refuses_a_world_of_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        p2p.main(["--world-size", "1"])
+    assert exit_info.value.code == 2
+    assert "--world-size must be at least 2, got 1" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""2. Point-to-point communication: one process sends, one receives.
+
+    python -m tutorial_impl p2p [--world-size N] [--backend gloo] [--mode blocking|nonblocking]
+
+The tutorial's ``run`` functions are written for two ranks: rank 0 sends a tensor holding 1.0
+and rank 1 receives it. Here rank 0 sends to *every* other rank, one after the other, so the
+same code makes sense for any world size of two or more; with two ranks it is exactly the
+tutorial's program and prints exactly its lines::
+
+    Rank  0  has data  tensor(1.)
+    Rank  1  has data  tensor(1.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args, rank_device
+from tutorial_impl.testing.supervisor import RankError
+
+
+def run_blocking(rank: int, size: int) -> torch.Tensor:
+    """2.1 Blocking: ``send`` returns when the data is out, ``recv`` when it has arrived."""
+    tensor = torch.zeros(1, device=rank_device())
+    if rank == 0:
+        tensor += 1
+        # Send the tensor to every other process (the tutorial: to process 1).
+        for dst in range(1, size):
+            dist.send(tensor=tensor, dst=dst)
+    else:
+        # Receive tensor from process 0; the zeros were only a buffer of the right size.
+        dist.recv(tensor=tensor, src=0)
+    print("Rank ", rank, " has data ", tensor[0].cpu())
+    return tensor.cpu()
+
+
+def run_nonblocking(rank: int, size: int) -> torch.Tensor:
+    """2.2 Non-blocking: ``isend``/``irecv`` return at once; ``wait()`` finishes the transfer.
+
+    Until ``wait()`` returns, the sender must not modify its tensor and the receiver must not
+    read its own: the transfer may still be in progress.
+    """
+    tensor = torch.zeros(1, device=rank_device())
+    if rank == 0:
+        tensor += 1
+        reqs = [dist.isend(tensor=tensor, dst=dst) for dst in range(1, size)]
+        print("Rank 0 started sending")
+    else:
+        reqs = [dist.irecv(tensor=tensor, src=0)]
+        print(f"Rank {rank} started receiving")
+    for req in reqs:
+        req.wait()
+    print("Rank ", rank, " has data ", tensor[0].cpu())
+    return tensor.cpu()
+
+
+def irecv_before_send(rank: int, size: int) -> dict[str, object]:
+    """Show that an ``irecv`` returns before any data exists: read its buffer only after wait.
+
+    Each receiver posts its ``irecv`` first and only then tells rank 0 (with a blocking send on
+    another tag) to go ahead; so at the moment we look, the data cannot have been sent yet.
+    The request is not completed and the buffer still holds its old zeros; after ``wait()``
+    it holds what rank 0 sent. Rank 0 sends ``10 + dst`` so every receiver's value is its own.
+    """
+    go, data = 1, 0  # tags: the "go ahead" message and the payload
+    if rank == 0:
+        sent = {}
+        for dst in range(1, size):
+            dist.recv(torch.zeros(1), src=dst, tag=go)  # wait until dst has posted its irecv
+            payload = torch.tensor([10.0 + dst])
+            req = dist.isend(payload, dst=dst, tag=data)
+            req.wait()  # only now may we touch ``payload`` again
+            sent[dst] = payload.item()
+        return {"sent": sent}
+    buffer = torch.zeros(1)
+    req = dist.irecv(buffer, src=0, tag=data)
+    done_before, value_before = req.is_completed(), buffer.item()
+    dist.send(torch.ones(1), dst=0, tag=go)
+    req.wait()
+    return {
+        "completed_before_wait": done_before,
+        "value_before_wait": value_before,
+        "completed_after_wait": req.is_completed(),
+        "value_after_wait": buffer.item(),
+    }
+
+
+MODES = {"blocking": run_blocking, "nonblocking": run_nonblocking}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_impl p2p",
+        description="2. point-to-point: rank 0 sends a tensor holding 1.0 to every other rank",
+    )
+    add_launch_arguments(parser)
+    parser.add_argument(
+        "--mode",
+        choices=[*MODES, "both"],
+        default="both",
+        help="2.1 blocking send/recv, 2.2 isend/irecv + wait, or both (default)",
+    )
+    args = parse_launch_args(parser, argv, min_world_size=2)
+    modes = list(MODES) if args.mode == "both" else [args.mode]
+    try:
+        for mode in modes:
+            print(f"--- {mode} ---", flush=True)
+            launch(MODES[mode], args.world_size, args.backend, args.timeout)
+    except RankError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""4.5 Custom ring-allreduce: the tutorial's version and a bandwidth-optimal one.
+
+Every rank talks only to its two neighbours, ``left = rank - 1`` and ``right = rank + 1``
+(modulo the world size), so no link carries more than its share.
+
+* ``allreduce(send, recv)`` is the tutorial's code: each rank passes *whole* tensors around
+  the ring, N-1 times, adding what arrives. Every rank sends (N-1)*K bytes for K bytes of data.
+* ``ring_allreduce(send, recv)`` is the algorithm of Baidu's DeepSpeech and of gloo itself:
+  cut the tensor into N chunks, run a *reduce-scatter* (N-1 steps; afterwards rank r owns the
+  full sum of chunk r+1) and then an *all-gather* (N-1 steps that pass the finished chunks
+  on). Every rank sends 2(N-1)/N * K bytes: for large N, about 2K whatever N is, which is
+  the least any allreduce can do.
+
+Both check first, with one tiny ``all_gather``, that every rank brought a tensor of the same
+shape and dtype: a ring whose ranks disagree about the message sizes would hang forever, and
+the check turns that into a ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args, rank_device
+from tutorial_impl.testing.supervisor import RankError
+
+# gloo moves its own allreduce in segments of at most 1 MiB; we do the same, so the sum of one
+# segment overlaps with the transfer of the next instead of waiting for a whole chunk.
+SEGMENT_BYTES = 1 << 20
+_TAG_STRIDE = 1 << 16  # tags per ring step: room for 64 Ki segments in one chunk
+_CHECK_TAG = (1 << 31) - 1  # the layout check's messages; far above any ring tag
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}"
+
+
+def check_same_layout(send: torch.Tensor, recv: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` on *every* rank unless all ranks hold the same shape and dtype.
+
+    Every rank sends a small signature (a checksum of shape and dtype, and whether its own
+    ``recv`` fits) straight to every other rank: one round trip, where an ``all_gather`` would
+    pass N-1 times around the ring. Only when something is wrong do the ranks exchange their
+    descriptions (``all_gather_object``) to write a message that says what differs where.
+    """
+    local_problem = ""
+    if recv is not None and (recv.shape != send.shape or recv.dtype != send.dtype):
+        local_problem = f"recv ({describe(recv)}) does not match send ({describe(send)})"
+    rank, size = dist.get_rank(), dist.get_world_size()
+    signature = [zlib.crc32(describe(send).encode()), int(bool(local_problem))]
+    if size > 1:
+        # On the tensor's own device, so the check works on NCCL too.
+        mine = torch.tensor(signature, device=send.device)
+        theirs = {peer: torch.empty_like(mine) for peer in range(size) if peer != rank}
+        reqs = [dist.isend(mine, peer, tag=_CHECK_TAG) for peer in theirs]
+        reqs += [dist.irecv(t, peer, tag=_CHECK_TAG) for peer, t in theirs.items()]
+        _wait(reqs)
+        if all(t.tolist() == signature for t in theirs.values()) and not local_problem:
+            return
+    elif not local_problem:
+        return
+    reports: list[str | None] = [None] * size
+    dist.all_gather_object(reports, local_problem or describe(send))
+    lines = "\n".join(f"  rank {r}: {text}" for r, text in enumerate(reports))
+    raise ValueError(
+        "ring allreduce needs the same shape and dtype on every rank (and recv like send); "
+        f"got:\n{lines}"
+    )
+
+
+def allreduce(send: torch.Tensor, recv: torch.Tensor) -> None:
+    """The tutorial's ring: store the sum of every rank's ``send`` in ``recv``.
+
+    Faithful to the tutorial, with one change: the buffers are made contiguous, because gloo
+    refuses to send a non-contiguous tensor (``clone`` keeps a transposed layout).
+    """
+    check_same_layout(send, recv)
+    rank = dist.get_rank()
+    size = dist.get_world_size()
+    send_buff = send.clone(memory_format=torch.contiguous_format)
+    recv_buff = send.clone(memory_format=torch.contiguous_format)
+    accum = send.clone(memory_format=torch.contiguous_format)
+
+    left = ((rank - 1) + size) % size
+    right = (rank + 1) % size
+
+    for i in range(size - 1):
+        # The two buffers take turns: one is on its way right while the other fills from left.
+        if i % 2 == 0:
+            send_req = dist.isend(send_buff, right)
+            dist.recv(recv_buff, left)
+            accum[:] += recv_buff[:]
+        else:
+            send_req = dist.isend(recv_buff, right)
+            dist.recv(send_buff, left)
+            accum[:] += send_buff[:]
+        send_req.wait()
+    recv[:] = accum[:]
+
+
+def _segments(t: torch.Tensor, segment_numel: int) -> tuple[torch.Tensor, ...]:
+    return t.split(segment_numel) if t.numel() else ()
+
+
+def ring_allreduce(
+    send: torch.Tensor, recv: torch.Tensor | None = None, segment_bytes: int = SEGMENT_BYTES
+) -> torch.Tensor:
+    """Bandwidth-optimal ring allreduce (sum): reduce-scatter, then all-gather.
+
+    Stores the sum in ``recv`` and returns it; without ``recv`` (or with ``recv is send``)
+    works in place, like ``dist.all_reduce``. Any shape, numel 0 or smaller than the world
+    size, integer or floating dtypes, non-contiguous tensors.
+    """
+    recv = send if recv is None else recv
+    check_same_layout(send, recv)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    # Work in recv's own memory when we can (no extra copy of the result), else in a scratch
+    # buffer that is copied back at the end.
+    work = (
+        recv.view(-1)
+        if recv.is_contiguous()
+        else torch.empty(recv.numel(), dtype=recv.dtype, device=recv.device)
+    )
+    if work.data_ptr() != send.data_ptr() or not send.is_contiguous():
+        work.copy_(send.reshape(-1))
+    if size > 1 and work.numel():
+        _ring(work, rank, size, max(1, segment_bytes // work.element_size()))
+    if not recv.is_contiguous():
+        recv.copy_(work.view(recv.shape))
+    return recv
+
+
+def _ring(work: torch.Tensor, rank: int, size: int, seg: int) -> None:
+    # N chunks whose sizes differ by at most one element (some are empty when numel < N),
+    # each cut into segments of at most SEGMENT_BYTES.
+    chunks = [_segments(c, seg) for c in torch.tensor_split(work, size)]
+    if max(len(c) for c in chunks) >= _TAG_STRIDE:
+        raise ValueError(f"tensor too large for one ring call: {work.numel()} elements")
+    left, right = (rank - 1) % size, (rank + 1) % size
+    # Step s of the reduce-scatter uses tags s*STRIDE + k, step s of the all-gather
+    # (size+s)*STRIDE + k: every message has its own tag, so nothing can match the wrong one.
+    rs_tag, ag_tag = 0, size * _TAG_STRIDE
+
+    # Two scratch buffers, used in turn: the receives of step s+1 are posted while step s
+    # is still adding, so data keeps flowing.
+    biggest = work.numel() // size + 1
+    scratch = _scratch(2 * biggest, work.dtype, work.device).split(biggest)
+
+    def post_rs_recvs(step: int) -> tuple[list, tuple[torch.Tensor, ...]]:
+        numel = sum(p.numel() for p in chunks[(rank - step - 1) % size])
+        tmp = _segments(scratch[step % 2][:numel], seg)
+        tag = rs_tag + step * _TAG_STRIDE
+        return [dist.irecv(t, left, tag=tag + k) for k, t in enumerate(tmp)], tmp
+
+    # Reduce-scatter. At step s rank r sends chunk r-s and adds the chunk r-s-1 it receives;
+    # after N-1 steps chunk r+1 holds the sum over all ranks. Each segment is sent on as soon
+    # as it has been added to, which pipelines the steps the way gloo does.
+    sends = [dist.isend(p, right, tag=rs_tag + k) for k, p in enumerate(chunks[rank])]
+    pending = post_rs_recvs(0)
+    for step in range(size - 1):
+        recvs, tmp = pending
+        if step + 1 < size - 1:
+            pending = post_rs_recvs(step + 1)
+        forward_tag = rs_tag + (step + 1) * _TAG_STRIDE
+        for k, piece in enumerate(chunks[(rank - step - 1) % size]):
+            recvs[k].wait()
+            piece.add_(tmp[k])
+            if step < size - 2:
+                sends.append(dist.isend(piece, right, tag=forward_tag + k))
+    # The all-gather receives into chunks we sent above: those sends must be finished first.
+    _wait(sends)
+
+    # All-gather. Rank r now owns chunk r+1; pass finished chunks on, receiving straight into
+    # place: nothing is added, so no scratch memory is needed.
+    sends = [dist.isend(p, right, tag=ag_tag + k) for k, p in enumerate(chunks[(rank + 1) % size])]
+    recvs = [
+        [dist.irecv(p, left, tag=ag_tag + s * _TAG_STRIDE + k) for k, p in enumerate(chunks[c])]
+        for s, c in ((s, (rank - s) % size) for s in range(size - 1))
+    ]
+    for step in range(size - 1):
+        into = chunks[(rank - step) % size]
+        for k, req in enumerate(recvs[step]):
+            req.wait()
+            if step < size - 2:  # forward what just arrived, segment by segment
+                tag = ag_tag + (step + 1) * _TAG_STRIDE + k
+                sends.append(dist.isend(into[k], right, tag=tag))
+    _wait(sends)
+
+
+_scratch_cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Scratch memory kept from call to call, growing when needed.
+
+    A fresh multi-megabyte buffer comes straight from the kernel (mmap) and every page of it
+    faults on first touch, which costs a noticeable share of a ring's time; reusing one does not.
+    """
+    key = (dtype, device)
+    if key not in _scratch_cache or _scratch_cache[key].numel() < numel:
+        _scratch_cache[key] = torch.empty(numel, dtype=dtype, device=device)
+    return _scratch_cache[key][:numel]
+
+
+def _wait(reqs: list) -> None:
+    for req in reqs:
+        req.wait()
+
+
+def run(rank: int, size: int) -> dict[str, list[float]]:
+    """The demo: both rings and ``dist.all_reduce`` on the same tensors, side by side."""
+    send = torch.arange(5, dtype=torch.float32) + 10 * rank
+    recv = torch.zeros_like(send)
+    allreduce(send, recv)
+    print("Rank ", rank, " has data ", recv[0])  # the tutorial's line: the sum of every rank's
+    ring = ring_allreduce(send, torch.zeros_like(send))
+    reference = send.clone()
+    dist.all_reduce(reference)
+    print(
+        f"Rank {rank}: tutorial ring {recv.tolist()}, bandwidth-optimal ring {ring.tolist()}, "
+        f"dist.all_reduce {reference.tolist()}"
+    )
+    return {"tutorial": recv.tolist(), "ring": ring.tolist(), "all_reduce": reference.tolist()}
+
+
+# ---------------------------------------------------------------------------------------
+# Rank functions the tests run (they must live in an importable module).
+# ---------------------------------------------------------------------------------------
+
+
+def case_input(
+    rank: int, shape: tuple[int, ...], dtype: torch.dtype, transposed: bool = False
+) -> torch.Tensor:
+    """A rank's deterministic input for one test case: small integers, or random floats.
+
+    ``transposed`` stores the last two dims swapped, so the tensor is a non-contiguous view.
+    """
+    store_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+    numel = math.prod(store_shape)
+    if dtype.is_floating_point:
+        gen = torch.Generator().manual_seed(1000 + rank)
+        t = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+    else:
+        t = ((torch.arange(numel) * (rank + 3)) % 19 - 9).to(dtype)
+    t = t.reshape(store_shape)
+    return t.transpose(-1, -2) if transposed else t
+
+
+def compare_cases(
+    rank: int, size: int, cases: list[tuple], segment_bytes: int = SEGMENT_BYTES
+) -> list[dict[str, object]]:
+    """Run both rings and ``dist.all_reduce`` on every case, all in one process group.
+
+    A case is ``(shape, dtype, transposed)``. The bandwidth-optimal ring runs twice: into a
+    separate ``recv`` (``send`` must stay untouched) and in place.
+    """
+    out = []
+    for shape, dtype, transposed in cases:
+        send = case_input(rank, shape, dtype, transposed).to(rank_device())
+        before = send.clone()
+        tutorial = torch.empty_like(send)  # same strides as send: non-contiguous recv too
+        allreduce(send, tutorial)
+        ring = ring_allreduce(send, torch.empty_like(send), segment_bytes=segment_bytes)
+        in_place = ring_allreduce(send.clone(), segment_bytes=segment_bytes)
+        reference = send.clone()
+        dist.all_reduce(reference)
+        out.append(
+            {
+                "tutorial": tutorial.cpu(),
+                "ring": ring.cpu(),
+                "in_place": in_place.cpu(),
+                "all_reduce": reference.cpu(),
+                "send_unchanged": torch.equal(send, before),
+            }
+        )
+    return out
+
+
+def mismatched(rank: int, size: int, problem: str) -> str:
+    """Give rank ``size - 1`` a bad input and return the error each rank gets (or "no error").
+
+    ``problem`` is ``shape`` (one element more), ``dtype`` (float64) or ``recv`` (a recv
+    buffer of the wrong size, on that rank only). Both rings are tried, the tutorial's first.
+    """
+    send = torch.ones(6)
+    recv = torch.zeros(6)
+    if rank == size - 1:
+        if problem == "shape":
+            send, recv = torch.ones(7), torch.zeros(7)
+        elif problem == "dtype":
+            send, recv = send.double(), recv.double()
+        elif problem == "recv":
+            recv = torch.zeros(5)
+    errors = []
+    for fn in (allreduce, ring_allreduce):
+        try:
+            fn(send, recv)
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return "\n---\n".join(errors)
+
+
+def bytes_sent(rank: int, size: int, numel: int) -> dict[str, int]:
+    """Count the payload bytes each ring sends from this rank (the layout check excluded)."""
+    counted = {"n": 0}
+    real_isend = dist.isend
+
+    def counting_isend(tensor: torch.Tensor, dst: int, *args: object, **kwargs: object):
+        if kwargs.get("tag") != _CHECK_TAG:
+            counted["n"] += tensor.numel() * tensor.element_size()
+        return real_isend(tensor, dst, *args, **kwargs)
+
+    send = torch.ones(numel)
+    result = {}
+    dist.isend = counting_isend  # both rings send with dist.isend, looked up at call time
+    try:
+        for name, fn in (("tutorial", allreduce), ("ring", ring_allreduce)):
+            counted["n"] = 0
+            fn(send, torch.empty_like(send))
+            result[name] = counted["n"]
+    finally:
+        dist.isend = real_isend
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_impl ring",
+        description="4.5 the tutorial's ring allreduce(send, recv), the bandwidth-optimal ring "
+        "and dist.all_reduce on the same tensors (benchmark: python -m tutorial_impl bench ring)",
+    )
+    add_launch_arguments(parser)
+    args = parse_launch_args(parser, argv)
+    try:
+        launch(run, args.world_size, args.backend, args.timeout)
+    except RankError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
