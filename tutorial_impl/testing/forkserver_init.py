@@ -1,21 +1,31 @@
 """Imported once, inside the rank forkserver only (it is the first module of its preload).
 
-Every child of a multiprocessing forkserver re-runs the parent's *main script* as
-``__mp_main__`` before it runs its target, so that functions pickled from ``__main__`` can be
-found. Ranks never need that (``ranks.function_ref`` refuses ``__main__`` functions), and it
-costs or breaks things:
+Two things about multiprocessing's forkserver need changing for ranks, and nothing else
+imports this module, so the parent's own ``multiprocessing`` stays untouched.
 
-* under ``pytest`` (the ``bin/pytest`` script) every rank would import pytest again;
-* a script that calls ``run_ranks`` at module level, without an ``if __name__ == "__main__"``
-  guard, would call it again in every rank, and each rank would die during start-up.
+**The main script.** Every child of a forkserver re-runs the parent's main script as
+``__mp_main__`` before its target, so that functions pickled from ``__main__`` can be found.
+Ranks never need that (``ranks.function_ref`` refuses ``__main__`` functions), and it costs or
+breaks things: under the ``pytest`` script every rank would import pytest again, and a script
+that calls ``run_ranks`` without an ``if __name__ == "__main__"`` guard would call it again in
+every rank. So here the two main-module fix-ups are no-ops.
 
-So in this process, and in every rank forked from it, the two main-module fix-ups are
-no-ops. Nothing else imports this module: the parent's own ``multiprocessing`` is untouched.
+**Dying with the test run.** The forkserver exits when the process that owns it (pytest) is
+gone, even after a SIGKILL: it sees EOF on its "alive" pipe. (That only works because ranks
+close their inherited copy of that pipe: see ``ranks.release_forkserver``.) Ranks have asked
+the kernel to SIGKILL them when the forkserver exits (``PR_SET_PDEATHSIG``), but that would
+not reach the processes *they* started. So on its way out the forkserver kills the process
+group of every rank it forked, which takes the ranks' children with them.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import signal
 from multiprocessing import spawn
+
+_SERVER_PID = os.getpid()
 
 
 def _no_main_fixup(_main: str) -> None:
@@ -24,3 +34,31 @@ def _no_main_fixup(_main: str) -> None:
 
 spawn._fixup_main_from_name = _no_main_fixup  # type: ignore[attr-defined]
 spawn._fixup_main_from_path = _no_main_fixup  # type: ignore[attr-defined]
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if ppid == pid:
+            children.append(int(entry))
+    return children
+
+
+@atexit.register
+def _kill_rank_groups() -> None:
+    """Kill every rank still alive, with its process group (the rank leads its own)."""
+    if os.getpid() != _SERVER_PID or not os.path.isdir("/proc"):
+        return  # a rank's own forked child inherits this hook; it must do nothing
+    for pid in _children(_SERVER_PID):
+        for kill, target in ((os.killpg, pid), (os.kill, pid)):
+            try:
+                kill(target, signal.SIGKILL)
+            except OSError:
+                pass

@@ -132,7 +132,24 @@ def resolve(module: str, qualname: str) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
+def release_forkserver() -> None:
+    """Close this rank's copy of the forkserver's "alive" pipe.
+
+    multiprocessing gives every forkserver child the write end of the pipe the server
+    watches for EOF, so the server would only exit once its owner *and all its children*
+    are gone. A hanging rank would then keep the server alive after pytest was killed, and
+    the server keep the rank alive (see ``_die_with_parent``): an orphan forever.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def _die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this rank when its parent (the forkserver) dies.
 
     The forkserver exits as soon as the pytest process that owns it is gone, even after a
@@ -142,7 +159,7 @@ def _die_with_parent() -> None:
         return
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
@@ -179,8 +196,10 @@ def init_process_group(spec: RankSpec) -> None:
 
 def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:
     """The body of every rank process. Reports exactly one message, then waits to be killed."""
-    _die_with_parent()
+    parent = os.getppid()
     os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
+    release_forkserver()
+    _die_with_parent(parent)
     _redirect_output(spec)
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stacks, all_threads=True)  # segfaults, aborts

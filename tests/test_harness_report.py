@@ -1,0 +1,155 @@
+"""What a user of the harness sees: pytest run on a throwaway test file, report inspected.
+
+``pytester`` writes a small test suite into a temporary directory and runs pytest on it
+in this process; we then read the terminal report as a user would. The throwaway tests
+take their rank functions from ``selftest_ranks``: a test file is not importable by ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tutorial_impl.testing import proctable
+
+pytest_plugins = ["pytester"]
+
+CONFTEST = 'pytest_plugins = ["tutorial_impl.testing.plugin"]\n'
+
+USER_TESTS = """
+import pytest
+from tutorial_impl.testing import selftest_ranks as sr
+
+def test_passes(run_ranks):
+    assert run_ranks(sr.all_reduce_rank) == [3.0, 3.0]
+
+def test_one_rank_raises(run_ranks):
+    run_ranks(sr.fail_on, 1)
+
+@pytest.mark.rank_timeout(2)
+def test_hangs(run_ranks):
+    run_ranks(sr.hang_on, 0)
+
+def test_crashes(run_ranks):
+    run_ranks(sr.exit_on, 0, 5)
+
+def test_rank_skips(run_ranks):
+    run_ranks(sr.skip_on, 1)
+"""
+
+
+def test_what_a_user_sees_in_the_report(pytester):
+    """One pytest run over USER_TESTS; the report must let a user diagnose each test
+    without re-running anything."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rfs")
+    text = result.stdout.str()
+
+    # A pass passes, a raise/hang/crash fails, and a rank's pytest.skip is a skip.
+    result.assert_outcomes(passed=1, failed=3, skipped=1)
+    for name in ("test_one_rank_raises", "test_hangs", "test_crashes"):
+        assert f"FAILED test_user.py::{name}" in text
+
+    # The failure names the rank, shows its traceback and every rank's output, prefixed.
+    assert "RankFailed: rank 1 raised:" in text
+    assert "in fail_on" in text and "ValueError: boom from rank 1" in text
+    assert "[rank 0] rank 0 is about to wait" in text
+    assert "[rank 1] rank 1 is about to fail" in text
+
+    # The hang shows the deadline, how to raise it, and where each rank was stuck.
+    assert "RankTimeout: rank(s) 0, 1 still running after the harness deadline of 2 s" in text
+    assert "@pytest.mark.rank_timeout(SECONDS)" in text
+    assert "----- Python stacks of rank 0 -----" in text
+    assert "----- Python stacks of rank 1 -----" in text
+    assert "in _sleep_forever" in text  # rank 0, the one that never arrived
+    assert "in barrier" in text  # rank 1, waiting for it
+
+    # The crash names the rank and its exit code.
+    assert "RankCrashed: rank 0 exited with code 5" in text
+
+    # The skip shows which rank skipped and why.
+    assert "SKIPPED [1] test_user.py" in text
+    assert "rank 1: this rank has no work here" in text
+
+
+CANNOT_RUN_HERE = """
+import pytest
+from tutorial_impl.testing import selftest_ranks as sr
+
+PIDS = {pid_dir!r}
+
+@pytest.mark.gpu
+def test_gpu(run_ranks):
+    run_ranks(sr.all_reduce_rank, PIDS)
+
+@pytest.mark.gpu(8)
+def test_eight_gpus(run_ranks):
+    run_ranks(sr.all_reduce_rank, PIDS)
+
+@pytest.mark.backend("nccl")
+def test_nccl(run_ranks):
+    run_ranks(sr.all_reduce_rank, PIDS)
+
+@pytest.mark.backend("mpi")
+def test_mpi(run_ranks):
+    run_ranks(sr.all_reduce_rank, PIDS)
+
+def test_gloo_runs(run_ranks):
+    run_ranks(sr.all_reduce_rank, PIDS, world_size=1)
+"""
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the skips of a CPU-only machine"
+)
+def test_tests_that_cannot_run_here_are_skipped_before_any_rank_starts(pytester, tmp_path):
+    """gpu / gpu(8) / nccl / mpi tests are skipped at collection time with a reason; their
+    rank function (which would record its pid) never runs. The gloo test proves that the
+    recording itself works."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(CANNOT_RUN_HERE.format(pid_dir=str(pid_dir)))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(passed=1, skipped=4)
+    text = result.stdout.str()
+    assert text.count("CUDA is not available") == 2  # gpu and gpu(8)
+    assert "NCCL is not available in this build of torch" in text
+    assert "MPI backend not available" in text
+    assert set(proctable.recorded(pid_dir)) == {"rank0"}  # only the gloo test ran a rank
+
+
+BACKSTOP = """
+import pytest
+from tutorial_impl.testing import selftest_ranks as sr
+
+def test_default_deadline(run_ranks):
+    pass
+
+@pytest.mark.rank_timeout(500)
+def test_long_deadline(run_ranks):
+    pass
+
+@pytest.mark.rank_timeout(500)
+def test_no_ranks():
+    pass
+"""
+
+
+def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
+    """pytest-timeout is only a backstop: a test whose harness deadline (500 s) is above
+    the configured timeout (100 s) gets a timeout marker 30 s above its deadline, so the
+    harness (stacks, clean kill) always fires first. Tests already below are left alone."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\ntimeout = 100\nrank_timeout = 60\n")
+    pytester.makepyfile(BACKSTOP)
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
+    timeouts = {
+        item.name: (m.args[0] if (m := item.get_closest_marker("timeout")) else None)
+        for item in items
+    }
+    assert timeouts == {
+        "test_default_deadline": None,  # 60 + 30 <= 100: the ini timeout already suffices
+        "test_long_deadline": 530.0,
+        "test_no_ranks": None,  # no run_ranks fixture, nothing to protect
+    }
