@@ -1,0 +1,198 @@
+"""3. Collective communication (``tutorial_impl/collectives.py``).
+
+Every rank starts from an input we can rebuild here in the parent (``op_input``,
+``rank_tensor``), so each expected result is computed independently, with numpy, from the
+definitions of the collectives: a broadcast copies the source's tensor, a reduce-scatter
+gives rank j the sum of everyone's j-th piece, and so on. Every rank returns what it holds
+and every rank is checked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from tutorial_impl import collectives as coll
+from tutorial_impl.collectives import ReduceOp
+
+# The reductions' definitions, written independently of torch.distributed.
+NUMPY_REDUCTIONS = {
+    "SUM": lambda xs: np.sum(xs, axis=0),
+    "PRODUCT": lambda xs: np.prod(xs, axis=0),
+    "MIN": lambda xs: np.min(xs, axis=0),
+    "MAX": lambda xs: np.max(xs, axis=0),
+    "AVG": lambda xs: np.mean(xs, axis=0),
+    "BAND": lambda xs: functools.reduce(np.bitwise_and, xs),
+    "BOR": lambda xs: functools.reduce(np.bitwise_or, xs),
+    "BXOR": lambda xs: functools.reduce(np.bitwise_xor, xs),
+    "PREMUL_SUM": lambda xs: np.sum(xs, axis=0) * 0.5,  # every input times 0.5, then summed
+}
+
+
+def numpy_inputs(world_size: int, dtype: torch.dtype) -> np.ndarray:
+    return np.stack([coll.op_input(r, dtype).numpy() for r in range(world_size)])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tutorial_all_reduce_over_a_group(run_ranks, world_size):
+    """The tutorial's ``run``: ranks 0 and 1 sum their ones; a third rank is not in the
+    group and keeps its 1.0 (yet it too had to call ``new_group``)."""
+    results = run_ranks(coll.run, world_size=world_size)
+    assert [t.item() for t in results] == [2.0, 2.0, 1.0][:world_size]
+    assert "Rank  0  has data  tensor(2.)" in results.outputs[0].splitlines()
+    assert "Rank  1  has data  tensor(2.)" in results.outputs[1].splitlines()
+
+
+@pytest.mark.world_size(3)
+def test_every_reduce_op_on_gloo(run_ranks):
+    """Each op of the tutorial's list, on floats and integers, against numpy.
+
+    What gloo cannot do must fail with our message naming op, dtype or backend: bitwise ops
+    on floats, AVG on integers, PREMUL_SUM at all (NCCL only).
+    """
+    dtypes = [torch.float32, torch.int64]
+    results = run_ranks(coll.reduce_every_op, dtypes)
+    assert results[0].keys() == results[1].keys() == results[2].keys()
+    expected_errors = {
+        "PREMUL_SUM/torch.float32": "ReduceOp.PREMUL_SUM is not supported by the gloo backend",
+        "PREMUL_SUM/torch.int64": "ReduceOp.PREMUL_SUM is not supported by the gloo backend",
+        "BAND/torch.float32": "ReduceOp.BAND needs an integer or bool tensor, got torch.float32",
+        "BOR/torch.float32": "ReduceOp.BOR needs an integer or bool tensor",
+        "BXOR/torch.float32": "ReduceOp.BXOR needs an integer or bool tensor",
+        "AVG/torch.int64": "ReduceOp.AVG on gloo needs a floating-point tensor, got torch.int64",
+    }
+    checked = 0
+    for dtype in dtypes:
+        inputs = numpy_inputs(3, dtype)
+        for name in NUMPY_REDUCTIONS:
+            key = f"{name}/{dtype}"
+            for rank in range(3):
+                got = results[rank][key]
+                if key in expected_errors:
+                    assert isinstance(got, str) and expected_errors[key] in got
+                    continue
+                want = NUMPY_REDUCTIONS[name](inputs)
+                assert got.dtype == dtype
+                np.testing.assert_array_equal(got.numpy(), want.astype(got.numpy().dtype))
+                checked += 1
+    assert checked == 3 * (
+        2 * len(NUMPY_REDUCTIONS) - len(expected_errors)
+    )  # nothing was silently skipped
+    assert "(it is NCCL-only)" in results[0]["PREMUL_SUM/torch.float32"]
+
+
+def test_supported_ops_table_agrees_with_gloo_itself(run_ranks):
+    """Our pre-flight check refuses exactly what gloo refuses, nothing more and nothing less."""
+    verdicts = run_ranks(coll.gloo_verdicts)[0]
+    for key, verdict in verdicts.items():
+        name, dtype_name = key.split("/")
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        try:
+            coll.check_op(getattr(ReduceOp, name), dtype, "gloo")
+            ours = "ok"
+        except ValueError:
+            ours = "error"
+        assert verdict.split(":")[0] == ours, (key, verdict)
+    assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in verdicts["PREMUL_SUM/torch.float32"]
+
+
+def expected_tour(world_size: int) -> list[dict[str, np.ndarray | None]]:
+    """What each rank must hold after ``tour``, from the definitions of the collectives."""
+    x = [coll.rank_tensor(r).numpy() for r in range(world_size)]
+    src = world_size - 1
+    out = []
+    for r in range(world_size):
+        out.append(
+            {
+                "broadcast": x[src],
+                "reduce": np.sum(x, axis=0) if r == src else None,
+                "scatter": np.full(2, 10.0 * r + 1),
+                "gather": np.stack(x) if r == src else None,
+                "all_gather": np.stack(x),
+                "all_to_all": np.array([100.0 * j + r for j in range(world_size)]),
+                "reduce_scatter": np.sum([xj + r for xj in x], axis=0),
+            }
+        )
+    return out
+
+
+def check_tour(results, world_size: int) -> None:
+    for rank, (got, want) in enumerate(zip(results, expected_tour(world_size), strict=True)):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            if value is None:
+                assert got[name] is None, (rank, name)
+            else:
+                np.testing.assert_array_equal(got[name].numpy(), value, err_msg=f"{rank} {name}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_collective(run_ranks, world_size):
+    results = run_ranks(coll.tour, world_size=world_size, fn_kwargs={"verbose": False})
+    check_tour(results, world_size)
+
+
+@pytest.mark.world_size(3)
+def test_barrier_waits_for_the_slowest_rank(run_ranks, tmp_path):
+    """Rank 0 sleeps 0.2 s before it leaves its file, rank 1 0.1 s, rank 2 not at all.
+    After the barrier every rank, the fast ones included, must already see all three files."""
+    arrivals = tmp_path / "arrivals"
+    arrivals.mkdir()
+    seen = run_ranks(coll.barrier_arrivals, str(arrivals))
+    assert seen == [["arrived-0", "arrived-1", "arrived-2"]] * 3
+
+
+@pytest.mark.world_size(3)
+def test_groups_that_exclude_a_rank(run_ranks):
+    r0, r1, r2 = run_ranks(coll.excluding_groups)
+    # Group A = [0, 2]: 1 + 3; group B = [1, 2]: 2 + 3. Outsiders keep their own rank + 1.
+    assert (r0["a_sum"], r1["a_sum"], r2["a_sum"]) == (4.0, 2.0, 4.0)
+    assert (r0["b_sum"], r1["b_sum"], r2["b_sum"]) == (1.0, 5.0, 5.0)
+    assert (r0["a_is_member"], r1["a_is_member"], r2["a_is_member"]) == (True, False, True)
+    assert (r0["b_is_member"], r1["b_is_member"], r2["b_is_member"]) == (False, True, True)
+    # Group ranks are renumbered from 0: global rank 2 is rank 1 of group A.
+    assert (r0["rank_in_a"], r2["rank_in_a"]) == (0, 1)
+    # broadcast's src is a global rank; only the members received rank 2's message.
+    assert r0["a_message"] == r2["a_message"] == "hello from rank 2 in group a"
+    assert r1["b_message"] == r2["b_message"] == "hello from rank 2 in group b"
+    assert "a_message" not in r1 and "b_message" not in r0
+
+
+def test_check_op_messages_name_op_dtype_and_backend():
+    with pytest.raises(ValueError, match=r"ReduceOp.PREMUL_SUM is not supported by the gloo"):
+        coll.check_op(ReduceOp.PREMUL_SUM, torch.float32, "gloo")
+    with pytest.raises(ValueError, match=r"ReduceOp.BXOR is not supported by the nccl backend"):
+        coll.check_op(ReduceOp.BXOR, torch.int64, "nccl")
+    coll.check_op(ReduceOp.PREMUL_SUM, torch.float32, "nccl")  # NCCL has it
+
+
+def test_cli_demo(capsys):
+    assert coll.main(["--world-size", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "Rank  0  has data  tensor(2.)" in out and "Rank  1  has data  tensor(2.)" in out
+    assert "Rank  0  all_to_all: [0.0, 100.0]" in out
+
+
+# ---- the same on NCCL with CUDA tensors (skipped at collection time without 2 GPUs) ----
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.backend("nccl")
+def test_every_collective_on_nccl(run_ranks):
+    check_tour(run_ranks(coll.tour, fn_kwargs={"verbose": False}), 2)
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.backend("nccl")
+def test_reduce_ops_on_nccl(run_ranks):
+    """NCCL has PREMUL_SUM and AVG on integers but no bitwise ops."""
+    results = run_ranks(coll.reduce_every_op, [torch.float32])
+    inputs = numpy_inputs(2, torch.float32)
+    for rank in range(2):
+        for name in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM"):
+            got = results[rank][f"{name}/torch.float32"]
+            np.testing.assert_allclose(got.numpy(), NUMPY_REDUCTIONS[name](inputs), rtol=1e-6)
+        assert "not supported by the nccl backend" in results[rank]["BAND/torch.float32"]

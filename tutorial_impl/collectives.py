@@ -1,0 +1,256 @@
+"""3. Collective communication: every process of a group takes part.
+
+    python -m tutorial_impl collectives [--world-size N] [--backend gloo]
+
+``run`` is the tutorial's 3.1 all-reduce over ``new_group([0, 1])``; with two ranks it prints
+``Rank  0  has data  tensor(2.)``. ``tour`` then calls each collective of 3.2 once (plus
+``reduce_scatter``) and prints what every rank holds afterwards.
+
+Backends do not all support every ``ReduceOp``. ``all_reduce`` here checks the op against the
+backend and the dtype *before* any communication, so an unsupported combination raises the
+same ``ValueError`` on every rank (instead of an obscure error on some ranks and a hang on the
+others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args, rank_device
+from tutorial_impl.testing.supervisor import RankError
+
+ReduceOp = dist.ReduceOp
+
+# The tutorial's list, in its order.
+TUTORIAL_OPS = ("SUM", "PRODUCT", "MAX", "MIN", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+BITWISE_OPS = ("BAND", "BOR", "BXOR")
+# What each backend implements (gloo on CPU, NCCL on CUDA): measured on torch 2.x.
+SUPPORTED_OPS = {
+    "gloo": ("SUM", "PRODUCT", "MIN", "MAX", "AVG", *BITWISE_OPS),
+    "nccl": ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM"),
+}
+
+
+def op_name(op: object) -> str:
+    """'SUM' for ``ReduceOp.SUM`` (or for the RedOpType the enum members really are)."""
+    return str(op).rsplit(".", 1)[-1]
+
+
+def check_op(op: object, dtype: torch.dtype, backend: str) -> None:
+    """Raise ``ValueError`` naming the op, dtype and backend if the reduction cannot run."""
+    name = op_name(op)
+    supported = SUPPORTED_OPS.get(backend)
+    if supported is not None and name not in supported:
+        hint = " (it is NCCL-only)" if name == "PREMUL_SUM" else ""
+        raise ValueError(
+            f"ReduceOp.{name} is not supported by the {backend} backend{hint}; "
+            f"{backend} supports {', '.join(supported)}"
+        )
+    if name in BITWISE_OPS and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"ReduceOp.{name} needs an integer or bool tensor, got {dtype}")
+    if name == "AVG" and backend == "gloo" and not dtype.is_floating_point:
+        raise ValueError(f"ReduceOp.AVG on gloo needs a floating-point tensor, got {dtype}")
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    premul_factor: float | None = None,
+) -> None:
+    """``dist.all_reduce`` with the op checked first; PREMUL_SUM takes ``premul_factor``.
+
+    PREMUL_SUM multiplies every input by a factor before summing; torch builds that op with
+    ``_make_nccl_premul_sum``, the only constructor it offers (NCCL only).
+    """
+    check_op(op, tensor.dtype, dist.get_backend(group))
+    if op_name(op) == "PREMUL_SUM":
+        if premul_factor is None:
+            raise ValueError("ReduceOp.PREMUL_SUM needs premul_factor (the factor to multiply by)")
+        op = dist._make_nccl_premul_sum(premul_factor)
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def run(rank: int, size: int) -> torch.Tensor:
+    """3.1 The tutorial's all-reduce over a group of ranks 0 and 1.
+
+    ``new_group`` is a collective itself: *every* rank must call it, members or not. A rank
+    outside the group gets a placeholder and skips the all-reduce, keeping its ones.
+    """
+    group = dist.new_group([0, 1])
+    tensor = torch.ones(1, device=rank_device())
+    if rank in (0, 1):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        print("Rank ", rank, " has data ", tensor[0].cpu())
+    else:
+        print("Rank ", rank, " has data ", tensor[0].cpu(), " (not in the group)")
+    return tensor.cpu()
+
+
+def op_input(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input for the ReduceOp tests: small values with varied bit patterns."""
+    values = [rank + 1, 10 ^ rank, 6 | (rank << 2), 12 - 3 * rank, (7 * rank) % 5 - 2]
+    t = torch.tensor(values, dtype=torch.int64)
+    if dtype.is_floating_point:
+        return t.to(dtype) / 2  # halves: exact in binary, and PRODUCT stays small
+    return t.to(dtype)
+
+
+def reduce_every_op(rank: int, size: int, dtypes: list[torch.dtype]) -> dict[str, object]:
+    """All-reduce ``op_input`` with every op and dtype: the result, or the error's message."""
+    results: dict[str, object] = {}
+    for name in (*TUTORIAL_OPS, "AVG"):
+        for dtype in dtypes:
+            tensor = op_input(rank, dtype).to(rank_device())
+            try:
+                all_reduce(tensor, getattr(ReduceOp, name), premul_factor=0.5)
+                results[f"{name}/{dtype}"] = tensor.cpu()
+            except ValueError as exc:
+                results[f"{name}/{dtype}"] = str(exc)
+    return results
+
+
+def gloo_verdicts(rank: int, size: int) -> dict[str, str]:
+    """What gloo itself answers to each op and dtype, without our check in front.
+
+    Keeps ``SUPPORTED_OPS`` honest: the tests compare these verdicts with ``check_op``'s.
+    Gloo refuses these before any data moves, on every rank alike, so nothing hangs.
+    """
+    verdicts = {}
+    for name in (*TUTORIAL_OPS, "AVG"):
+        for dtype in (torch.float32, torch.int64):
+            op = getattr(ReduceOp, name)
+            if name == "PREMUL_SUM":
+                op = dist._make_nccl_premul_sum(0.5)
+            try:
+                dist.all_reduce(op_input(rank, dtype), op=op)
+                verdicts[f"{name}/{dtype}"] = "ok"
+            except (RuntimeError, ValueError, TypeError) as exc:
+                verdicts[f"{name}/{dtype}"] = f"error: {exc}"
+    return verdicts
+
+
+def rank_tensor(rank: int, n: int = 3) -> torch.Tensor:
+    """A tensor that says who made it: ``[100*rank, 100*rank + 1, ...]``."""
+    return torch.arange(n, dtype=torch.float32) + 100 * rank
+
+
+def tour(rank: int, size: int, verbose: bool = True) -> dict[str, object]:
+    """3.2 Every collective once; returns what this rank holds after each one."""
+    device = rank_device()
+    src = size - 1  # the sender of one-to-all collectives: not rank 0, so the choice matters
+    out: dict[str, object] = {}
+
+    t = rank_tensor(rank).to(device)
+    dist.broadcast(t, src=src)  # src's tensor, copied to everyone
+    out["broadcast"] = t
+
+    t = rank_tensor(rank).to(device)
+    dist.reduce(t, dst=src, op=ReduceOp.SUM)  # the sum lands on dst only
+    out["reduce"] = t if rank == src else None
+
+    t = torch.zeros(2, device=device)
+    chunks = [torch.full((2,), 10.0 * i + 1, device=device) for i in range(size)]
+    dist.scatter(t, scatter_list=chunks if rank == src else None, src=src)  # entry i to rank i
+    out["scatter"] = t
+
+    t = rank_tensor(rank).to(device)
+    gathered = [torch.zeros_like(t) for _ in range(size)] if rank == src else None
+    dist.gather(t, gather_list=gathered, dst=src)  # everyone's tensor, collected on dst
+    out["gather"] = torch.stack(gathered) if gathered is not None else None
+
+    t = rank_tensor(rank).to(device)
+    everyone = [torch.zeros_like(t) for _ in range(size)]
+    dist.all_gather(everyone, t)  # everyone's tensor, collected everywhere
+    out["all_gather"] = torch.stack(everyone)
+
+    # all_to_all: rank r sends its j-th tensor to rank j, and receives rank j's r-th tensor.
+    sends = [torch.tensor([100.0 * rank + j], device=device) for j in range(size)]
+    recvs = [torch.zeros(1, device=device) for _ in range(size)]
+    dist.all_to_all(recvs, sends)
+    out["all_to_all"] = torch.cat(recvs)
+
+    # reduce_scatter: the sum over ranks of everyone's j-th tensor lands on rank j.
+    pieces = [rank_tensor(rank).to(device) + j for j in range(size)]
+    t = torch.zeros(3, device=device)
+    dist.reduce_scatter(t, pieces, op=ReduceOp.SUM)
+    out["reduce_scatter"] = t
+
+    out = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    if verbose:
+        for name, value in out.items():
+            if value is not None:
+                print(f"Rank  {rank}  {name}: {value.tolist()}")
+    return out
+
+
+def barrier_arrivals(rank: int, size: int, directory: str) -> list[str]:
+    """``barrier``: after it, every rank has done what it did before it.
+
+    Each rank sleeps a little (rank 0 longest), then leaves a file in ``directory`` and waits
+    at the barrier. Whoever leaves the barrier must find every rank's file already there,
+    even the slowest one's: the barrier waited for it.
+    """
+    time.sleep(0.1 * (size - 1 - rank))
+    with open(os.path.join(directory, f"arrived-{rank}"), "w") as f:
+        f.write(str(time.time()))
+    dist.barrier()
+    return sorted(os.listdir(directory))
+
+
+def excluding_groups(rank: int, size: int) -> dict[str, object]:
+    """Two groups that each leave a rank out: A = [0, 2] and B = [1, 2] (world size 3).
+
+    Every rank calls ``new_group`` for both, in the same order, even for a group it is not
+    in; that is how the ranks agree on the group's identity. A rank outside a group gets
+    ``GroupMember.NON_GROUP_MEMBER`` and its group rank is -1.
+    """
+    group_a, group_b = dist.new_group([0, 2]), dist.new_group([1, 2])
+    out: dict[str, object] = {
+        "rank_in_a": dist.get_group_rank(group_a, rank) if rank in (0, 2) else -1,
+        "a_is_member": group_a != dist.GroupMember.NON_GROUP_MEMBER,
+        "b_is_member": group_b != dist.GroupMember.NON_GROUP_MEMBER,
+    }
+    for name, group, members in (("a", group_a, (0, 2)), ("b", group_b, (1, 2))):
+        t = torch.tensor([float(rank + 1)], device=rank_device())
+        if rank in members:
+            all_reduce(t, ReduceOp.SUM, group=group)
+            # src is a *global* rank: rank 2 sends its list to the other member of the group.
+            payload = [f"hello from rank {rank} in group {name}"]
+            dist.broadcast_object_list(payload, src=2, group=group)
+            out[f"{name}_message"] = payload[0]
+        out[f"{name}_sum"] = t.item()
+    return out
+
+
+def demo(rank: int, size: int) -> None:
+    """What ``python -m tutorial_impl collectives`` runs on every rank."""
+    run(rank, size)
+    dist.barrier()  # keep the tutorial's lines apart from the tour's
+    tour(rank, size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_impl collectives",
+        description="3. collectives: the tutorial's all_reduce over new_group([0, 1]), "
+        "then broadcast, reduce, scatter, gather, all_gather, all_to_all, reduce_scatter",
+    )
+    add_launch_arguments(parser)
+    args = parse_launch_args(parser, argv, min_world_size=2)
+    try:
+        launch(demo, args.world_size, args.backend, args.timeout)
+    except RankError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
