@@ -1,0 +1,35 @@
+"""The harness benchmark, on a tiny run: its JSON has the promised shape and arithmetic.
+
+No speed is asserted here (timings belong in the benchmark's output, not in a test that
+a busy machine could fail); the figures only have to be real, positive and consistent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tutorial_impl.bench import harness
+
+
+@pytest.mark.slow
+def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
+    """World size 1 keeps it cheap: the spawn side still starts a fresh interpreter."""
+    path = tmp_path / "harness.json"
+    argv = ["--repeats", "2", "--spawn-repeats", "1", "--world-sizes", "1", "--json", str(path)]
+    assert harness.main(argv) == 0
+    figures = json.loads(path.read_text())
+    assert list(figures) == ["1"]  # keyed by world size, as a string (JSON keys are)
+    row = figures["1"]
+    assert set(row) == {"harness_ms", "spawn_ms", "ratio"}
+    assert row["harness_ms"] > 0 and row["spawn_ms"] > 0
+    assert row["ratio"] == pytest.approx(row["spawn_ms"] / row["harness_ms"])
+    printed = capsys.readouterr().out
+    assert f"harness {row['harness_ms']:7.1f} ms" in printed  # the same figures, printed
+    assert f"ratio {row['ratio']:6.1f}x" in printed
+
+
+def test_bench_refuses_nonsense_arguments():
+    with pytest.raises(SystemExit, match="at least 1"):
+        harness.main(["--repeats", "0"])

@@ -1,0 +1,139 @@
+"""Per-test overhead of the harness against ``torch.multiprocessing.spawn``.
+
+One "test" here is the smallest multi-rank test there is: start N ranks, join a gloo
+process group, do one all_reduce, check it, tear everything down. Both sides do exactly
+that, and both rendezvous race-free (the parent binds a TCPStore to port 0):
+
+* **harness**: ``run_ranks``, ranks forked from a warm forkserver that imported torch once.
+* **spawn**: ``torch.multiprocessing.spawn`` per test, as most suites do: every rank is a
+  fresh interpreter that imports torch itself.
+
+    python -m tutorial_impl bench harness [--repeats 20] [--spawn-repeats 3] [--json PATH]
+
+prints the median milliseconds per test of each and the ratio spawn / harness, per world
+size. ``--json PATH`` writes ``{"2": {"harness_ms": ..., "spawn_ms": ..., "ratio": ...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from tutorial_impl.testing import ranks as _ranks
+from tutorial_impl.testing import run_ranks
+
+
+def all_reduce_once(rank: int, world_size: int) -> float:
+    """The harness side: the group is already up; one all_reduce of rank + 1."""
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _spawn_rank(rank: int, world_size: int, host: str, port: int) -> None:
+    """The spawn side: a fresh interpreter joins the parent's store and does the same."""
+    torch.set_num_threads(1)  # same conditions as the harness ranks
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    expected = world_size * (world_size + 1) / 2
+    if t.item() != expected:  # spawn returns nothing, so the check happens here
+        raise AssertionError(f"rank {rank}: all_reduce gave {t.item()}, expected {expected}")
+    dist.destroy_process_group()
+
+
+def time_harness(world_size: int, repeats: int) -> list[float]:
+    """Milliseconds per ``run_ranks`` call, after one warm-up call (the forkserver start)."""
+    expected = [world_size * (world_size + 1) / 2] * world_size
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        results = run_ranks(all_reduce_once, world_size=world_size, timeout=60)
+        elapsed = (time.perf_counter() - start) * 1e3
+        if results != expected:
+            raise AssertionError(f"harness all_reduce gave {results}, expected {expected}")
+        if i:  # the first call starts the forkserver: that is once per session, not per test
+            times.append(elapsed)
+    return times
+
+
+def time_spawn(world_size: int, repeats: int) -> list[float]:
+    """Milliseconds per ``torch.multiprocessing.spawn`` of a fresh group."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        # Port 0: the kernel picks a free port while binding; nothing to race for.
+        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=60))  # fmt: skip
+        torch.multiprocessing.spawn(
+            _spawn_rank, args=(world_size, "127.0.0.1", store.port), nprocs=world_size
+        )
+        del store
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def measure(world_sizes: list[int], repeats: int, spawn_repeats: int) -> dict[str, dict]:
+    _ranks.add_preload([__name__])  # ranks find all_reduce_once already imported
+    figures = {}
+    for world_size in world_sizes:
+        harness_ms = statistics.median(time_harness(world_size, repeats))
+        spawn_ms = statistics.median(time_spawn(world_size, spawn_repeats))
+        figures[str(world_size)] = {
+            "harness_ms": harness_ms,
+            "spawn_ms": spawn_ms,
+            "ratio": spawn_ms / harness_ms,
+        }
+        print(
+            f"world {world_size}: harness {harness_ms:7.1f} ms  spawn {spawn_ms:8.1f} ms  "
+            f"ratio {spawn_ms / harness_ms:6.1f}x   (medians of {repeats} and {spawn_repeats})",
+            flush=True,
+        )
+    return figures
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_impl bench harness",
+        description="Per-test overhead (start ranks, init gloo, one all_reduce, tear down) "
+        "of the harness vs torch.multiprocessing.spawn.",
+    )
+    parser.add_argument("--repeats", type=int, default=20, help="harness runs per world size")
+    parser.add_argument(
+        "--spawn-repeats",
+        type=int,
+        default=3,
+        help="spawn runs per world size (each costs seconds: a fresh interpreter per rank)",
+    )
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1 or args.spawn_repeats < 1:
+        raise SystemExit("--repeats and --spawn-repeats must be at least 1")
+    if any(w < 1 for w in args.world_sizes):
+        raise SystemExit("--world-sizes must be positive")
+    print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; medians per test")
+    figures = measure(args.world_sizes, args.repeats, args.spawn_repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
