@@ -30,6 +30,7 @@ from tutorial_impl.data import get_dataset
 from tutorial_impl.launch import add_launch_arguments, check_backend, launch, under_torchrun
 from tutorial_impl.model import Net
 from tutorial_impl.partition import GLOBAL_BATCH, batch_sizes, partition_dataset
+from tutorial_impl.testing.ranks import add_preload
 
 LR, MOMENTUM = 0.01, 0.5
 
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             partition_dataset(dataset, config.global_batch, rank=0, size=args.world_size)
         except (ValueError, FileNotFoundError) as exc:
             parser.error(str(exc))
+    # Every rank's first optimizer imports torch._dynamo (~1.3 s of CPU); import it once in
+    # the forkserver the local ranks are forked from instead of once per rank.
+    add_preload(["torch._dynamo"])
     results = launch(partial(run, config=config), args.world_size, args.backend, args.timeout)
     if len(results) > 1:
         same = len({r.digest for r in results}) == 1
