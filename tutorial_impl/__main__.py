@@ -12,6 +12,7 @@ import sys
 
 # name -> (module, one-line description), in tutorial order.
 SECTIONS: dict[str, tuple[str, str]] = {
+    "setup": ("tutorial_impl.init_methods", "1. + 5.2 the run template; env://, tcp://, file://"),
     "p2p": ("tutorial_impl.p2p", "2.1 blocking send/recv and 2.2 isend/irecv + wait"),
     "collectives": ("tutorial_impl.collectives", "3. all_reduce with every ReduceOp, groups, ..."),
     "train": ("tutorial_impl.sgd", "4. distributed synchronous SGD on MNIST-shaped data"),

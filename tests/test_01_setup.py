@@ -1,0 +1,128 @@
+"""1. Setup (the run template) and 5.2 initialization methods.
+
+``init_process(rank, size, fn, backend)`` is the tutorial's template: join a group, run
+``fn``, leave. ``init_methods.run`` proves a group is real with one all-reduce of rank+1, so
+a rank that did not join (or joined a different group) would return a wrong sum.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from tutorial_impl import __main__ as cli
+from tutorial_impl import init_methods, p2p
+from tutorial_impl.launch import check_backend, init_process, launch
+
+
+@pytest.mark.world_size(3)
+def test_init_process_runs_fn_in_a_group_on_every_rank(run_ranks):
+    # backend=None: the ranks start bare, and init_process makes the group, as in run.py.
+    results = run_ranks(init_process, init_methods.run, "gloo", backend=None)
+    assert results == [
+        {"rank": r, "world_size": 3, "backend": "gloo", "sum": 6.0} for r in range(3)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["env", "tcp", "file"])
+def test_each_init_method_forms_a_working_group(run_ranks, tmp_path, kind):
+    """The rank calls init_process_group itself with env://, tcp://HOST:PORT or file://."""
+    results = run_ranks(init_methods.join_with, kind, str(tmp_path), world_size=3, backend=None)
+    assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    urls = {r["init_method"] for r in results}
+    assert len(urls) == 1 and urls.pop().startswith(f"{kind}://")  # one rendezvous for all
+
+
+@pytest.mark.parametrize("kind", ["tcp", "file"])
+def test_harness_init_method_option(run_ranks, kind):
+    """The same through the harness (``--init-method`` or ``init_method=``)."""
+    results = run_ranks(init_methods.run, init_method=kind)
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+
+
+def test_launch_prints_the_ranks_output_and_returns_their_values(capsys):
+    assert launch(p2p.run_blocking, world_size=2) is not None
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == ["Rank  0  has data  tensor(1.)", "Rank  1  has data  tensor(1.)"]
+
+
+def test_launch_refuses_bad_input_before_starting_ranks():
+    with pytest.raises(ValueError, match=r"unknown backend 'glooo'; choose one of gloo, nccl"):
+        launch(init_methods.run, world_size=2, backend="glooo")
+    with pytest.raises(ValueError, match=r"--world-size must be at least 1, got 0"):
+        launch(init_methods.run, world_size=0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["p2p", "--backend", "glooo"], "unknown backend 'glooo'; choose one of gloo, nccl, mpi"),
+        (["ring", "--world-size", "0"], "--world-size must be at least 1, got 0"),
+        (["collectives", "--world-size", "1"], "--world-size must be at least 2, got 1"),
+        (["setup", "--init-method", "udp"], "invalid choice: 'udp'"),
+        (["p2p", "--world-size", "two"], "invalid int value: 'two'"),
+    ],
+)
+def test_cli_messages_for_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_unknown_section(capsys):
+    assert cli.main(["nosuch"]) == 2
+    assert "unknown section 'nosuch'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section", ["setup", "p2p", "collectives", "ring"])
+def test_cli_help(capsys, section):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([section, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"python -m tutorial_impl {section}" in out and "--world-size" in out
+
+
+def test_cli_lists_the_sections(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for section in ("setup", "p2p", "collectives", "ring"):
+        assert f"  {section} " in out
+
+
+def test_cli_entry_point_in_a_fresh_interpreter():
+    """The real command a reader types (``--help`` answers without importing torch)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tutorial_impl", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "  p2p " in proc.stdout and "  ring " in proc.stdout
+
+
+# ---- MPI: only with a torch built with MPI (pip wheels are not) ----
+
+
+@pytest.mark.skipif(dist.is_mpi_available(), reason="this torch has MPI")
+def test_mpi_is_refused_clearly_when_missing():
+    with pytest.raises(ValueError, match="backend 'mpi' needs a torch built with MPI"):
+        check_backend("mpi", 2)
+
+
+@pytest.mark.backend("mpi")
+@pytest.mark.world_size(1)
+def test_mpi_template(run_ranks):
+    """The tutorial's MPI variant: ``init_process(0, 0, run, backend='mpi')``; MPI itself
+    says who is who (run outside mpirun, that is a world of one)."""
+    result = run_ranks(init_process, init_methods.run, "mpi", backend=None)[0]
+    assert (
+        result["backend"] == "mpi"
+        and result["sum"] == result["world_size"] * (result["world_size"] + 1) / 2
+    )

@@ -1,0 +1,112 @@
+"""1. Setup and 5.2 initialization methods: how N processes find each other.
+
+    python -m tutorial_impl setup [--world-size N] [--backend gloo] [--init-method env|tcp|file]
+
+``dist.init_process_group`` needs a *rendezvous*: a place where every rank can publish its
+address and read the others'. The tutorial names three ways to give it one:
+
+* ``env://`` (the default): read ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``
+  from the environment. This is what ``torchrun`` sets up, and what ``init_process`` uses.
+* ``tcp://ADDR:PORT``: the same store, named in the URL; rank and world size are arguments.
+* ``file:///path``: a file on a filesystem every rank can reach (with ``fcntl`` locking). It
+  must not exist beforehand, or hold keys from an earlier group: use a fresh name each time.
+
+Each rank here joins a group with the chosen method, proves the group works with one
+all-reduce, and leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.launch import (
+    add_launch_arguments,
+    parse_launch_args,
+    rank_device,
+    under_torchrun,
+)
+from tutorial_impl.testing.rendezvous import INIT_METHODS, init_method_url
+from tutorial_impl.testing.supervisor import RankError, run_ranks
+
+
+def run(rank: int, size: int) -> dict[str, object]:
+    """The template's ``run`` ("to be implemented later"): report the group we are in."""
+    total = torch.tensor([rank + 1.0], device=rank_device())
+    dist.all_reduce(total)  # 1 + 2 + ... + size, if every rank really is in the group
+    print(
+        f"Rank {rank} of {size} is in a {dist.get_backend()} group; sum of rank+1: {total.item():g}"
+    )
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "sum": total.item(),
+    }
+
+
+def join_with(
+    rank: int, size: int, kind: str, shared_dir: str, backend: str = "gloo"
+) -> dict[str, object]:
+    """Join a process group through ``kind`` (env, tcp or file), run ``run``, leave."""
+    url = init_method_url(kind, shared_dir)
+    print(f"Rank {rank} joins through {url}")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    if kind == "env":
+        # Everything comes from the environment: RANK and WORLD_SIZE too.
+        dist.init_process_group(backend, init_method=url, timeout=timedelta(seconds=60))
+    else:
+        dist.init_process_group(
+            backend, init_method=url, rank=rank, world_size=size, timeout=timedelta(seconds=60)
+        )
+    try:
+        return {**run(rank, size), "init_method": url}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_impl setup",
+        description="1. the run template and 5.2 init methods: every rank joins a group "
+        "(env://, tcp:// or file://) and proves it with one all_reduce",
+    )
+    add_launch_arguments(parser)
+    parser.add_argument("--init-method", choices=INIT_METHODS, default="env")
+    args = parse_launch_args(parser, argv)
+    with tempfile.TemporaryDirectory(prefix="rendezvous-") as shared_dir:
+        if under_torchrun():
+            # torchrun started us: one rank here, the others elsewhere. A file:// rendezvous
+            # then needs a directory that all of them see; on one machine, the temp dir does.
+            shared = os.path.join(tempfile.gettempdir(), os.environ["TORCHELASTIC_RUN_ID"])
+            os.makedirs(shared, exist_ok=True)
+            rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            join_with(rank, size, args.init_method, shared, args.backend)
+            return 0
+        try:
+            run_ranks(
+                join_with,
+                args.init_method,
+                shared_dir,
+                args.backend,
+                world_size=args.world_size,
+                backend=None,
+                timeout=args.timeout,
+                stream=sys.stdout,
+                stream_prefix=False,
+            )
+        except RankError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
