@@ -100,7 +100,7 @@ def test_table_has_a_row_per_trainer_and_a_labelled_throughput():
 
 
 def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
-    cfg = BenchConfig(num_embeddings=7, indices=(9, 9), bag_step=(2, 2))
+    cfg = BenchConfig(num_embeddings=7, indices=(9, 9), bag_size=(2, 2))
     import random
 
     indices, offsets, target = get_next_batch(random.Random("0/0"), cfg, torch.device("cpu"))
@@ -125,20 +125,23 @@ def _run_cli(capsys, tmp_path, *options):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("trainers", "servers", "dim", "indices", "bag", "bags_per_batch"),
+    ("trainers", "servers", "dim", "indices", "bag", "bags_per_batch", "optimizer"),
     [
-        (2, 2, 3, 5, 1, 5),  # 5 indices in bags of 1: 5 samples a batch; MLP input 2*3
-        (3, 1, 5, 7, 2, 4),  # asymmetric: 3 trainers, 1 server; 7 in bags of 2 -> 4 bags
+        # 5 indices in bags of 1: 5 samples a batch; the MLP's input is 2 * 3 wide.
+        (2, 2, 3, 5, 1, 5, "torchscript"),
+        # Asymmetric: 3 trainers, 1 server; 7 indices in bags of 2 -> 4 bags a batch.
+        (3, 1, 5, 7, 2, 4, "python"),
     ],
     ids=["2-trainers-2-ps", "3-trainers-1-ps"],
 )
 def test_small_runs_print_the_table_and_valid_json(
-    capsys, tmp_path, trainers, servers, dim, indices, bag, bags_per_batch
+    capsys, tmp_path, trainers, servers, dim, indices, bag, bags_per_batch, optimizer
 ):
     out, err, result = _run_cli(
         capsys,
         tmp_path,
         *("--trainers", str(trainers), "--parameter-servers", str(servers)),
+        *("--optimizer", optimizer),
         *("--num-embeddings", "20", "--embedding-dim", str(dim)),
         *("--batch-indices", str(indices), str(indices), "--bag-size", str(bag), str(bag)),
     )
@@ -168,6 +171,25 @@ def test_small_runs_print_the_table_and_valid_json(
     assert everything["samples_per_s"] == pytest.approx(everything["samples"] / slowest)
     assert 0 < result["join_s"] <= result["startup_s"] < result["wall_s"]
     assert result["config"]["trainers"] == trainers
+    assert f"{servers * dim}-256-128-64-32-8" in out  # the MLP's width followed P * dim
+
+
+@pytest.mark.slow
+def test_a_run_past_its_deadline_fails_cleanly(capsys):
+    # 1000 epochs cannot finish in 4 s: the harness must stop every worker at the deadline
+    # and the CLI must say so and fail, rather than hang or print a half-empty table.
+    tiny = ["--num-embeddings", "10", "--embedding-dim", "2", "--parameter-servers", "1"]
+    code = ddp_rpc.main([*tiny, "--trainers", "2", "--epochs", "1000", "--timeout", "4"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "benchmark failed" in err and "deadline of 4 s" in err
+
+
+def test_plot_draws_one_box_per_trainer(tmp_path):
+    pytest.importorskip("matplotlib")  # optional: the benchmark runs without it
+    path = tmp_path / "epochs.png"
+    report.plot_epoch_times({n: s for n, (s, _) in PER_TRAINER.items()}, str(path), "t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_options_are_refused_before_any_worker_starts(capsys, monkeypatch):
@@ -177,7 +199,7 @@ def test_bad_options_are_refused_before_any_worker_starts(capsys, monkeypatch):
     assert "trainers must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ddp_rpc.main(["--bag-size", "5", "2"])
-    assert "bag_step must satisfy 1 <= min <= max" in capsys.readouterr().err
+    assert "bag_size must satisfy 1 <= min <= max" in capsys.readouterr().err
     # --plot without matplotlib: said at once, not after the run.
     monkeypatch.setattr(report, "have_matplotlib", lambda: False)
     with pytest.raises(SystemExit):

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any, TextIO
 
 import torch
@@ -28,7 +28,7 @@ from tutorial_impl.bench import report
 from tutorial_impl.bench.ddp_rpc_workers import HIDDEN, NUM_CLASSES, BenchConfig, run_worker
 from tutorial_impl.bench.stats import Row, format_table, summarize
 from tutorial_impl.testing import ranks
-from tutorial_impl.testing.supervisor import run_ranks
+from tutorial_impl.testing.supervisor import RankError, run_ranks
 
 
 def run_benchmark(cfg: BenchConfig, progress: TextIO | None = None) -> dict[str, Any]:
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=d.iterations, help="batches an epoch")
     p.add_argument(
         "--batch-indices",
+        dest="indices",
         nargs=2,
         type=int,
         default=d.indices,
@@ -114,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bag-size",
+        dest="bag_size",
         nargs=2,
         type=int,
-        default=d.bag_step,
+        default=d.bag_size,
         metavar=("MIN", "MAX"),
         help="indices in one bag, uniform in [MIN, MAX] (default 1 10)",
     )
@@ -126,8 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=("python", "torchscript"),
         default=d.optimizer,
-        help="DistributedOptimizer's local SGD: plain Python (default; fast start-up) or the "
-        "original's TorchScript functional SGD (compiled once per trainer on every server)",
+        help="DistributedOptimizer's SGD on each owner: the original's TorchScript functional "
+        "SGD (default; compiled once per trainer on every server) or the plain Python one",
+    )
+    p.add_argument(
+        "--rpc-threads", type=int, default=d.rpc_threads, help="TensorPipe worker threads"
     )
     p.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout, help="seconds per RPC")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds for the whole run")
@@ -147,22 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and not report.have_matplotlib():
         # Say so before 17 processes start, not after the run.
         parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
-    cfg = BenchConfig(
-        trainers=args.trainers,
-        parameter_servers=args.parameter_servers,
-        num_embeddings=args.num_embeddings,
-        embedding_dim=args.embedding_dim,
-        warmup=args.warmup,
-        epochs=args.epochs,
-        iterations=args.iterations,
-        indices=tuple(args.batch_indices),
-        bag_step=tuple(args.bag_size),
-        seed=args.seed,
-        device=args.device,
-        optimizer=args.optimizer,
-        rpc_timeout=args.rpc_timeout,
-        timeout=args.timeout,
-    )
+    # Every option's dest is the name of a BenchConfig field (the pairs as tuples).
+    values = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
+    cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
     try:
         cfg.check()
     except ValueError as exc:
@@ -179,7 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.iterations} iterations an epoch; {cfg.warmup} warm-up + {cfg.epochs} timed epochs",
         flush=True,
     )
-    result = run_benchmark(cfg)
+    try:
+        result = run_benchmark(cfg)
+    except RankError as exc:
+        # A worker failed, crashed or ran past --timeout: the harness has killed them all and
+        # its message says which one and where (stacks, the workers' output).
+        print(f"\nbenchmark failed: {exc}", file=sys.stderr)
+        return 1
     rows = result["rows"]
     print("\n" + format_table(rows))
     epoch_p50 = rows[-1].percentiles()["p50"]

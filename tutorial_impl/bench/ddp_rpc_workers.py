@@ -46,8 +46,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tutorial_impl.testing.rendezvous import rpc_init_method
 
 with warnings.catch_warnings():
-    # Importing torch.distributed.optim scripts its optimizers: torch 2.13 warns 67 times that
-    # torch.jit.script / torch.jit.interface are deprecated. Nothing for us to act on.
+    # Importing torch.distributed.optim (here or through hybrid) scripts its optimizers, and
+    # torch 2.13 warns 67 times that torch.jit.script / jit.interface are deprecated.
     warnings.filterwarnings(
         "ignore",
         message="`torch.jit.(script|interface)` is deprecated",
@@ -55,22 +55,22 @@ with warnings.catch_warnings():
     )
     from torch.distributed.optim import DistributedOptimizer
 
+    from tutorial_impl.hybrid import MASTER, filter_expected_warnings, ps_name, trainer_name
+
 # The original's MLP after the lookups; its first layer's input is P * dim (512 there).
 HIDDEN = (256, 128, 64, 32)
 NUM_CLASSES = 8
 LR = 0.05
-# torch 2.13 warns about its own use of ProcessGroupGloo inside init_rpc.
-GLOO_WARNING = "You are using a Backend .*ProcessGroupGloo.* as a ProcessGroup"
 
 
 class PlainSGD(optim.SGD):
     """``optim.SGD`` under a name ``DistributedOptimizer`` does not map to TorchScript.
 
-    Given ``optim.SGD`` itself, ``DistributedOptimizer`` (as in the original) compiles a
-    TorchScript functional SGD on every parameter's owner, once per trainer: with 8
-    trainers and 8 servers that is 72 compilations, about 15 s of start-up on 2 cores, and
-    each prints a deprecation warning that torch forces through every filter. The plain
-    optimizer does the same arithmetic; ``--optimizer torchscript`` restores the original.
+    Given ``optim.SGD`` itself (the original, and our default), ``DistributedOptimizer``
+    compiles a TorchScript functional SGD on every parameter's owner, once per trainer:
+    72 compilations for 8 trainers and 8 servers, a few seconds of start-up on 2 cores, with
+    a TorchScript path that torch 2.13 deprecates. ``--optimizer python`` measures the
+    same arithmetic through the plain optimizer instead.
     """
 
 
@@ -100,10 +100,11 @@ class BenchConfig:
     epochs: int = 100
     iterations: int = 10  # batches an epoch
     indices: tuple[int, int] = (20, 50)  # indices in a batch: uniform in [min, max]
-    bag_step: tuple[int, int] = (1, 10)  # indices in one bag: uniform in [min, max]
+    bag_size: tuple[int, int] = (1, 10)  # indices in one bag: uniform in [min, max]
     seed: int = 0
     device: str = "cpu"
-    optimizer: str = "python"  # a key of OPTIMIZERS
+    optimizer: str = "torchscript"  # a key of OPTIMIZERS
+    rpc_threads: int = 16  # TensorPipe's num_worker_threads (its default) in every worker
     rpc_timeout: float = 60.0  # every single RPC and collective
     timeout: float = 600.0  # the whole run
 
@@ -113,13 +114,19 @@ class BenchConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first option that cannot work."""
-        positive = ("trainers", "parameter_servers", "num_embeddings", "embedding_dim")
+        positive = (
+            "trainers",
+            "parameter_servers",
+            "num_embeddings",
+            "embedding_dim",
+            "rpc_threads",
+        )
         for name in (*positive, "epochs", "iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        for name in ("indices", "bag_step"):
+        for name in ("indices", "bag_size"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must satisfy 1 <= min <= max, got {low} {high}")
@@ -133,18 +140,8 @@ class BenchConfig:
             raise ValueError("timeouts must be positive")
 
 
-# Worker names, as in the original: trainer{i}, ps{j}, master.
-def trainer_name(i: int) -> str:
-    return f"trainer{i}"
-
-
-def ps_name(j: int) -> str:
-    return f"ps{j}"
-
-
-MASTER = "master"
-
-
+# Worker names are the tutorial's (trainer{i}, ps{j}, master; see hybrid.py). The rank
+# layout is the benchmark's own: trainers, then parameter servers, then the master.
 def worker_name(rank: int, cfg: BenchConfig) -> str:
     if rank < cfg.trainers:
         return trainer_name(rank)
@@ -172,7 +169,7 @@ def get_next_batch(
     start = 0
     while start < num_indices:
         offsets.append(start)
-        start += rng.randint(*cfg.bag_step)
+        start += rng.randint(*cfg.bag_size)
     target = torch.tensor([rng.randrange(NUM_CLASSES) for _ in offsets], device=device)
     return indices, torch.tensor(offsets), target
 
@@ -270,23 +267,27 @@ def run_worker(rank: int, world_size: int, cfg: BenchConfig, t0: float) -> dict[
         _DropRecord(NO_TORCHSCRIPT_LOG)  # we chose it knowingly (see PlainSGD)
     )
     name = worker_name(rank, cfg)
-    with warnings.catch_warnings():
-        # torch 2.13 warns about its own use of ProcessGroupGloo (RPC's device-map exchange).
-        warnings.filterwarnings("ignore", message=GLOO_WARNING, category=UserWarning)
-        if rank < cfg.trainers:
-            # The trainers' own gloo group for DDP, before RPC, on the parent-owned store
-            # (RPC keys have a prefix of their own there, so the two rendezvous never mix).
-            dist.init_process_group(
-                "gloo",
-                init_method="env://",
-                rank=rank,
-                world_size=cfg.trainers,
-                timeout=timedelta(seconds=cfg.rpc_timeout),
-            )
-        options = rpc.TensorPipeRpcBackendOptions(
-            init_method=rpc_init_method(), rpc_timeout=cfg.rpc_timeout
+    if name != MASTER:  # the master says when everyone has joined
+        _say(name, t0, "started; joining RPC")
+    # torch 2.13's deprecation warnings on this path, filtered by message in this process
+    # (they come from RPC threads too, where a catch_warnings here could not reach).
+    filter_expected_warnings()
+    if rank < cfg.trainers:
+        # The trainers' own gloo group for DDP, before RPC, on the parent-owned store
+        # (RPC keys have a prefix of their own there, so the two rendezvous never mix).
+        dist.init_process_group(
+            "gloo",
+            init_method="env://",
+            rank=rank,
+            world_size=cfg.trainers,
+            timeout=timedelta(seconds=cfg.rpc_timeout),
         )
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=rpc_init_method(),
+        rpc_timeout=cfg.rpc_timeout,
+        num_worker_threads=cfg.rpc_threads,
+    )
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     result = None
     try:
         if name == MASTER:
