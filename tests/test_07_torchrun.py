@@ -58,38 +58,46 @@ def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-def _run_agents(commands: list[list[str]]) -> list[str]:
+def _run_agents(commands: list[list[str]], log_dir: Path) -> list[str]:
     """Run the torchrun agents together; return their outputs. Kills everything on failure.
 
     Each agent leads its own session (process group), so one ``killpg`` reaches its workers
-    too. Whatever happens (timeout, failure, Ctrl-C), the ``finally`` kills the groups.
+    too. The first agent to fail ends the wait (its peer would sit in the rendezvous until
+    its join timeout), and whatever happens (failure, deadline, Ctrl-C) the ``finally``
+    kills every group. Output goes to files, which cannot fill up and block like a pipe.
     """
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for cmd in commands
-    ]
-    outputs: list[str] = []
+    logs = [log_dir / f"agent{i}.log" for i in range(len(commands))]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        for cmd, log in zip(commands, logs, strict=True):
+            with open(log, "wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=REPO,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + DEADLINE
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"torchrun did not finish within {DEADLINE:g} s: {proc.args}")
-            outputs.append(out)
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        outputs = [log.read_text(errors="replace") for log in logs]
         for proc, out in zip(procs, outputs, strict=True):
-            assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{out}"
+            if proc.returncode not in (None, 0):
+                pytest.fail(f"torchrun exited with {proc.returncode}: {proc.args}\n{out}")
+        for proc, out in zip(procs, outputs, strict=True):
+            if proc.returncode is None:
+                pytest.fail(f"torchrun still running after {DEADLINE:g} s: {proc.args}\n{out}")
             # A clean exit must leave nothing behind: no worker outlives its agent.
             assert _group_gone(proc.pid), f"processes left in the group of {proc.args}"
+        return outputs
     finally:
         for proc in procs:
             try:
@@ -97,7 +105,6 @@ def _run_agents(commands: list[list[str]]) -> list[str]:
             except ProcessLookupError:
                 pass  # the agent and all its workers are gone already
             proc.wait(5)
-    return outputs
 
 
 def _check_training(output: str, world_size: int) -> None:
@@ -111,14 +118,14 @@ def _check_training(output: str, world_size: int) -> None:
     assert len(set(digests.values())) == 1, f"replicas diverged: {digests}"
 
 
-def test_torchrun_single_node_two_workers() -> None:
+def test_torchrun_single_node_two_workers(tmp_path: Path) -> None:
     """``torchrun --standalone --nproc_per_node=2``: both workers train in lockstep."""
-    (out,) = _run_agents([[*TORCHRUN, "--standalone", "--nproc_per_node=2", *TRAIN]])
+    (out,) = _run_agents([[*TORCHRUN, "--standalone", "--nproc_per_node=2", *TRAIN]], tmp_path)
     _check_training(out, world_size=2)
     assert "2 ranks on cpu" in out  # rank 0 saw the world size torchrun gave it
 
 
-def test_torchrun_two_agents_form_a_two_node_job() -> None:
+def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     """Two agents, one worker each, meet at a c10d rendezvous and train as ranks 0 and 1."""
     # The test owns the rendezvous store, bound to a port the kernel chose (see the module
     # docstring); the agents are clients, so no process has to guess a free port.
@@ -142,7 +149,7 @@ def test_torchrun_two_agents_form_a_two_node_job() -> None:
         "--max-restarts=0",
         *TRAIN,
     ]
-    outputs = _run_agents([agent, agent])
+    outputs = _run_agents([agent, agent], tmp_path)
     # Each agent's output holds its own worker's lines; together they form the 2-rank job.
     _check_training("\n".join(outputs), world_size=2)
     ranks = [sorted(int(r) for r, _ in EPOCH_LINE.findall(out)) for out in outputs]
