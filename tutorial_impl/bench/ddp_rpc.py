@@ -25,7 +25,13 @@ import torch
 
 from tutorial_impl.bench import ddp_rpc_workers as workers
 from tutorial_impl.bench import report
-from tutorial_impl.bench.ddp_rpc_workers import HIDDEN, NUM_CLASSES, BenchConfig, run_worker
+from tutorial_impl.bench.ddp_rpc_workers import (
+    HIDDEN,
+    NUM_CLASSES,
+    OPTIMIZERS,
+    BenchConfig,
+    run_worker,
+)
 from tutorial_impl.bench.stats import Row, format_table, summarize
 from tutorial_impl.testing import ranks
 from tutorial_impl.testing.supervisor import RankError, run_ranks
@@ -83,62 +89,62 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m tutorial_impl bench ddp-rpc",
         description="PyTorch Distributed Benchmark (DDP and RPC): trainers look up embeddings "
         "on every parameter server and train a DDP-replicated MLP; epochs are timed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    # The original's option names are accepted too (--number-trainers, ...).
-    p.add_argument("--trainers", "--number-trainers", type=int, default=d.trainers)
-    p.add_argument("--parameter-servers", "--number-ps", type=int, default=d.parameter_servers)
-    p.add_argument(
+    add = p.add_argument
+    # Each dest is a BenchConfig field. The original's option names work too (--number-ps).
+    add("--trainers", "--number-trainers", type=int, default=d.trainers, help="trainers")
+    add(
+        "--parameter-servers",
+        "--number-ps",
+        type=int,
+        default=d.parameter_servers,
+        help="parameter servers, each with a whole table",
+    )
+    add(
         "--num-embeddings",
         "--number-embeddings",
         type=int,
         default=d.num_embeddings,
-        help="rows of the EmbeddingBag on each parameter server",
+        help="rows of the EmbeddingBag on each server",
     )
-    p.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
-    p.add_argument(
-        "--warmup",
-        "--warmup-cycles",
-        type=int,
-        default=d.warmup,
-        help="untimed epochs first (default %(default)s)",
-    )
-    p.add_argument("--epochs", type=int, default=d.epochs, help="timed epochs")
-    p.add_argument("--iterations", type=int, default=d.iterations, help="batches an epoch")
-    p.add_argument(
+    add("--embedding-dim", type=int, default=d.embedding_dim, help="columns of each table")
+    add("--warmup", "--warmup-cycles", type=int, default=d.warmup, help="untimed epochs first")
+    add("--epochs", type=int, default=d.epochs, help="timed epochs")
+    add("--iterations", type=int, default=d.iterations, help="batches an epoch")
+    add(
         "--batch-indices",
         dest="indices",
         nargs=2,
         type=int,
         default=d.indices,
         metavar=("MIN", "MAX"),
-        help="embedding indices in a batch, uniform in [MIN, MAX] (default 20 50)",
+        help="embedding indices in a batch, uniform in [MIN, MAX]",
     )
-    p.add_argument(
+    add(
         "--bag-size",
         dest="bag_size",
         nargs=2,
         type=int,
         default=d.bag_size,
         metavar=("MIN", "MAX"),
-        help="indices in one bag, uniform in [MIN, MAX] (default 1 10)",
+        help="indices in one bag (one sample), uniform in [MIN, MAX]",
     )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
-    p.add_argument(
+    add("--seed", type=int, default=d.seed, help="seeds the weights and every trainer's batches")
+    add("--device", choices=("cpu", "cuda"), default=d.device, help="where the MLPs run")
+    add(
         "--optimizer",
-        choices=("python", "torchscript"),
+        choices=tuple(OPTIMIZERS),
         default=d.optimizer,
         help="DistributedOptimizer's SGD on each owner: the original's TorchScript functional "
-        "SGD (default; compiled once per trainer on every server) or the plain Python one",
+        "SGD (compiled once per trainer on every server) or the plain Python one",
     )
-    p.add_argument(
-        "--rpc-threads", type=int, default=d.rpc_threads, help="TensorPipe worker threads"
-    )
-    p.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout, help="seconds per RPC")
-    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds for the whole run")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="box plot of epoch times (needs matplotlib)")
-    p.add_argument(
+    add("--rpc-threads", type=int, default=d.rpc_threads, help="TensorPipe threads a worker")
+    add("--rpc-timeout", type=float, default=d.rpc_timeout, help="seconds for any one RPC")
+    add("--timeout", type=float, default=d.timeout, help="seconds for the whole run")
+    add("--json", metavar="PATH", help="also write the results as JSON")
+    add("--plot", metavar="PATH", help="box plot of the epoch times (needs matplotlib)")
+    add(
         "--spawn-baseline",
         action="store_true",
         help="also time starting one fresh interpreter per worker, as mp.spawn does",

@@ -266,6 +266,9 @@ def run_worker(rank: int, world_size: int, cfg: BenchConfig, t0: float) -> dict[
     logging.getLogger("torch.distributed.optim.optimizer").addFilter(
         _DropRecord(NO_TORCHSCRIPT_LOG)  # we chose it knowingly (see PlainSGD)
     )
+    # A parameter server initialises its table itself (RemoteModule runs the constructor
+    # there), so each process seeds its own generator.
+    torch.manual_seed(cfg.seed * 1_000_003 + rank)
     name = worker_name(rank, cfg)
     if name != MASTER:  # the master says when everyone has joined
         _say(name, t0, "started; joining RPC")
@@ -304,7 +307,6 @@ def run_worker(rank: int, world_size: int, cfg: BenchConfig, t0: float) -> dict[
 def _run_master(cfg: BenchConfig, t0: float) -> dict[str, Any]:
     _say(MASTER, t0, f"all {cfg.world_size} workers joined RPC")
     joined = time.time()
-    torch.manual_seed(cfg.seed)
     remote_embs = [
         RemoteModule(
             f"{ps_name(j)}/cpu",
