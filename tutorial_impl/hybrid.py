@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -194,7 +195,10 @@ def run_master(
         try:
             reports[name] = fut.wait()
         except RuntimeError as exc:
-            failures.append(f"{name} failed: {exc}")
+            # A remote error arrives as text: where it happened, the error, the remote
+            # traceback. Keep the first two lines here; the master's log has the rest.
+            print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
+            failures.append(f"{name} failed: " + " ".join(str(exc).splitlines()[:2]))
     if failures:
         raise RuntimeError("training failed:\n" + "\n".join(failures))
     if config.verbose:
@@ -283,6 +287,7 @@ def filter_expected_warnings() -> None:
 def init_worker(rank: int, config: HybridConfig) -> str:
     """Join the trainers' process group (trainers only), then the RPC world."""
     config.check()
+    _outcome_known.clear()
     filter_expected_warnings()
     role, i = role_of(rank, config)
     if role == "trainer":
@@ -307,37 +312,83 @@ def init_worker(rank: int, config: HybridConfig) -> str:
     return name
 
 
-def shutdown_worker(config: HybridConfig) -> None:
-    """Leave RPC (waiting at most ``rpc_timeout`` for the others) and the trainers' group."""
+# How training ended, as the master announces it to every other worker (see run_worker).
+_outcome: dict[str, bool] = {}
+_outcome_known = threading.Event()
+
+
+def _receive_outcome(ok: bool) -> None:
+    """Runs on every worker but the master, called by the master over RPC."""
+    _outcome["ok"] = ok
+    _outcome_known.set()
+
+
+def announce_outcome(config: HybridConfig, ok: bool) -> None:
+    """The master tells everyone else whether training succeeded (bounded, best effort)."""
+    me = rpc.get_worker_info().name
+    others = [i.name for i in rpc._get_current_rpc_agent().get_worker_infos() if i.name != me]
+    futs = [
+        rpc.rpc_async(name, _receive_outcome, args=(ok,), timeout=config.rpc_timeout)
+        for name in others
+    ]
+    for fut in futs:
+        try:
+            fut.wait()
+        except RuntimeError:
+            pass  # a dead worker cannot hear it; the others still must
+
+
+def wait_for_outcome(config: HybridConfig) -> bool:
+    """Wait for the master's word; no word within the training deadline counts as failure."""
+    return _outcome_known.wait(config.train_timeout + config.rpc_timeout) and _outcome["ok"]
+
+
+def shutdown_worker(config: HybridConfig, graceful: bool = True) -> None:
+    """Leave RPC and, on a trainer, the trainers' group.
+
+    A graceful shutdown waits for every worker and settles every RRef with its owner: right
+    when all went well, but with a dead worker it would retry messages to it for minutes.
+    After a failure we therefore leave locally (``graceful=False``).
+    """
     try:
-        rpc.shutdown(graceful=True, timeout=config.rpc_timeout)
+        rpc.shutdown(graceful=graceful, timeout=config.rpc_timeout)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_worker(
-    rank: int, world_size: int, config: HybridConfig, trainer_fn: Callable[..., Any] | None = None
+    rank: int,
+    world_size: int,
+    config: HybridConfig,
+    trainer_fn: Callable[..., Any] | None = None,
+    **emb_kwargs: Any,
 ) -> dict[str, Any]:
-    """One process of the hybrid world; the master's result holds every trainer's report."""
+    """One process of the hybrid world; the master's result holds every trainer's report.
+
+    As in the tutorial, only the master has work of its own: trainers and servers answer
+    RPCs until the master says how training ended. That word decides how they leave.
+    """
     if world_size != config.world_size:
         raise ValueError(
             f"{config.trainers} trainers + 1 master + {config.parameter_servers} parameter "
             f"servers need {config.world_size} processes, not {world_size}"
         )
     name = init_worker(rank, config)
-    failed = True
+    result: dict[str, Any] = {"name": name, "pid": os.getpid()}
+    ok = False
     try:
-        result = {"name": name, "pid": os.getpid()}
         if name == MASTER:
-            result.update(run_master(config, trainer_fn))
-        failed = False
+            try:
+                result.update(run_master(config, trainer_fn, **emb_kwargs))
+                ok = True
+            finally:
+                announce_outcome(config, ok)
+        else:
+            ok = wait_for_outcome(config)
+            result["training_ok"] = ok
     finally:
-        try:
-            shutdown_worker(config)
-        except RuntimeError:
-            if not failed:  # else the first error is the one worth reporting
-                raise
+        shutdown_worker(config, graceful=ok)
     return result
 
 

@@ -9,6 +9,7 @@ replaced, by one that takes a single step in a fixed order and reports what it s
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from typing import Any
@@ -25,7 +26,6 @@ from tutorial_impl.hybrid import (
     check_worker,
     init_worker,
     role_of,
-    run_master,
     run_worker,
     shutdown_worker,
     trainer_generator,
@@ -166,25 +166,27 @@ DEATH_EXIT_CODE = 17
 class DyingEmbeddingBag(nn.EmbeddingBag):
     """An ``EmbeddingBag`` whose process dies (``os._exit``) on its ``die_after``-th lookup."""
 
-    def __init__(self, *args: Any, die_after: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, die_after: int, death_note: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.die_after = die_after
+        self.death_note = death_note  # a file that receives the time of death
         self.lookups = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.lookups += 1
         if self.lookups >= self.die_after:
+            with open(self.death_note, "w") as f:
+                f.write(repr(time.time()))
             os._exit(DEATH_EXIT_CODE)  # no reply, no goodbye: like a machine that fails
         return super().forward(*args, **kwargs)
 
 
-def _serve_until_death(rank: int, config: HybridConfig, pid_dir: str) -> None:
+def _serve_until_death(rank: int, world_size: int, config: HybridConfig, pid_dir: str) -> None:
     """The body of the forked parameter server (never returns)."""
     code = 1
     try:
         proctable.record_self(pid_dir, "ps0-child")
-        init_worker(rank, config)
-        shutdown_worker(config)  # serves lookups until the fatal one
+        run_worker(rank, world_size, config)  # serves lookups until the fatal one
         code = 0
     except BaseException:  # noqa: BLE001 - report whatever it was, then leave
         traceback.print_exc()
@@ -200,37 +202,34 @@ def dying_ps_worker(
     The harness fails fast: a *rank* that dies ends the whole run with ``RankCrashed``
     before anyone else can report. So the dying server is not a rank but a child the last
     rank forks before any thread or RPC exists; that rank only waits for it. The master and
-    the trainers are ordinary ranks, and each reports how it failed and how long it took.
+    the trainers are ordinary ranks, and each reports how it ended and how long it took.
     """
     proctable.record_self(pid_dir, f"rank{rank}")
-    role, _ = role_of(rank, config)
-    if role == "ps":
+    if role_of(rank, config)[0] == "ps":
         pid = os.fork()
         if pid == 0:
-            _serve_until_death(rank, config, pid_dir)
-        deadline = time.monotonic() + config.train_timeout
+            _serve_until_death(rank, world_size, config, pid_dir)
+        deadline = time.monotonic() + config.train_timeout + 2 * config.rpc_timeout
         while time.monotonic() < deadline:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 return {"name": "ps host", "child_exit": os.waitstatus_to_exitcode(status)}
             time.sleep(0.05)
-        os.kill(pid, 9)
+        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         return {"name": "ps host", "child_exit": None}
-    name = init_worker(rank, config)
-    report: dict[str, Any] = {"name": name}
-    start = time.monotonic()
-    if name == "master":
-        try:
-            run_master(config, module_cls=DyingEmbeddingBag, die_after=die_after)
-            report["error"] = None
-        except RuntimeError as exc:
-            report["error"] = str(exc)
-        report["seconds"] = time.monotonic() - start
+    death_note = os.path.join(pid_dir, "death-time")
     try:
-        shutdown_worker(config)  # gives up on the dead server after rpc_timeout
-        report["shutdown_error"] = None
+        report = run_worker(
+            rank,
+            world_size,
+            config,
+            module_cls=DyingEmbeddingBag,
+            die_after=die_after,
+            death_note=death_note,
+        )
+        report["error"] = None
     except RuntimeError as exc:
-        report["shutdown_error"] = str(exc)
-    report["shutdown_seconds"] = time.monotonic() - start - report.get("seconds", 0.0)
+        report = {"name": "master", "error": str(exc), "error_time": time.time()}
+    report["end_time"] = time.time()  # after rpc.shutdown and destroy_process_group
     return report
