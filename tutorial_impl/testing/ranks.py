@@ -65,7 +65,8 @@ def context() -> Any:
     if _context is None:
         ctx = mp.get_context("forkserver")
         # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
-        ctx.set_forkserver_preload(list(_preload))
+        # ``forkserver_ready`` goes last: it freezes everything the others imported.
+        ctx.set_forkserver_preload([*_preload, "tutorial_impl.testing.forkserver_ready"])
         _context = ctx
     return _context
 
