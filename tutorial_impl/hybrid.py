@@ -142,6 +142,7 @@ def check_worker(name: str) -> rpc.WorkerInfo:
 
 
 def trainer_device(i: int, config: HybridConfig) -> torch.device:
+    """CPU, or trainer i's own GPU (round-robin when there are fewer GPUs than trainers)."""
     if config.device == "cuda":
         return torch.device("cuda", i % torch.cuda.device_count())
     return torch.device("cpu")
@@ -245,7 +246,7 @@ def _run_trainer(
         epoch_losses.append(sum(losses) / max(len(losses), 1))
         if config.verbose:
             print(f"Trainer {rank} - Epoch {epoch} - Loss: {epoch_losses[-1]:.4f}", flush=True)
-    return {"losses": epoch_losses}
+    return {"losses": epoch_losses, "device": str(model.device)}
 
 
 # --- Every worker ----------------------------------------------------------------------
@@ -433,17 +434,22 @@ def main(argv: list[str] | None = None) -> int:
     if under_torchrun():
         run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
         return 0
-    from tutorial_impl.testing.supervisor import run_ranks
+
+    from tutorial_impl.testing.supervisor import RankError, run_ranks
 
     start = time.perf_counter()
-    run_ranks(
-        run_worker,
-        config,
-        world_size=config.world_size,
-        backend=None,
-        timeout=args.timeout + 2 * args.rpc_timeout,
-        stream=sys.stdout,
-        stream_prefix=False,
-    )
+    try:
+        run_ranks(
+            run_worker,
+            config,
+            world_size=config.world_size,
+            backend=None,
+            timeout=args.timeout + 2 * args.rpc_timeout,
+            stream=sys.stdout,
+            stream_prefix=False,
+        )
+    except RankError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"{config.world_size} processes, {time.perf_counter() - start:.1f} s")
     return 0
