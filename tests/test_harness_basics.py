@@ -51,6 +51,16 @@ def test_arguments_and_output_reach_every_rank():
     assert results.outputs == ["rank 0 got 2 args\n", "rank 1 got 2 args\n"]
 
 
+def test_ranks_see_the_environment_of_the_call(run_ranks, monkeypatch):
+    """A variable the test sets now (after the forkserver started with an older copy of
+    the environment) reaches the ranks, and ``env=`` adds more for this call only."""
+    monkeypatch.setenv("HARNESS_PROBE", "set by the test")
+    assert run_ranks(sr.getenv, "HARNESS_PROBE") == ["set by the test"] * 2
+    assert run_ranks(sr.getenv, "EXTRA", env={"EXTRA": "per call"}) == ["per call"] * 2
+    monkeypatch.delenv("HARNESS_PROBE")
+    assert run_ranks(sr.getenv, "HARNESS_PROBE") == [None, None]  # and removals too
+
+
 @pytest.mark.parametrize("how", ["env", "tcp"])
 def test_backend_none_leaves_the_group_to_the_function(run_ranks, how):
     """backend=None: no group exists when the function starts; it can join one itself

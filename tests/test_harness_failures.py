@@ -129,6 +129,7 @@ _in_main.__module__ = "__main__"  # as if defined in a script run with `python s
     [
         ({"world_size": 0}, ValueError, "world_size must be a positive integer, got 0"),
         ({"world_size": "2"}, ValueError, "world_size must be a positive integer"),
+        ({"world_size": True}, ValueError, "world_size must be a positive integer"),
         ({"init_method": "udp"}, ValueError, "unknown init method 'udp'"),
         ({"backend": "glooo"}, ValueError, "unknown backend 'glooo'"),
         ({"backend": "cpu:glo"}, ValueError, "unknown backend 'cpu:glo'"),

@@ -88,6 +88,9 @@ class RankSpec:
     tmp_dir: str | None = None
     timeout: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # The parent's environment at the call (the forkserver's dates from its start, so a
+    # variable a test set since then would otherwise be missing in its ranks).
+    parent_env: dict[str, str] | None = None
 
 
 def function_ref(fn: Callable[..., Any]) -> tuple[str, str]:
@@ -205,6 +208,9 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stacks, all_threads=True)  # segfaults, aborts
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the deadline
+    if spec.parent_env is not None:
+        os.environ.clear()
+        os.environ.update(spec.parent_env)
     os.environ.update(spec.env)
     torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
 

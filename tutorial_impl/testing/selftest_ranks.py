@@ -67,6 +67,10 @@ def init_itself(rank: int, world_size: int, how: str) -> dict[str, object]:
     }
 
 
+def getenv(rank: int, world_size: int, name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def report_env(rank: int, world_size: int) -> dict[str, object]:
     """What the rank sees of its world: group state, env vars, threads."""
     return {

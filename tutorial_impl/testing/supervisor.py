@@ -212,7 +212,7 @@ def run_ranks(
     ``RankTimeout`` or ``RankSkipped``. ``stream`` relays the ranks' output while they run.
     """
     __tracebackhide__ = True
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if init_method not in INIT_METHODS:
         raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
@@ -246,6 +246,7 @@ def run_ranks(
                 init_method=init_method,
                 tmp_dir=str(work),
                 timeout=timeout,
+                parent_env=dict(os.environ),
             )
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_ranks.rank_main, args=(spec, writer), daemon=True)
