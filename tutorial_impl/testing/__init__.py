@@ -2,8 +2,12 @@
 
 ``rendezvous``  race-free stores and init methods (the parent owns the store)
 ``ranks``       starting rank processes fast (forkserver) and the rank's own main
+``forkserver_init`` / ``forkserver_ready``  run inside the forkserver only: no main-script
+                re-runs in ranks, rank groups killed when the server exits, heap frozen
 ``supervisor``  ``run_ranks``: waiting with deadlines, fail-fast, stack dumps, no orphans
 ``plugin``      pytest glue: markers, options, the ``run_ranks`` fixture, collection skips
+``proctable``   "is that process really gone?" asked of the kernel, for leak tests
+``selftest_ranks``  rank functions the harness's own tests use (one per way a rank ends)
 """
 
 from tutorial_impl.testing.supervisor import (
