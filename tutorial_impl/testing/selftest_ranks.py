@@ -36,6 +36,14 @@ def all_reduce_value(rank: int, world_size: int, base: int) -> int:
     return int(t.item())
 
 
+def all_reduce_cuda(rank: int, world_size: int) -> tuple[float, int, str]:
+    """NCCL: each rank reduces a tensor on its own GPU (the harness chose it before init)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([float(rank + 1)], device=device)
+    dist.all_reduce(t)
+    return t.item(), device.index, dist.get_backend()
+
+
 def echo(rank: int, world_size: int, *args: object, **kwargs: object) -> tuple:
     """Return what the rank received, to prove arguments travel to every rank intact."""
     print(f"rank {rank} got {len(args)} args")
