@@ -98,18 +98,3 @@ def test_demo_prints_the_tutorial_line(run_ranks):
         assert values["tutorial"] == values["ring"] == values["all_reduce"]
         assert values["all_reduce"] == [10.0, 12.0, 14.0, 16.0, 18.0]
         assert f"Rank  {rank}  has data  tensor(10.)" in out.splitlines()
-
-
-@pytest.mark.gpu(2)
-@pytest.mark.backend("nccl")
-def test_rings_on_nccl_with_cuda_tensors(run_ranks):
-    cases = [
-        ((0,), torch.float32, False),
-        ((7,), torch.float32, False),
-        ((3, 5), torch.int64, True),
-    ]
-    results = run_ranks(ring.compare_cases, cases)
-    for i, (shape, dtype, transposed) in enumerate(cases):
-        for got in (results[0][i], results[1][i]):
-            assert_same(got["ring"], expected_sum(2, shape, dtype, transposed), dtype)
-            assert_same(got["tutorial"], expected_sum(2, shape, dtype, transposed), dtype)

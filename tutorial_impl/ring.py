@@ -29,7 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args, rank_device
+from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args
 from tutorial_impl.testing.supervisor import RankError
 
 # gloo moves its own allreduce in segments of at most 1 MiB; we do the same, so the sum of one
@@ -37,6 +37,19 @@ from tutorial_impl.testing.supervisor import RankError
 SEGMENT_BYTES = 1 << 20
 _TAG_STRIDE = 1 << 16  # tags per ring step: room for 64 Ki segments in one chunk
 _CHECK_TAG = (1 << 31) - 1  # the layout check's messages; far above any ring tag
+
+
+def require_gloo() -> None:
+    """The rings are CPU exercises on gloo's point-to-point messages.
+
+    On NCCL a send and a receive between the same two ranks share one CUDA stream, so two
+    ranks that both send before they receive (as a ring of two does) can wait on each other
+    forever. Refusing is better than a hang; NCCL's own all_reduce is a ring already.
+    """
+    if dist.get_backend() != "gloo":
+        raise ValueError(
+            f"the ring allreduces run on the gloo backend (CPU tensors), not {dist.get_backend()}"
+        )
 
 
 def describe(t: torch.Tensor) -> str:
@@ -57,8 +70,7 @@ def check_same_layout(send: torch.Tensor, recv: torch.Tensor | None = None) -> N
     rank, size = dist.get_rank(), dist.get_world_size()
     signature = [zlib.crc32(describe(send).encode()), int(bool(local_problem))]
     if size > 1:
-        # On the tensor's own device, so the check works on NCCL too.
-        mine = torch.tensor(signature, device=send.device)
+        mine = torch.tensor(signature)
         theirs = {peer: torch.empty_like(mine) for peer in range(size) if peer != rank}
         reqs = [dist.isend(mine, peer, tag=_CHECK_TAG) for peer in theirs]
         reqs += [dist.irecv(t, peer, tag=_CHECK_TAG) for peer, t in theirs.items()]
@@ -82,6 +94,7 @@ def allreduce(send: torch.Tensor, recv: torch.Tensor, *, check: bool = True) -> 
     Faithful to the tutorial, with one change: the buffers are made contiguous, because gloo
     refuses to send a non-contiguous tensor (``clone`` keeps a transposed layout).
     """
+    require_gloo()
     if check:
         check_same_layout(send, recv)
     rank = dist.get_rank()
@@ -125,6 +138,7 @@ def ring_allreduce(
     size, integer or floating dtypes, non-contiguous tensors.
     """
     recv = send if recv is None else recv
+    require_gloo()
     if check:
         check_same_layout(send, recv)
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -273,7 +287,7 @@ def compare_cases(
     """
     out = []
     for shape, dtype, transposed in cases:
-        send = case_input(rank, shape, dtype, transposed).to(rank_device())
+        send = case_input(rank, shape, dtype, transposed)
         before = send.clone()
         tutorial = torch.empty_like(send)  # same strides as send: non-contiguous recv too
         allreduce(send, tutorial)
@@ -283,10 +297,10 @@ def compare_cases(
         dist.all_reduce(reference)
         out.append(
             {
-                "tutorial": tutorial.cpu(),
-                "ring": ring.cpu(),
-                "in_place": in_place.cpu(),
-                "all_reduce": reference.cpu(),
+                "tutorial": tutorial,
+                "ring": ring,
+                "in_place": in_place,
+                "all_reduce": reference,
                 "send_unchanged": torch.equal(send, before),
             }
         )
