@@ -112,23 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup", "--warmup-cycles", type=int, default=d.warmup, help="untimed epochs first")
     add("--epochs", type=int, default=d.epochs, help="timed epochs")
     add("--iterations", type=int, default=d.iterations, help="batches an epoch")
+    # The batch shape: two uniform ranges, as in the original's batch generator.
+    shape = {"nargs": 2, "type": int, "metavar": ("MIN", "MAX")}
     add(
         "--batch-indices",
         dest="indices",
-        nargs=2,
-        type=int,
         default=d.indices,
-        metavar=("MIN", "MAX"),
-        help="embedding indices in a batch, uniform in [MIN, MAX]",
+        help="indices in a batch, uniform in [MIN, MAX]",
+        **shape,
     )
     add(
         "--bag-size",
-        dest="bag_size",
-        nargs=2,
-        type=int,
         default=d.bag_size,
-        metavar=("MIN", "MAX"),
-        help="indices in one bag (one sample), uniform in [MIN, MAX]",
+        help="indices in a bag (a sample), uniform in [MIN, MAX]",
+        **shape,
     )
     add("--seed", type=int, default=d.seed, help="seeds the weights and every trainer's batches")
     add("--device", choices=("cpu", "cuda"), default=d.device, help="where the MLPs run")
