@@ -12,8 +12,9 @@ wrong, so here are the rules this module keeps:
 * **Every wait has a deadline.** When it expires, each live rank gets SIGUSR1, which its
   ``faulthandler`` answers by writing the Python stack of every thread; we put those stacks in
   the error, then kill the ranks.
-* **Nothing outlives the call.** A ``finally`` kills every rank's process group and reaps it,
-  whatever happened, Ctrl-C included; see ``ranks.py`` for the case where *we* are killed.
+* **Nothing outlives the call.** A ``finally`` sends SIGKILL to every rank's process group
+  (the rank and anything it started), whatever happened, Ctrl-C included; see
+  ``forkserver_init.py`` for the case where *we* are killed.
 """
 
 from __future__ import annotations
@@ -122,12 +123,15 @@ def _kill(r: _Rank) -> None:
         _kill_pid(r.process.pid)
 
 
-def _reap(ranks: list[_Rank]) -> None:
-    """Collect the exit status of ranks that were sent SIGKILL (no zombies left behind)."""
+def _release(ranks: list[_Rank]) -> None:
+    """Let go of ranks that have been sent SIGKILL.
+
+    SIGKILL cannot be caught or ignored: from here on a rank runs no more code, and the
+    kernel tears it down. Its parent, the forkserver, reaps it. Waiting here for each exit
+    would only add the milliseconds a torch-sized process takes to unmap to every test.
+    """
     for r in ranks:
-        r.process.join(5.0)
-        if r.process.exitcode is not None:  # else: stuck in the kernel; atexit tries again
-            _live.pop(r.process.pid, None)
+        _live.pop(r.process.pid, None)
         r.conn.close()
 
 
@@ -260,7 +264,7 @@ def run_ranks(
         # killed) or no longer needed: kill them all, then collect their exit statuses.
         for r in started:
             _kill(r)
-        _reap(started)
+        _release(started)
         store.close()
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
