@@ -157,7 +157,9 @@ def _die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this rank when its parent (the forkserver) dies.
 
     The forkserver exits as soon as the pytest process that owns it is gone, even after a
-    SIGKILL, so this chain guarantees no rank outlives a killed test run.
+    SIGKILL (once ranks have released its "alive" pipe), killing the ranks' process groups
+    on its way out (``forkserver_init``); this is the backstop for a rank that was still
+    starting then. ``parent`` is the pid read before prctl, to close the race.
     """
     if not sys.platform.startswith("linux"):
         return
