@@ -185,6 +185,21 @@ def test_a_run_past_its_deadline_fails_cleanly(capsys):
     assert "benchmark failed" in err and "deadline of 4 s" in err
 
 
+def test_gpu_topology_is_shown_only_where_nvidia_smi_exists(tmp_path, monkeypatch):
+    monkeypatch.setattr(report.shutil, "which", lambda name: None)
+    assert "nvidia-smi" not in report.info_section()
+    # A stand-in nvidia-smi: its output goes under the topology heading...
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU0 X NV2'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(report.shutil, "which", lambda name: str(fake))
+    info = report.info_section()
+    assert "nvidia-smi topo -m" in info and "GPU0 X NV2" in info
+    # ...and a broken one is reported in a line, not raised.
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    assert "nvidia-smi topo -m failed" in report.info_section()
+
+
 def test_plot_draws_one_box_per_trainer(tmp_path):
     pytest.importorskip("matplotlib")  # optional: the benchmark runs without it
     path = tmp_path / "epochs.png"

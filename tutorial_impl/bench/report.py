@@ -8,6 +8,7 @@ imported when a plot is asked for.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import torch
 def info_section() -> str:
     """PyTorch and CUDA versions, and the GPU topology when ``nvidia-smi`` is there."""
     lines = ["---------- Info ----------", "", f"* PyTorch version: {torch.__version__}"]
+    lines.append(f"* CPU cores: {os.cpu_count()}")
     if torch.version.cuda:
         lines.append(f"* CUDA version: {torch.version.cuda}")
         lines.append(f"* GPUs visible: {torch.cuda.device_count()}")
