@@ -17,7 +17,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "collectives": ("tutorial_impl.collectives", "3. all_reduce with every ReduceOp, groups, ..."),
     "train": ("tutorial_impl.sgd", "4. distributed synchronous SGD on MNIST-shaped data"),
     "ring": ("tutorial_impl.ring", "4.5 the tutorial's ring allreduce and a bandwidth-optimal one"),
-    "hybrid": ("tutorial_impl.hybrid", "DDP + RPC: trainers, master and a parameter server"),
+    "hybrid": ("tutorial_impl.hybrid", "DDP + RPC: DDP trainers, a master, parameter servers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "harness": ("tutorial_impl.bench.harness", "per-test overhead: harness vs mp.spawn"),

@@ -19,18 +19,20 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 
-from tutorial_impl.hybrid import (
+from tutorial_impl.hybrid import _setup_trainer, run_worker
+from tutorial_impl.hybrid_model import (
     DATASETS,
+    ShardedEmbeddingBag,
+    get_next_batch,
+    trainer_generator,
+)
+from tutorial_impl.hybrid_world import (
     HybridConfig,
-    _setup_trainer,
     check_worker,
     init_worker,
     role_of,
-    run_worker,
     shutdown_worker,
-    trainer_generator,
 )
-from tutorial_impl.hybrid_model import ShardedEmbeddingBag, get_next_batch
 from tutorial_impl.testing import proctable
 
 

@@ -16,7 +16,7 @@ regenerate the very batches a trainer used.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -80,6 +80,12 @@ def get_learnable_batch(
         bag_of_index = torch.bucketize(torch.arange(len(indices)), offsets, right=True) - 1
         rows = torch.randint(0, block, (len(indices),), generator=generator)
         yield target[bag_of_index] * block + rows, offsets, target
+
+
+DATASETS: dict[str, Callable[..., Iterator[Batch]]] = {
+    "tutorial": get_next_batch,  # random labels, as in the tutorial
+    "learnable": get_learnable_batch,  # labels a linear model can learn
+}
 
 
 def shard_bounds(num_embeddings: int, num_shards: int) -> list[tuple[int, int]]:
