@@ -18,6 +18,7 @@ import pytest
 
 from tutorial_impl import hybrid
 from tutorial_impl.hybrid import HybridConfig, run_worker
+from tutorial_impl.hybrid_checks import TEST_DEADLINES
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"^Trainer (\d+) - Epoch (\d+) - Loss: (\d+\.\d+)$", re.MULTILINE)
@@ -33,7 +34,8 @@ def _check_output(out: str, trainers: int, epochs: int) -> None:
 
 
 def test_cli_runs_the_tutorial_on_local_ranks(capsys):
-    assert hybrid.main(["--epochs", "2", "--batches", "3", "--seed", "3"]) == 0
+    argv = ["--epochs", "2", "--batches", "3", "--seed", "3", "--rpc-timeout", "15"]
+    assert hybrid.main([*argv, "--timeout", "30"]) == 0
     out = capsys.readouterr().out
     _check_output(out, trainers=2, epochs=2)
     assert "4 processes" in out
@@ -79,7 +81,9 @@ def test_same_code_under_torchrun(tmp_path):
 
 
 def _gpu_run(run_ranks, trainers: int) -> None:
-    config = HybridConfig(trainers, 1, epochs=1, batches=2, device="cuda", verbose=False)
+    config = HybridConfig(
+        trainers, 1, epochs=1, batches=2, device="cuda", verbose=False, **TEST_DEADLINES
+    )
     results = run_ranks(run_worker, config, world_size=config.world_size, backend=None)
     reports = results[trainers]["trainers"]
     # Each trainer's fc on its own GPU; the table stayed on the servers' CPU (it was

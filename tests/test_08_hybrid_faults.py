@@ -12,13 +12,14 @@ from tutorial_impl import hybrid
 from tutorial_impl.hybrid import HybridConfig
 from tutorial_impl.hybrid_checks import (
     DEATH_EXIT_CODE,
+    TEST_DEADLINES,
     bad_index_worker,
     dying_ps_worker,
     unknown_worker_check,
 )
 from tutorial_impl.testing import proctable
 
-RPC_TIMEOUT = 5.0
+RPC_TIMEOUT = 10.0  # short, yet far above any healthy RPC here, even on a loaded machine
 
 
 @pytest.mark.rank_timeout(60)
@@ -68,7 +69,7 @@ def test_indices_outside_the_table_are_refused(run_ranks):
     """Out-of-range rows raise on the trainer before any lookup is sent. With the table split
     over two servers this matters: each shard keeps only its own rows, so index 100 would
     otherwise be dropped silently. Afterwards a normal step still works on both trainers."""
-    config = HybridConfig(2, 2, verbose=False, rpc_timeout=20)
+    config = HybridConfig(2, 2, verbose=False, **TEST_DEADLINES)
     results = run_ranks(bad_index_worker, config, world_size=config.world_size, backend=None)
     for name, seen in results[2]["trainers"].items():
         assert seen["errors"]["past_end"] == (
@@ -81,7 +82,7 @@ def test_indices_outside_the_table_are_refused(run_ranks):
 
 
 def test_unknown_worker_name(run_ranks):
-    config = HybridConfig(2, 1, verbose=False, rpc_timeout=20)
+    config = HybridConfig(2, 1, verbose=False, **TEST_DEADLINES)
     results = run_ranks(
         unknown_worker_check, config, "ps7", world_size=config.world_size, backend=None
     )

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 
 from tutorial_impl.hybrid import HybridConfig, run_worker
-from tutorial_impl.hybrid_checks import twin_worker
+from tutorial_impl.hybrid_checks import TEST_DEADLINES, twin_worker
 
 SEED = 7
 
 
 def test_twin_examples_cancel_in_ddp_but_not_in_the_table(run_ranks):
-    config = HybridConfig(2, 1, seed=SEED, verbose=False, rpc_timeout=20)
+    config = HybridConfig(2, 1, seed=SEED, verbose=False, **TEST_DEADLINES)
     results = run_ranks(twin_worker, config, world_size=config.world_size, backend=None)
     assert [r["name"] for r in results] == ["trainer0", "trainer1", "master", "ps0"]
     report = results[2]
@@ -58,7 +58,7 @@ def test_training_lowers_the_loss(run_ranks):
     """Labels a linear model can learn (a bag of class c holds rows of block c only), two
     trainers, the table over two servers: four epochs must cut every trainer's loss."""
     config = HybridConfig(
-        2, 2, epochs=4, batches=5, data="learnable", seed=SEED, verbose=False, rpc_timeout=20
+        2, 2, epochs=4, batches=5, data="learnable", seed=SEED, verbose=False, **TEST_DEADLINES
     )
     results = run_ranks(run_worker, config, world_size=config.world_size, backend=None)
     assert [r["name"] for r in results] == ["trainer0", "trainer1", "master", "ps0", "ps1"]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tutorial_impl.hybrid import HybridConfig
-from tutorial_impl.hybrid_checks import probe_worker
+from tutorial_impl.hybrid_checks import TEST_DEADLINES, probe_worker
 from tutorial_impl.testing.supervisor import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -65,9 +65,9 @@ def probe() -> Callable[[int, int], dict]:
 
     def run(trainers: int, servers: int) -> dict:
         if (trainers, servers) not in _runs:
-            config = HybridConfig(trainers, servers, seed=SEED, verbose=False, rpc_timeout=20)
+            config = HybridConfig(trainers, servers, seed=SEED, verbose=False, **TEST_DEADLINES)
             results = run_ranks(
-                probe_worker, config, world_size=config.world_size, backend=None, timeout=60
+                probe_worker, config, world_size=config.world_size, backend=None, timeout=90
             )
             # Every rank ran its role and came back, not just the master.
             names = [r["name"] for r in results]

@@ -35,6 +35,11 @@ from tutorial_impl.hybrid_world import (
 )
 from tutorial_impl.testing import proctable
 
+# The worlds the tests start keep every deadline of their own (an RPC, a whole training
+# run, the wait for the master's word) below the harness's 60 s: a stuck world then fails
+# with our error naming what it waited for, before the harness has to kill it.
+TEST_DEADLINES = {"rpc_timeout": 15.0, "train_timeout": 30.0}
+
 
 def _fc_state(model: Any) -> list[torch.Tensor]:
     return [p.detach().cpu().clone() for p in model.fc.module.parameters()]  # weight, bias
