@@ -95,8 +95,11 @@ def role_of(rank: int, config: HybridConfig) -> tuple[str, int]:
 
 
 def worker_name(rank: int, config: HybridConfig) -> str:
+    """The RPC name of a rank: ``trainer{i}``, ``master`` or ``ps{j}``."""
     role, i = role_of(rank, config)
-    return {"trainer": trainer_name, "ps": ps_name}.get(role, lambda _: MASTER)(i)
+    if role == "trainer":
+        return trainer_name(i)
+    return ps_name(i) if role == "ps" else MASTER
 
 
 def check_worker(name: str) -> rpc.WorkerInfo:
