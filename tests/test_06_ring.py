@@ -56,7 +56,7 @@ def test_both_rings_equal_all_reduce(run_ranks, world_size):
             got = results[rank][i]
             # gloo's all_reduce agrees with the closed form: the reference is sound.
             assert_same(got["all_reduce"], want, dtype)
-            for name in ("tutorial", "ring", "in_place"):
+            for name in ("tutorial", "ring", "in_place", "unchecked"):
                 assert_same(got[name], want, dtype)
             # allreduce(send, recv) must leave send alone.
             assert got["send_unchanged"], (rank, shape, dtype)

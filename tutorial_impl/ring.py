@@ -276,8 +276,9 @@ def compare_cases(
 ) -> list[dict[str, object]]:
     """Run both rings and ``dist.all_reduce`` on every case, all in one process group.
 
-    A case is ``(shape, dtype, transposed)``. The bandwidth-optimal ring runs twice: into a
-    separate ``recv`` (``send`` must stay untouched) and in place.
+    A case is ``(shape, dtype, transposed)``. The bandwidth-optimal ring runs three times: into
+    a separate ``recv`` (``send`` must stay untouched), in place, and in place without the
+    layout check.
     """
     out = []
     for shape, dtype, transposed in cases:
@@ -287,6 +288,7 @@ def compare_cases(
         allreduce(send, tutorial)
         ring = ring_allreduce(send, torch.empty_like(send), segment_bytes=segment_bytes)
         in_place = ring_allreduce(send.clone(), segment_bytes=segment_bytes)
+        unchecked = ring_allreduce(send.clone(), segment_bytes=segment_bytes, check=False)
         reference = send.clone()
         dist.all_reduce(reference)
         out.append(
@@ -294,6 +296,7 @@ def compare_cases(
                 "tutorial": tutorial,
                 "ring": ring,
                 "in_place": in_place,
+                "unchecked": unchecked,
                 "all_reduce": reference,
                 "send_unchanged": torch.equal(send, before),
             }
