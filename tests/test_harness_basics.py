@@ -32,6 +32,9 @@ def test_each_rank_sees_its_place_in_the_world(run_ranks):
     assert {r["backend"] for r in results} == {"gloo"}
     assert {r["threads"] for r in results} == {1}  # no oversubscription on a small machine
     assert len({r["pid"] for r in results}) == 4  # four distinct processes, not one
+    # torch's objects, inherited from the forkserver, are frozen out of the rank's garbage
+    # collections (a full collection would otherwise copy ~100 MB of shared pages per rank)
+    assert min(r["frozen_objects"] for r in results) > 100_000
 
 
 @pytest.mark.parametrize("init_method", ["env", "tcp", "file"])

@@ -88,6 +88,7 @@ def report_env(rank: int, world_size: int) -> dict[str, object]:
         "env_rank": os.environ.get("RANK"),
         "threads": torch.get_num_threads(),
         "pid": os.getpid(),
+        "frozen_objects": __import__("gc").get_freeze_count(),
     }
 
 
