@@ -100,3 +100,26 @@ def test_init_method_option_reaches_the_fixture(pytester, option):
     pytester.makepyfile(INIT_METHOD_SPY.format(expected=option or "env"))
     args = ["-p", "no:cacheprovider"] + ([f"--init-method={option}"] if option else [])
     pytester.runpytest(*args).assert_outcomes(passed=1)
+
+
+SCRIPT_WITHOUT_GUARD = """
+from tutorial_impl.testing import run_ranks, selftest_ranks as sr
+print("result", run_ranks(sr.all_reduce_rank, world_size=2))
+"""
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_works(tmp_path):
+    """multiprocessing normally re-runs the parent's main script in every child; a script
+    that calls run_ranks at module level (no ``if __name__ == "__main__":``) would then call
+    it again inside each rank and every rank would die. Ranks skip that re-run."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "demo.py"
+    script.write_text(SCRIPT_WITHOUT_GUARD)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "result [3.0, 3.0]"  # printed once: the script ran once
