@@ -81,15 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     add_launch_arguments(parser)
     parser.add_argument("--init-method", choices=INIT_METHODS, default="env")
     args = parse_launch_args(parser, argv)
+    if under_torchrun():
+        # torchrun started us: one rank here, the others elsewhere, all with the same
+        # environment. A file:// rendezvous needs a fresh file that every rank sees, which
+        # torchrun has no way to hand out, so only env:// and tcp:// make sense here.
+        if args.init_method == "file":
+            parser.error("under torchrun use --init-method env or tcp (file:// needs a fresh file)")
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        join_with(rank, size, args.init_method, tempfile.gettempdir(), args.backend)
+        return 0
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as shared_dir:
-        if under_torchrun():
-            # torchrun started us: one rank here, the others elsewhere. A file:// rendezvous
-            # then needs a directory that all of them see; on one machine, the temp dir does.
-            shared = os.path.join(tempfile.gettempdir(), os.environ["TORCHELASTIC_RUN_ID"])
-            os.makedirs(shared, exist_ok=True)
-            rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            join_with(rank, size, args.init_method, shared, args.backend)
-            return 0
         try:
             run_ranks(
                 join_with,

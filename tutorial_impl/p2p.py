@@ -14,12 +14,19 @@ tutorial's program and prints exactly its lines::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args, rank_device
+from tutorial_impl.launch import (
+    add_launch_arguments,
+    launch,
+    parse_launch_args,
+    rank_device,
+    under_torchrun,
+)
 from tutorial_impl.testing.supervisor import RankError
 
 
@@ -108,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(MODES) if args.mode == "both" else [args.mode]
     try:
         for mode in modes:
-            print(f"--- {mode} ---", flush=True)
+            if os.environ.get("RANK", "0") == "0" or not under_torchrun():
+                print(f"--- {mode} ---", flush=True)
             launch(MODES[mode], args.world_size, args.backend, args.timeout)
     except RankError as exc:
         print(exc, file=sys.stderr)
