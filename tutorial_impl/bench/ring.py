@@ -160,7 +160,12 @@ def format_table(rows: list[dict]) -> str:
         if "unchecked_median_ms" in r:
             line += f"   ({r['unchecked_median_ms']:.3f}, {r['unchecked_ratio_to_gloo']:.2f})"
         lines.append(line)
-    lines.append("\ntutorial ring / bandwidth-optimal ring (expected N/2 for large tensors):")
+    lines.append(
+        "\ntutorial ring / bandwidth-optimal ring. Expected from the bytes each rank sends: N/2."
+        "\nThe tutorial ring also moves each step's whole tensor before adding it (no"
+        "\npipelining) and clones the input three times a call; for small tensors both are"
+        "\nbound by the 2(N-1) or N-1 message latencies, not by bytes."
+    )
     for world, size, expected, measured in tutorial_vs_ring(rows):
         lines.append(
             f"  world {world}, {format_size(size):>8}: expected {expected:.2f}x, "
