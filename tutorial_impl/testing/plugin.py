@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tutorial_impl.testing import ranks as _ranks
-from tutorial_impl.testing.rendezvous import INIT_METHODS
+from tutorial_impl.testing.rendezvous import INIT_METHODS, avoid_reverse_dns_stalls
 from tutorial_impl.testing.supervisor import DEFAULT_TIMEOUT, RankResults, RankSkipped, run_ranks
 
 MARKERS = {
@@ -69,6 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, help_text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
     _ranks.add_preload(config.getini("rank_preload"))
+    avoid_reverse_dns_stalls()  # before any store exists: see its docstring
 
 
 def _marker_arg(item: pytest.Item, name: str, default: Any) -> Any:

@@ -73,6 +73,21 @@ class AgentStore:
         self.close()
 
 
+def avoid_reverse_dns_stalls() -> None:
+    """Send this process's DNS queries over TCP (``RES_OPTIONS=use-vc``) unless set already.
+
+    torch's TCPStore looks up a host *name* for every peer address it connects or accepts,
+    only to put it in log messages; for 127.0.0.1 (seen as ``::ffff:127.0.0.1``) that is a
+    DNS query. On the 2-core machine this suite is timed on, the DNS server drops about one
+    UDP query in thirteen, and glibc waits 5 s before it retries: measured, one group in ~12
+    took 5 s instead of ~40 ms, which dwarfs everything else the harness costs. Over TCP a
+    query is either answered or refused at once (refused there: the lookup fails and c10d
+    logs the numeric address instead, with one warning line per process that
+    ``supervisor`` drops from rank output). Ranks inherit the setting with the environment.
+    """
+    os.environ.setdefault("RES_OPTIONS", "use-vc")
+
+
 def init_method_url(kind: str, tmp_dir: str | os.PathLike[str] | None = None) -> str:
     """The ``init_method`` URL of one of the tutorial's three init methods, inside a rank.
 
