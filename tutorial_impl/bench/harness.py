@@ -29,6 +29,7 @@ import torch.multiprocessing
 
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing import run_ranks
+from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
 
 
 def all_reduce_once(rank: int, world_size: int) -> float:
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--repeats and --spawn-repeats must be at least 1")
     if any(w < 1 for w in args.world_sizes):
         raise SystemExit("--world-sizes must be positive")
+    # As under pytest (the plugin does the same): without it, a dropped DNS query for
+    # TCPStore's log messages stalls a rendezvous 5 s now and then, on either side.
+    avoid_reverse_dns_stalls()
     print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; medians per test")
     figures = measure(args.world_sizes, args.repeats, args.spawn_repeats)
     if args.json:
