@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     # As under pytest (the plugin does the same): without it, a dropped DNS query for
     # TCPStore's log messages stalls a rendezvous 5 s now and then, on either side.
     avoid_reverse_dns_stalls()
+    # Each spawned rank (a fresh interpreter, stderr shared with us) would otherwise print
+    # c10d's warning that it could not name its peer; ranks read this when importing torch.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; medians per test")
     figures = measure(args.world_sizes, args.repeats, args.spawn_repeats)
     if args.json:
