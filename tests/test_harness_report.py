@@ -153,3 +153,42 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
         "test_long_deadline": 530.0,
         "test_no_ranks": None,  # no run_ranks fixture, nothing to protect
     }
+
+
+DEADLINES = """
+import pytest
+from tutorial_impl.testing import plugin, selftest_ranks as sr
+from tutorial_impl.testing.supervisor import RankResults
+
+def spy(fn, *args, **options):
+    # Record the deadline the fixture chose instead of starting ranks.
+    results = RankResults([options["timeout"]])
+    results.outputs = []
+    return results
+
+@pytest.fixture(autouse=True)
+def _spy(monkeypatch):
+    monkeypatch.setattr(plugin, "run_ranks", spy)
+
+def test_default(run_ranks):
+    assert run_ranks(sr.echo) == [{default}]
+
+@pytest.mark.rank_timeout(7)
+def test_marker(run_ranks):
+    assert run_ranks(sr.echo) == [7.0]
+
+def test_call(run_ranks):
+    assert run_ranks(sr.echo, timeout=3) == [3]
+"""
+
+
+@pytest.mark.parametrize(("option", "default"), [(None, 42.0), ("5", 5.0)])
+def test_the_deadline_comes_from_call_marker_option_or_ini(pytester, option, default):
+    """Which harness deadline a test gets, most specific first: the call's ``timeout=``,
+    then ``@pytest.mark.rank_timeout``, then ``--rank-timeout`` for the whole run, then the
+    ``rank_timeout`` ini value (42 here). The hang tests above show a deadline at work."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nrank_timeout = 42\n")
+    pytester.makepyfile(DEADLINES.format(default=default))
+    args = ["-p", "no:cacheprovider"] + ([f"--rank-timeout={option}"] if option else [])
+    pytester.runpytest(*args).assert_outcomes(passed=3)
