@@ -6,6 +6,8 @@ silently did nothing (or a group that silently had fewer members) cannot pass.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tutorial_impl.testing import RankResults, run_ranks
@@ -102,24 +104,27 @@ def test_init_method_option_reaches_the_fixture(pytester, option):
     pytester.runpytest(*args).assert_outcomes(passed=1)
 
 
-SCRIPT_WITHOUT_GUARD = """
-from tutorial_impl.testing import run_ranks, selftest_ranks as sr
-print("result", run_ranks(sr.all_reduce_rank, world_size=2))
+MAIN_SCRIPT = """
+from pathlib import Path
+Path({marker!r}).write_text("the main script ran in a rank")
+raise SystemExit("a rank re-ran the main script")
 """
 
 
-@pytest.mark.slow
-def test_a_script_without_a_main_guard_works(tmp_path):
-    """multiprocessing normally re-runs the parent's main script in every child; a script
-    that calls run_ranks at module level (no ``if __name__ == "__main__":``) would then call
-    it again inside each rank and every rank would die. Ranks skip that re-run."""
-    import subprocess
-    import sys
+def test_ranks_do_not_re_run_the_main_script(run_ranks, tmp_path, monkeypatch):
+    """multiprocessing normally re-runs the parent's main script in every child, so that
+    a script calling run_ranks at module level (no ``if __name__ == "__main__":``) would
+    call it again inside each rank, and every rank would die. Here the parent's __main__
+    is made to look like such a script (one that leaves a mark and exits): the ranks must
+    neither run it nor die."""
+    import types
 
-    script = tmp_path / "demo.py"
-    script.write_text(SCRIPT_WITHOUT_GUARD)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "result [3.0, 3.0]"  # printed once: the script ran once
+    marker = tmp_path / "main-script-ran"
+    script = tmp_path / "script.py"
+    script.write_text(MAIN_SCRIPT.format(marker=str(marker)))
+    fake_main = types.ModuleType("__main__")
+    fake_main.__file__ = str(script)  # what `python script.py` gives its __main__
+    fake_main.__spec__ = None
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    assert run_ranks(sr.all_reduce_rank) == [3.0, 3.0]
+    assert not marker.exists()
