@@ -22,8 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args, rank_device
-from tutorial_impl.testing.supervisor import RankError
+from tutorial_impl.launch import (
+    add_launch_arguments,
+    exit_status,
+    launch,
+    parse_launch_args,
+    rank_device,
+)
 
 ReduceOp = dist.ReduceOp
 
@@ -245,12 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_launch_arguments(parser)
     args = parse_launch_args(parser, argv, min_world_size=2)
-    try:
-        launch(demo, args.world_size, args.backend, args.timeout)
-    except RankError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(lambda: launch(demo, args.world_size, args.backend, args.timeout))
 
 
 if __name__ == "__main__":

@@ -28,12 +28,13 @@ import torch.distributed as dist
 
 from tutorial_impl.launch import (
     add_launch_arguments,
+    exit_status,
     parse_launch_args,
     rank_device,
     under_torchrun,
 )
 from tutorial_impl.testing.rendezvous import INIT_METHODS, init_method_url
-from tutorial_impl.testing.supervisor import RankError, run_ranks
+from tutorial_impl.testing.supervisor import run_ranks
 
 
 def run(rank: int, size: int) -> dict[str, object]:
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         join_with(rank, size, args.init_method, tempfile.gettempdir(), args.backend)
         return 0
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as shared_dir:
-        try:
-            run_ranks(
+        return exit_status(
+            lambda: run_ranks(
                 join_with,
                 args.init_method,
                 shared_dir,
@@ -103,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 stream=sys.stdout,
                 stream_prefix=False,
             )
-        except RankError as exc:
-            print(exc, file=sys.stderr)
-            return 1
-    return 0
+        )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing.supervisor import run_ranks
+from tutorial_impl.testing.supervisor import RankError, run_ranks
 
 BACKENDS = ("gloo", "nccl", "mpi")
 
@@ -99,6 +99,20 @@ def launch(
             stream_prefix=False,
         )
     )
+
+
+def exit_status(demo: Callable[[], object]) -> int:
+    """Run a section's demo for the CLI: a failed rank becomes its report and exit status 1.
+
+    The report (the rank, its traceback, every rank's output) is already readable, so the
+    command prints it instead of a second traceback of the launcher itself.
+    """
+    try:
+        demo()
+    except RankError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser, world_size: int = 2) -> None:

@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from tutorial_impl.launch import (
     add_launch_arguments,
+    exit_status,
     launch,
     parse_launch_args,
     rank_device,
     under_torchrun,
 )
-from tutorial_impl.testing.supervisor import RankError
 
 
 def run_blocking(rank: int, size: int) -> torch.Tensor:
@@ -113,15 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parse_launch_args(parser, argv, min_world_size=2)
     modes = list(MODES) if args.mode == "both" else [args.mode]
-    try:
+
+    def demo() -> None:
         for mode in modes:
             if os.environ.get("RANK", "0") == "0" or not under_torchrun():
                 print(f"--- {mode} ---", flush=True)
             launch(MODES[mode], args.world_size, args.backend, args.timeout)
-    except RankError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    return 0
+
+    return exit_status(demo)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import add_launch_arguments, launch, parse_launch_args
-from tutorial_impl.testing.supervisor import RankError
+from tutorial_impl.launch import add_launch_arguments, exit_status, launch, parse_launch_args
 
 # gloo moves its own allreduce in segments of at most 1 MiB; we do the same, so the sum of one
 # segment overlaps with the transfer of the next instead of waiting for a whole chunk.
@@ -359,12 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_launch_arguments(parser)
     args = parse_launch_args(parser, argv)
-    try:
-        launch(run, args.world_size, args.backend, args.timeout)
-    except RankError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(lambda: launch(run, args.world_size, args.backend, args.timeout))
 
 
 if __name__ == "__main__":
