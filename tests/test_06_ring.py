@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tutorial_impl import ring
+from tutorial_impl import ring, ring_checks
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32]
 
@@ -31,7 +31,7 @@ def cases_for(world_size: int) -> list[tuple]:
 
 def expected_sum(world_size: int, shape, dtype, transposed) -> torch.Tensor:
     """The closed-form answer: every rank's input, rebuilt here, summed in float64."""
-    inputs = [ring.case_input(r, shape, dtype, transposed) for r in range(world_size)]
+    inputs = [ring_checks.case_input(r, shape, dtype, transposed) for r in range(world_size)]
     return torch.stack([t.double() for t in inputs]).sum(0)
 
 
@@ -48,7 +48,7 @@ def test_both_rings_equal_all_reduce(run_ranks, world_size):
     cases = cases_for(world_size)
     # 64-byte segments: the 250-element case crosses many segments and exercises the
     # pipelining, which real tensors only reach at megabytes.
-    results = run_ranks(ring.compare_cases, cases, 64, world_size=world_size)
+    results = run_ranks(ring_checks.compare_cases, cases, 64, world_size=world_size)
     assert len(results) == world_size
     for i, (shape, dtype, transposed) in enumerate(cases):
         want = expected_sum(world_size, shape, dtype, transposed)
@@ -67,7 +67,7 @@ def test_bytes_sent_per_rank_match_the_theory(run_ranks):
     """The tutorial ring sends (N-1)*K bytes from each rank, the optimal one 2(N-1)/N*K."""
     numel = 4 * 1000  # divisible by N: chunks are equal and the counts exact
     k = numel * 4  # float32 bytes
-    for counts in run_ranks(ring.bytes_sent, numel):
+    for counts in run_ranks(ring_checks.bytes_sent, numel):
         assert counts["tutorial"] == 3 * k
         assert counts["ring"] == 2 * 3 * k // 4
 
@@ -78,7 +78,7 @@ def test_mismatched_inputs_raise_on_every_rank(run_ranks, problem):
     """The last rank brings a different shape or dtype (or a recv of the wrong size): a ring
     would wait forever for bytes that never come. Instead every rank, including the ones
     whose own tensors are fine, raises a ValueError that says which rank has what."""
-    errors = run_ranks(ring.mismatched, problem, timeout=30)
+    errors = run_ranks(ring_checks.mismatched, problem, timeout=30)
     for text in errors:
         assert "no error" not in text
         assert text.count("ring allreduce needs the same shape and dtype on every rank") == 2
