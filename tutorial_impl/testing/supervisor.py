@@ -33,63 +33,26 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tutorial_impl.testing import ranks as _ranks
+
+# Re-exported: callers import the exceptions from here or from tutorial_impl.testing.
+from tutorial_impl.testing.errors import (  # noqa: F401
+    RankCrashed,
+    RankError,
+    RankFailed,
+    RankResults,
+    RankSkipped,
+    RankTimeout,
+    outcome_error,
+    prefixed,
+    timeout_error,
+)
 from tutorial_impl.testing.rendezvous import INIT_METHODS, AgentStore
 
 DEFAULT_TIMEOUT = 60.0
-_OUTPUT_TAIL_LINES = 200  # per rank, in error messages
 # c10d's warning when it cannot name a peer for a log message (rendezvous.py explains why
 # that lookup may be refused); it says nothing about the test, so rank output omits it.
 _DNS_NOISE = "[c10d] The hostname of the client socket cannot be retrieved"
 _live: dict[int, Any] = {}  # pid -> Process, for the last-resort cleanup at exit
-
-
-class RankError(Exception):
-    """Base of everything ``run_ranks`` raises about its ranks."""
-
-    def __init__(self, message: str, outputs: dict[int, str]) -> None:
-        super().__init__(message)
-        self.outputs = outputs
-
-
-class RankFailed(RankError):
-    """A rank raised an exception; ``rank`` and ``traceback`` say which and where."""
-
-    def __init__(self, rank: int, tb: str, message: str, outputs: dict[int, str]) -> None:
-        super().__init__(message, outputs)
-        self.rank = rank
-        self.traceback = tb
-
-
-class RankCrashed(RankError):
-    """A rank process ended (signal, ``os._exit``) without reporting a result."""
-
-    def __init__(self, rank: int, exitcode: int | None, message: str, outputs: dict[int, str]):
-        super().__init__(message, outputs)
-        self.rank = rank
-        self.exitcode = exitcode
-
-
-class RankTimeout(RankError):
-    """The deadline passed; ``stacks`` maps each rank still alive to its Python stacks."""
-
-    def __init__(self, stacks: dict[int, str], message: str, outputs: dict[int, str]) -> None:
-        super().__init__(message, outputs)
-        self.stacks = stacks
-
-
-class RankSkipped(RankError):
-    """A rank called ``pytest.skip``; the pytest plugin turns this into a skipped test."""
-
-    def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
-        super().__init__(f"rank {rank} skipped: {reason}", outputs)
-        self.rank = rank
-        self.reason = reason
-
-
-class RankResults(list):  # type: ignore[type-arg]
-    """The ranks' return values in rank order, plus what each rank printed (``outputs``)."""
-
-    outputs: list[str]
 
 
 @dataclass
@@ -149,22 +112,6 @@ def kill_all() -> None:
         _live.pop(pid, None)
 
 
-def _prefixed(rank: int, text: str, limit: int = _OUTPUT_TAIL_LINES) -> str:
-    lines = text.rstrip("\n").splitlines()
-    cut = len(lines) - limit
-    shown = [f"[rank {rank}] {line}" for line in lines[-limit:]]
-    if cut > 0:
-        shown.insert(0, f"[rank {rank}] ... ({cut} earlier lines cut)")
-    return "\n".join(shown)
-
-
-def _outputs_section(ranks: list[_Rank]) -> str:
-    parts = [_prefixed(r.rank, out) for r in ranks if (out := r.output()).strip()]
-    if not parts:
-        return ""
-    return "\n\n----- output of the ranks (stdout and stderr) -----\n" + "\n".join(parts)
-
-
 def _dump_stacks(alive: list[_Rank]) -> dict[int, str]:
     """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) and collect them."""
     for r in alive:
@@ -193,7 +140,7 @@ def _relay(ranks: list[_Rank], stream: TextIO, prefix: bool) -> None:
         if end > r.streamed:
             chunk = text[r.streamed : end]
             r.streamed = end
-            stream.write(_prefixed(r.rank, chunk, 10**9) + "\n" if prefix else chunk)
+            stream.write(prefixed(r.rank, chunk, 10**9) + "\n" if prefix else chunk)
             stream.flush()
 
 
@@ -310,19 +257,7 @@ def _supervise(
             stacks = _dump_stacks(alive)
             for r in ranks:
                 _kill(r)
-            names = ", ".join(str(r) for r in sorted(pending))
-            body = "\n\n".join(
-                f"----- Python stacks of rank {rank} -----\n{text.rstrip()}"
-                for rank, text in sorted(stacks.items())
-            )
-            raise RankTimeout(
-                stacks,
-                f"rank(s) {names} still running after the harness deadline of {timeout:g} s "
-                "(raise it with @pytest.mark.rank_timeout(SECONDS) or --rank-timeout)\n\n"
-                + body
-                + _outputs_section(ranks),
-                {r.rank: r.output() for r in ranks},
-            )
+            raise timeout_error(list(pending), timeout, stacks, _outputs(ranks))
         handles = [h for r in pending.values() for h in (r.conn, r.process.sentinel)]
         ready = wait(handles, timeout=min(remaining, 0.1) if stream else remaining)
         if stream is not None:
@@ -383,19 +318,12 @@ def _receive(r: _Rank) -> tuple[str, Any]:
     return ("crash", (code, how))
 
 
+def _outputs(ranks: list[_Rank]) -> dict[int, str]:
+    return {r.rank: r.output() for r in ranks}
+
+
 def _raise_for(r: _Rank, ranks: list[_Rank]) -> None:
     __tracebackhide__ = True
     kind, detail = r.outcome  # type: ignore[misc]
-    outputs = {x.rank: x.output() for x in ranks}
-    if kind == "skip":
-        raise RankSkipped(r.rank, detail, outputs)
-    if kind == "error":
-        message = f"rank {r.rank} raised:\n\n{detail.rstrip()}" + _outputs_section(ranks)
-        raise RankFailed(r.rank, detail, message, outputs)
-    code, how = detail
-    stacks = r.stack_path.read_text(errors="replace") if r.stack_path.exists() else ""
-    extra = ""
-    if stacks.strip():
-        extra = f"\n\n----- fatal-signal stack of rank {r.rank} -----\n{stacks}"
-    message = f"rank {r.rank} {how} before returning a result" + extra + _outputs_section(ranks)
-    raise RankCrashed(r.rank, code, message, outputs)
+    fatal_stack = r.stack_path.read_text(errors="replace") if r.stack_path.exists() else ""
+    raise outcome_error(r.rank, kind, detail, fatal_stack, _outputs(ranks))
