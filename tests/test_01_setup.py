@@ -7,8 +7,11 @@ a rank that did not join (or joined a different group) would return a wrong sum.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from tutorial_impl import __main__ as cli
 from tutorial_impl import init_methods, p2p
 from tutorial_impl.launch import check_backend, init_process, launch
+from tutorial_impl.testing import proctable
 
 
 @pytest.mark.world_size(3)
@@ -126,3 +130,43 @@ def test_mpi_template(run_ranks):
         result["backend"] == "mpi"
         and result["sum"] == result["world_size"] * (result["world_size"] + 1) / 2
     )
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_demo_and_every_rank():
+    """Ctrl-C on a running demo: the launcher stops every rank, says so, and exits 130.
+
+    A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the launcher,
+    its forkserver and the ranks. We do the same to a demo started in a session of its own,
+    once rank 0 has printed its first epoch, and then ask the kernel (not the launcher)
+    whether any process of that session is left.
+    """
+    demo = [sys.executable, "-m", "tutorial_impl", "train", "--epochs", "50", "--samples", "512"]
+    proc = subprocess.Popen(
+        demo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # Background jobs may inherit SIGINT ignored; a terminal's foreground job does not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:  # the ranks are training once rank 0 reports an epoch
+            if line.startswith("Rank  0 , epoch") or time.monotonic() > deadline:
+                break
+        assert len(proctable.session_members(proc.pid)) >= 3, "launcher, forkserver, ranks"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert "interrupted; all ranks stopped" in err
+        assert "Traceback" not in err  # one clear line, not the launcher's insides
+        end = time.monotonic() + 5
+        while proctable.session_members(proc.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert proctable.session_members(proc.pid) == []
+    finally:
+        if proc.poll() is None or proctable.session_members(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

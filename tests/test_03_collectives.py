@@ -167,6 +167,10 @@ def test_check_op_messages_name_op_dtype_and_backend():
     with pytest.raises(ValueError, match=r"ReduceOp.BXOR is not supported by the nccl backend"):
         coll.check_op(ReduceOp.BXOR, torch.int64, "nccl")
     coll.check_op(ReduceOp.PREMUL_SUM, torch.float32, "nccl")  # NCCL has it
+    with pytest.raises(
+        ValueError, match=r"PREMUL_SUM needs a floating-point tensor, got torch.int64"
+    ):
+        coll.check_op(ReduceOp.PREMUL_SUM, torch.int64, "nccl")  # NCCL: floating types only
 
 
 def test_cli_demo(capsys):
@@ -188,7 +192,7 @@ def test_every_collective_on_nccl(run_ranks):
 @pytest.mark.gpu(2)
 @pytest.mark.backend("nccl")
 def test_reduce_ops_on_nccl(run_ranks):
-    """NCCL has PREMUL_SUM and AVG on integers but no bitwise ops."""
+    """NCCL has PREMUL_SUM (floating types only) and AVG, but no bitwise ops."""
     results = run_ranks(coll.reduce_every_op, [torch.float32])
     inputs = numpy_inputs(2, torch.float32)
     for rank in range(2):

@@ -51,9 +51,15 @@ def _dispatch(table: dict[str, tuple[str, str]], kind: str, argv: list[str]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":
-        return _dispatch(BENCHES, "benchmark", argv[1:])
-    return _dispatch(SECTIONS, "section", argv)
+    try:
+        if argv and argv[0] == "bench":
+            return _dispatch(BENCHES, "benchmark", argv[1:])
+        return _dispatch(SECTIONS, "section", argv)
+    except KeyboardInterrupt:
+        # Ctrl-C: the launcher has already killed every rank on its way out (its finally);
+        # a traceback of where the parent happened to be waiting would tell the user nothing.
+        print("interrupted; all ranks stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ def check_op(op: object, dtype: torch.dtype, backend: str) -> None:
         )
     if name in BITWISE_OPS and (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"ReduceOp.{name} needs an integer or bool tensor, got {dtype}")
+    if name == "PREMUL_SUM" and not dtype.is_floating_point:
+        # NCCL builds the op for half, bfloat16, float and double only (a TypeError otherwise).
+        raise ValueError(f"ReduceOp.PREMUL_SUM needs a floating-point tensor, got {dtype}")
     if name == "AVG" and backend == "gloo" and not dtype.is_floating_point:
         raise ValueError(f"ReduceOp.AVG on gloo needs a floating-point tensor, got {dtype}")
 

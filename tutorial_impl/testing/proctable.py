@@ -61,3 +61,20 @@ def wait_until_gone(directory: str | os.PathLike[str], timeout: float = 5.0) -> 
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
+
+
+def session_members(sid: int) -> list[int]:
+    """Every live process of session ``sid``: a command started with ``start_new_session``
+    and everything it started, unless something left the session on purpose."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if fields[0] not in ("Z", "X") and int(fields[3]) == sid:  # field 6: session id
+            members.append(int(entry))
+    return members
