@@ -19,6 +19,7 @@ from tutorial_impl.testing import (
     proctable,
     run_ranks,
 )
+from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing import selftest_ranks as sr
 
 # A deadline far above what any of these runs needs: if a failure were only noticed at the
@@ -153,6 +154,23 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path, kwargs, error, ma
     assert time.monotonic() - start < 1.0
     assert not (tmp_path / "logs").exists()  # no rank got as far as its log file
     assert proctable.recorded(tmp_path) == {}
+
+
+@pytest.mark.parametrize(
+    ("backend", "nccl"),
+    [
+        ("nccl", True),
+        ("cpu:gloo,cuda:nccl", True),
+        ("cpu:gloo, cuda:NCCL", True),
+        ("gloo", False),
+        ("cpu:gloo", False),
+        (None, False),
+    ],
+)
+def test_every_backend_string_that_names_nccl_counts_as_nccl(backend, nccl):
+    """Ranks pick their GPU before init, and tests without enough GPUs are skipped, for the
+    per-device forms ``run_ranks`` accepts too, not only for a plain ``"nccl"``."""
+    assert _ranks.uses_nccl(backend) is nccl
 
 
 def test_a_nested_function_is_refused():

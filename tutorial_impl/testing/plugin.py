@@ -97,7 +97,7 @@ def _why_not_here(item: pytest.Item) -> str | None:
     import torch.distributed as dist
 
     needed = int(_marker_arg(item, "gpu", 1)) if gpu is not None else 0
-    if backend == "nccl":
+    if _ranks.uses_nccl(backend):  # "nccl", or a per-device form such as "cpu:gloo,cuda:nccl"
         needed = max(needed, int(_marker_arg(item, "world_size", 2)))
         if not dist.is_nccl_available():
             return "NCCL is not available in this build of torch"

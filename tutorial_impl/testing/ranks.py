@@ -185,10 +185,17 @@ def _is_skip(exc: BaseException) -> bool:
     return type(exc).__name__ in ("Skipped", "SkipTest")
 
 
+def uses_nccl(backend: str | None) -> bool:
+    """True for ``"nccl"`` and for per-device forms that name it (``"cpu:gloo,cuda:nccl"``)."""
+    if backend is None:
+        return False
+    return any(part.rsplit(":", 1)[-1].strip().lower() == "nccl" for part in backend.split(","))
+
+
 def init_process_group(spec: RankSpec) -> None:
     """Join the process group of the test with the requested backend and init method."""
     assert spec.backend is not None
-    if spec.backend == "nccl":
+    if uses_nccl(spec.backend):
         # One GPU per rank, chosen before NCCL initialises.
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     dist.init_process_group(
