@@ -27,6 +27,7 @@ from tutorial_impl.launch import (
     exit_status,
     launch,
     parse_launch_args,
+    print_line,
     rank_device,
 )
 
@@ -96,9 +97,9 @@ def run(rank: int, size: int) -> torch.Tensor:
     tensor = torch.ones(1, device=rank_device())
     if rank in (0, 1):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        print("Rank ", rank, " has data ", tensor[0].cpu())
+        print_line("Rank ", rank, " has data ", tensor[0].cpu())
     else:
-        print("Rank ", rank, " has data ", tensor[0].cpu(), " (not in the group)")
+        print_line("Rank ", rank, " has data ", tensor[0].cpu(), " (not in the group)")
     return tensor.cpu()
 
 

@@ -47,6 +47,18 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def print_line(*values: object) -> None:
+    """The tutorial's ``print('Rank ', rank, ' has data ', tensor[0])``, as one write.
+
+    ``print`` with several arguments writes them one by one, so two ranks that share a
+    terminal or a pipe (every torchrun worker does) can interleave inside a line:
+    ``Rank Rank   01  has data ...``. Joining first makes each line a single write, which a
+    pipe delivers whole. The text is exactly what the tutorial's print produces.
+    """
+    sys.stdout.write(" ".join(map(str, values)) + "\n")
+    sys.stdout.flush()
+
+
 def under_torchrun() -> bool:
     """True when this process is one rank that torchrun (torch.distributed.run) started."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ

@@ -25,6 +25,7 @@ from tutorial_impl.launch import (
     exit_status,
     launch,
     parse_launch_args,
+    print_line,
     rank_device,
     under_torchrun,
 )
@@ -41,7 +42,7 @@ def run_blocking(rank: int, size: int) -> torch.Tensor:
     else:
         # Receive tensor from process 0; the zeros were only a buffer of the right size.
         dist.recv(tensor=tensor, src=0)
-    print("Rank ", rank, " has data ", tensor[0].cpu())
+    print_line("Rank ", rank, " has data ", tensor[0].cpu())
     return tensor.cpu()
 
 
@@ -61,7 +62,7 @@ def run_nonblocking(rank: int, size: int) -> torch.Tensor:
         print(f"Rank {rank} started receiving")
     for req in reqs:
         req.wait()
-    print("Rank ", rank, " has data ", tensor[0].cpu())
+    print_line("Rank ", rank, " has data ", tensor[0].cpu())
     return tensor.cpu()
 
 

@@ -28,7 +28,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import add_launch_arguments, exit_status, launch, parse_launch_args
+from tutorial_impl.launch import (
+    add_launch_arguments,
+    exit_status,
+    launch,
+    parse_launch_args,
+    print_line,
+)
 
 # gloo moves its own allreduce in segments of at most 1 MiB; we do the same, so the sum of one
 # segment overlaps with the transfer of the next instead of waiting for a whole chunk.
@@ -235,7 +241,7 @@ def run(rank: int, size: int) -> dict[str, list[float]]:
     send = torch.arange(5, dtype=torch.float32) + 10 * rank
     recv = torch.zeros_like(send)
     allreduce(send, recv)
-    print("Rank ", rank, " has data ", recv[0])  # the tutorial's line: the sum of every rank's
+    print_line("Rank ", rank, " has data ", recv[0])  # the tutorial's line: the sum of every rank's
     ring = ring_allreduce(send, torch.zeros_like(send))
     reference = send.clone()
     dist.all_reduce(reference)

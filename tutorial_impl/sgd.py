@@ -27,7 +27,13 @@ import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.data import get_dataset
-from tutorial_impl.launch import add_launch_arguments, check_backend, launch, under_torchrun
+from tutorial_impl.launch import (
+    add_launch_arguments,
+    check_backend,
+    launch,
+    print_line,
+    under_torchrun,
+)
 from tutorial_impl.model import Net
 from tutorial_impl.partition import GLOBAL_BATCH, batch_sizes, partition_dataset
 from tutorial_impl.testing.ranks import add_preload
@@ -122,11 +128,11 @@ def run(rank: int, size: int, config: TrainConfig = TrainConfig()) -> TrainResul
         for data, target in train_set:
             data, target = data.to(device), target.to(device)
             epoch_loss += train_step(model, optimizer, data, target, loss_weight)
-        print("Rank ", dist.get_rank(), ", epoch ", epoch, ": ", epoch_loss / num_batches)
+        print_line("Rank ", dist.get_rank(), ", epoch ", epoch, ": ", epoch_loss / num_batches)
         result.losses.append(epoch_loss / num_batches)
     result.digest = parameter_digest(model)
     # Synchronous SGD keeps the replicas bitwise identical: every rank prints the same digest.
-    print("Rank ", dist.get_rank(), " parameters sha256 ", result.digest[:16])
+    print_line("Rank ", dist.get_rank(), " parameters sha256 ", result.digest[:16])
     return result
 
 
