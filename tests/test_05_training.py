@@ -32,13 +32,6 @@ from tutorial_impl.data import (
     synthetic_mnist,
 )
 from tutorial_impl.model import Net
-from tutorial_impl.testing import ranks
-
-# Building a torch.optim optimizer imports torch._dynamo on first use: ~1.3 s of CPU in every
-# rank (measured here), more than all the training these tests do. Importing it once in the
-# rank forkserver makes it free for every rank. This works because pytest imports all test
-# modules (collection) before the first rank starts; the forkserver reads its preload then.
-ranks.add_preload(["torch._dynamo"])
 
 STEPS = 3
 # Float32 sums in a different order (all_reduce, shards) differ in the last bits: ~1e-8 was
