@@ -162,7 +162,7 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
 DEADLINES = """
 import pytest
 from tutorial_impl.testing import plugin, selftest_ranks as sr
-from tutorial_impl.testing.supervisor import RankResults
+from tutorial_impl.testing import RankResults
 
 def spy(fn, *args, **options):
     # Record the deadline the fixture chose instead of starting ranks.

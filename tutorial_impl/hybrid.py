@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
         return 0
 
-    from tutorial_impl.testing.supervisor import RankError, run_ranks
+    from tutorial_impl.testing import RankError, run_ranks
 
     start = time.perf_counter()
     try:

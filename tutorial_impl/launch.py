@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing.supervisor import RankError, run_ranks
+from tutorial_impl.testing import RankError, run_ranks
 
 BACKENDS = ("gloo", "nccl", "mpi")
 

@@ -33,8 +33,7 @@ from tutorial_impl.bench.ddp_rpc_workers import (
     run_worker,
 )
 from tutorial_impl.bench.stats import Row, format_table, summarize
-from tutorial_impl.testing import ranks
-from tutorial_impl.testing.supervisor import RankError, run_ranks
+from tutorial_impl.testing import RankError, ranks, run_ranks
 
 
 def run_benchmark(cfg: BenchConfig, progress: TextIO | None = None) -> dict[str, Any]:

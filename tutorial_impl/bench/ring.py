@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.ring import allreduce, ring_allreduce
-from tutorial_impl.testing.supervisor import RankError, run_ranks
+from tutorial_impl.testing import RankError, run_ranks
 
 ALGORITHMS = ("gloo", "ring", "tutorial")
 DEFAULT_SIZES = ("4K", "64K", "1M", "16M", "64M")

@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 
 from tutorial_impl.testing import ranks as _ranks
+from tutorial_impl.testing.errors import RankResults, RankSkipped
 from tutorial_impl.testing.rendezvous import INIT_METHODS, avoid_reverse_dns_stalls
-from tutorial_impl.testing.supervisor import DEFAULT_TIMEOUT, RankResults, RankSkipped, run_ranks
+from tutorial_impl.testing.supervisor import DEFAULT_TIMEOUT, run_ranks
 
 MARKERS = {
     "world_size(n)": "run the test's ranks with world size n (default 2)",

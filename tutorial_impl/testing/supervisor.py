@@ -33,15 +33,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tutorial_impl.testing import ranks as _ranks
-
-# Re-exported: callers import the exceptions from here or from tutorial_impl.testing.
-from tutorial_impl.testing.errors import (  # noqa: F401
-    RankCrashed,
-    RankError,
-    RankFailed,
+from tutorial_impl.testing.errors import (
     RankResults,
-    RankSkipped,
-    RankTimeout,
     outcome_error,
     prefixed,
     timeout_error,
