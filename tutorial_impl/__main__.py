@@ -8,6 +8,7 @@ chosen, so ``--help`` answers without importing torch.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> (module, one-line description), in tutorial order.
@@ -63,4 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun worker: end without interpreter finalization (launch.exit_process says
+        # why). Imported only here, so that `--help` answers without importing torch.
+        from tutorial_impl.launch import run_main
+
+        run_main(main)
     sys.exit(main())

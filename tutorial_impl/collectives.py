@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -29,6 +28,7 @@ from tutorial_impl.launch import (
     parse_launch_args,
     print_line,
     rank_device,
+    run_main,
 )
 
 ReduceOp = dist.ReduceOp
@@ -258,4 +258,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -31,6 +31,8 @@ from tutorial_impl.launch import (
     exit_status,
     parse_launch_args,
     rank_device,
+    run_main,
+    select_gpu,
     under_torchrun,
 )
 from tutorial_impl.testing.rendezvous import INIT_METHODS, init_method_url
@@ -59,7 +61,7 @@ def join_with(
     url = init_method_url(kind, shared_dir)
     print(f"Rank {rank} joins through {url}")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        select_gpu(int(os.environ.get("LOCAL_RANK", rank)))
     if kind == "env":
         # Everything comes from the environment: RANK and WORLD_SIZE too.
         dist.init_process_group(backend, init_method=url, timeout=timedelta(seconds=60))
@@ -108,4 +110,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -31,19 +32,81 @@ def init_process(rank: int, size: int, fn: Callable[[int, int], Any], backend: s
     os.environ.setdefault("MASTER_PORT", "29500")
     if backend == "nccl":
         # One GPU per rank, chosen before NCCL initialises (5.1: "Set device").
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        select_gpu(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(backend, rank=rank, world_size=size)
     try:
         result = fn(rank, size)
-        # Leave together. A rank that tears down its connections while a peer is still
-        # finishing with them can make gloo abort the process on its way out (seen as SIGABRT,
-        # "terminate called without an active exception", in 1 of ~10 torchrun runs here).
-        # Only on success: after a failure the peers may never arrive, and the launcher's
-        # deadline (or torchrun) ends them instead.
+        # Leave together: a rank that closes its connections while a peer still reads from
+        # them can reset what the peer has not read yet. Only on success: after a failure
+        # the peers may never arrive, and the launcher's deadline (or torchrun) ends them.
         dist.barrier()
         return result
     finally:
+        # Forget the group. This does NOT always stop gloo's threads: see ``exit_process``.
         dist.destroy_process_group()
+
+
+def select_gpu(local_rank: int) -> torch.device:
+    """Make ``cuda:local_rank`` this process's GPU, or refuse if there is no such GPU.
+
+    NCCL needs one GPU per rank on a node. Wrapping around (``local_rank % device_count``)
+    would put two ranks on one GPU, which NCCL rejects later with "Duplicate GPU detected"
+    (or, worse, some versions hang), so a node with too few GPUs gets a clear error now.
+    """
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise ValueError(
+            f"local rank {local_rank} needs its own GPU, but this node has {count} GPU(s): "
+            f"start at most {count} NCCL ranks per node"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a worker that used a process group: flush its output, then ``os._exit(code)``.
+
+    Why a distributed worker should not simply return from ``main``: returning starts the
+    interpreter's shutdown (``Py_FinalizeEx``), and gloo's worker threads may still be
+    running then. ``destroy_process_group`` removes the group from ``torch.distributed``'s
+    tables, but the C++ group (and the threads it owns) lives on while *anything* still holds
+    a reference to it: a ``Work`` object you kept, a DDP model, or a library imported after
+    ``init_process_group`` (importing ``torch._dynamo``, which the first optimizer does,
+    keeps the group alive: measured on torch 2.13). Such a thread, finishing the last
+    collective, drops tensors that still have Python objects; that needs the GIL, and a
+    thread asking for the GIL during finalization is made to exit, which in C++ ends in
+    ``std::terminate``: "terminate called without an active exception", SIGABRT, after all
+    the work was done (seen 2 runs in 15 under torchrun on a loaded 2-core machine). So a
+    worker ends the way a forked child does, without finalization: nothing of gloo runs
+    after its last line of output. ``tests/test_07_torchrun.py`` shows the threads outliving
+    the group.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_main(main: Callable[[], int | None]) -> NoReturn:
+    """Run a demo's ``main`` and exit with its status; a torchrun worker via ``exit_process``.
+
+    Only a torchrun worker has joined a process group itself: our own launcher's parent never
+    does (its ranks are forked children, which always end with ``os._exit``). In a worker,
+    an exception or ``sys.exit`` (argparse's errors) still gives its traceback or message
+    and its exit status, but without the interpreter's finalization.
+    """
+    if not under_torchrun():
+        sys.exit(main())
+    try:
+        code = main() or 0
+    except SystemExit as exc:  # argparse's usage errors, sys.exit(n)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - report it, then exit without finalization
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
 
 
 def rank_device() -> torch.device:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ from tutorial_impl.launch import (
     parse_launch_args,
     print_line,
     rank_device,
+    run_main,
     under_torchrun,
 )
 
@@ -125,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -22,7 +22,6 @@ know their layouts agree (torch's own collectives check nothing unless
 from __future__ import annotations
 
 import argparse
-import sys
 import zlib
 
 import torch
@@ -34,6 +33,7 @@ from tutorial_impl.launch import (
     launch,
     parse_launch_args,
     print_line,
+    run_main,
 )
 
 # gloo moves its own allreduce in segments of at most 1 MiB; we do the same, so the sum of one
@@ -264,4 +264,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

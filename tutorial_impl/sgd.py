@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -32,6 +31,8 @@ from tutorial_impl.launch import (
     check_backend,
     launch,
     print_line,
+    run_main,
+    select_gpu,
     under_torchrun,
 )
 from tutorial_impl.model import Net
@@ -77,9 +78,8 @@ def rank_device(backend: str | None = None) -> torch.device:
     backend = backend or dist.get_backend()
     if backend != "nccl":
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    torch.cuda.set_device(device)  # before the first collective, which creates the communicator
-    return device
+    # Before the first collective, which creates the communicator on the current device.
+    return select_gpu(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
 def parameter_digest(model: nn.Module) -> str:
@@ -213,4 +213,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
