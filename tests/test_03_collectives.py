@@ -173,6 +173,21 @@ def test_check_op_messages_name_op_dtype_and_backend():
         coll.check_op(ReduceOp.PREMUL_SUM, torch.int64, "nccl")  # NCCL: floating types only
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_check_op_refuses_what_no_backend_reduces(backend):
+    """8-bit floats reduce on neither backend, and AVG of bools means nothing: both are
+    refused before any communication, with the same ValueError on every rank (NCCL itself
+    would raise a TypeError or RuntimeError from inside the call, gloo 'Invalid scalar type')."""
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for name in ("SUM", "MAX"):
+            with pytest.raises(ValueError, match=rf"ReduceOp.{name} on {dtype}: {backend} cannot"):
+                coll.check_op(getattr(ReduceOp, name), dtype, backend)
+    with pytest.raises(ValueError, match="ReduceOp.AVG"):
+        coll.check_op(ReduceOp.AVG, torch.bool, backend)
+    coll.check_op(ReduceOp.SUM, torch.bfloat16, backend)  # a 16-bit float is fine on both
+    coll.check_op(ReduceOp.MAX, torch.bool, backend)
+
+
 def test_cli_demo(capsys):
     assert coll.main(["--world-size", "2"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -19,10 +19,19 @@ Ports, race-free under ``pytest -n auto``:
 
 Each torchrun process and each worker imports torch (about 2 s each here), so these tests
 train on 256 samples for one epoch: the point is the plumbing, not the learning.
+
+How a worker ends is a lesson of its own, and it comes first. ``destroy_process_group``
+forgets the group, but gloo's threads stop only when the last reference to the group goes;
+a worker that then returns from ``main`` lets the interpreter shut down around threads that
+may still touch Python objects, and aborts ("terminate called without an active exception")
+after all its work was done. The first test shows the threads outliving the group (no timing
+involved: a held ``Work`` keeps them for certain); the second shows how our workers end
+instead (``launch.exit_process``: flush, then ``os._exit``, no finalization).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -34,9 +43,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE = 150.0  # seconds for a whole torchrun job; generous, the machine is shared
@@ -44,6 +54,77 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0
 TRAIN = ["-m", "tutorial_impl", "train", "--epochs", "1", "--samples", "256"]
 EPOCH_LINE = re.compile(r"^Rank  (\d+) , epoch  0 :  (\d+\.\d+)$", re.MULTILINE)
 DIGEST_LINE = re.compile(r"^Rank  (\d+)  parameters sha256  ([0-9a-f]{16})$", re.MULTILINE)
+
+
+def thread_count() -> int:
+    """Threads of this process, as the kernel lists them (gloo's own are C++ threads)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def leave_while_holding_the_group(rank: int, world_size: int) -> tuple[int, int, int, int]:
+    """Join a gloo group, keep a reference to it, leave it: count threads at each step."""
+    before = thread_count()
+    dist.init_process_group("gloo")  # the harness gave us only the rendezvous environment
+    world = dist.group.WORLD  # a reference, as a DDP model (or torch._dynamo) keeps one
+    dist.all_reduce(torch.ones(1))
+    in_group = thread_count()
+    dist.destroy_process_group()
+    after_destroy = thread_count()  # the group is forgotten, but ``world`` still holds it
+    del world
+    gc.collect()
+    return before, in_group, after_destroy, thread_count()
+
+
+def test_gloo_threads_outlive_destroy_process_group_while_referenced(run_ranks):
+    """Leaving the group is not the end of gloo: its threads stop with the last reference.
+
+    Had this rank returned from ``main`` right after ``destroy_process_group``, those threads
+    would have been running while the interpreter shut down, which is how a torchrun worker
+    aborted at exit. Here the reference is ours; in the training demo it is taken by a
+    library imported after ``init_process_group`` (``torch._dynamo``, which the first
+    optimizer imports), and no amount of care in the demo's own code can release it.
+    """
+    for before, in_group, after_destroy, after_release in run_ranks(
+        leave_while_holding_the_group, backend=None
+    ):
+        assert in_group > before  # gloo runs threads of its own while we are in the group
+        assert after_destroy == in_group  # every one of them is still there after destroy
+        assert after_release == before  # dropping the last reference joins them
+
+
+def test_a_torchrun_worker_ends_without_interpreter_finalization(tmp_path: Path) -> None:
+    """Our demos' ``main`` under torchrun ends with ``exit_process``: output flushed, exit
+    status kept, and no interpreter shutdown (an ``atexit`` hook never runs) for gloo's
+    threads to race. One worker of a one-rank job, with torchrun's environment made by hand.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    worker_env = {
+        **os.environ,
+        "TORCHELASTIC_RUN_ID": "lesson",  # what makes launch.under_torchrun() true
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the store we host, as torchrun's agent
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    worker = (
+        "import atexit, runpy, sys;"
+        "atexit.register(print, 'the interpreter finalized');"
+        "sys.argv = ['tutorial_impl', 'setup'];"
+        "runpy.run_module('tutorial_impl', run_name='__main__', alter_sys=True)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", worker],
+        cwd=REPO,
+        env=worker_env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Rank 0 of 1 is in a gloo group" in proc.stdout  # flushed before os._exit
+    assert "the interpreter finalized" not in proc.stdout
 
 
 def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
@@ -118,6 +199,7 @@ def _check_training(output: str, world_size: int) -> None:
     assert len(set(digests.values())) == 1, f"replicas diverged: {digests}"
 
 
+@pytest.mark.slow
 def test_torchrun_single_node_two_workers(tmp_path: Path) -> None:
     """``torchrun --standalone --nproc_per_node=2``: both workers train in lockstep."""
     (out,) = _run_agents([[*TORCHRUN, "--standalone", "--nproc_per_node=2", *TRAIN]], tmp_path)
@@ -125,6 +207,7 @@ def test_torchrun_single_node_two_workers(tmp_path: Path) -> None:
     assert "2 ranks on cpu" in out  # rank 0 saw the world size torchrun gave it
 
 
+@pytest.mark.slow
 def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     """Two agents, one worker each, meet at a c10d rendezvous and train as ranks 0 and 1."""
     # The test owns the rendezvous store, bound to a port the kernel chose (see the module

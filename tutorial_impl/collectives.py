@@ -66,6 +66,15 @@ def check_op(op: object, dtype: torch.dtype, backend: str) -> None:
         raise ValueError(f"ReduceOp.PREMUL_SUM needs a floating-point tensor, got {dtype}")
     if name == "AVG" and backend == "gloo" and not dtype.is_floating_point:
         raise ValueError(f"ReduceOp.AVG on gloo needs a floating-point tensor, got {dtype}")
+    if name == "AVG" and dtype == torch.bool:
+        # NCCL averages integers, but refuses bools (a TypeError from inside the call).
+        raise ValueError(f"ReduceOp.AVG cannot average a bool tensor ({backend})")
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        # float8 (e4m3, e5m2, ...): neither gloo ("Invalid scalar type") nor NCCL reduces it.
+        raise ValueError(
+            f"ReduceOp.{name} on {dtype}: {backend} cannot reduce 8-bit floats; reduce a "
+            "wider copy (tensor.to(torch.bfloat16)) and convert the result back"
+        )
 
 
 def all_reduce(

@@ -194,8 +194,13 @@ def _gradient(module_rref: rpc.RRef, context_id: int) -> torch.Tensor:
 class HybridModel(nn.Module):
     """The tutorial's model: remote embedding lookup, then a DDP-replicated ``Linear(16, 8)``.
 
-    The embedding stays on the CPU of its server (RPC, RRefs and dist autograd do not support
-    CUDA tensors); only the looked-up tensor moves to the trainer's ``device``.
+    The embedding stays on its server's CPU by choice. RPC can carry CUDA tensors once
+    TensorPipe is given device maps (beta), but the RPC reference lists RRefs, RemoteModule and
+    distributed autograd among what is not yet supported with CUDA tensors, and a CPU table
+    needs no device map agreed between every trainer and server. So lookups cross RPC as CPU
+    tensors and only the looked-up rows move to the trainer's ``device``; the trainer's own
+    ``fc`` parameters (on its GPU with ``--device cuda``) are wrapped in *local* RRefs, which
+    the distributed optimizer steps where they are, without sending them anywhere.
     """
 
     def __init__(self, remote_emb_module: ShardedEmbeddingBag, device: torch.device) -> None:

@@ -205,7 +205,7 @@ class HybridModel(nn.Module):
         # each before sending the next). Each RPC has the agent's rpc_timeout as deadline.
         futures = [emb.forward_async(indices, offsets) for emb in self.remote_embs]
         lookups = torch.cat([f.wait() for f in futures], dim=1)
-        # Embeddings live on the CPU (RPC does not support CUDA RRefs); move the result.
+        # Tables stay on the servers' CPU by choice (hybrid_model.HybridModel says why).
         return self.ddp(lookups.to(self.device))
 
 
