@@ -40,7 +40,7 @@ PRESETS = {
 }
 # What a failure looked like before, worth naming when it is seen again.
 SIGNATURES = {
-    "terminate called": "gloo thread at interpreter exit (launch.exit_process)",
+    "terminate called": "gloo thread at interpreter exit (process.exit_process)",
     "Duplicate GPU detected": "two ranks on one GPU",
     "EADDRINUSE": "port race",
     "Address already in use": "port race",

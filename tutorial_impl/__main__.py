@@ -13,12 +13,21 @@ import sys
 
 # name -> (module, one-line description), in tutorial order.
 SECTIONS: dict[str, tuple[str, str]] = {
-    "setup": ("tutorial_impl.init_methods", "1. + 5.2 the run template; env://, tcp://, file://"),
-    "p2p": ("tutorial_impl.p2p", "2.1 blocking send/recv and 2.2 isend/irecv + wait"),
-    "collectives": ("tutorial_impl.collectives", "3. all_reduce with every ReduceOp, groups, ..."),
-    "train": ("tutorial_impl.sgd", "4. distributed synchronous SGD on MNIST-shaped data"),
-    "ring": ("tutorial_impl.ring", "4.5 the tutorial's ring allreduce and a bandwidth-optimal one"),
-    "hybrid": ("tutorial_impl.hybrid", "DDP + RPC: DDP trainers, a master, parameter servers"),
+    "setup": (
+        "tutorial_impl.dist_tuto.init_methods",
+        "1. + 5.2 the run template; env://, tcp://, file://",
+    ),
+    "p2p": ("tutorial_impl.dist_tuto.p2p", "2.1 blocking send/recv and 2.2 isend/irecv + wait"),
+    "collectives": (
+        "tutorial_impl.dist_tuto.collectives",
+        "3. all_reduce with every ReduceOp, groups, ...",
+    ),
+    "train": ("tutorial_impl.dist_tuto.sgd", "4. distributed synchronous SGD on MNIST-shaped data"),
+    "ring": (
+        "tutorial_impl.dist_tuto.ring",
+        "4.5 the tutorial's ring allreduce and a bandwidth-optimal one",
+    ),
+    "hybrid": ("tutorial_impl.rpc.hybrid", "DDP + RPC: DDP trainers, a master, parameter servers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "harness": ("tutorial_impl.bench.harness", "per-test overhead: harness vs mp.spawn"),
@@ -65,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        # A torchrun worker: end without interpreter finalization (launch.exit_process says
+        # A torchrun worker: end without interpreter finalization (process.exit_process says
         # why). Imported only here, so that `--help` answers without importing torch.
-        from tutorial_impl.launch import run_main
+        from tutorial_impl.dist_tuto.process import run_main
 
         run_main(main)
     sys.exit(main())

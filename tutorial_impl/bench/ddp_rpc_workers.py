@@ -43,8 +43,6 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tutorial_impl.testing.rendezvous import rpc_init_method
-
 with warnings.catch_warnings():
     # Importing torch.distributed.optim (here or through hybrid) scripts its optimizers, and
     # torch 2.13 warns 67 times that torch.jit.script / jit.interface are deprecated.
@@ -55,7 +53,8 @@ with warnings.catch_warnings():
     )
     from torch.distributed.optim import DistributedOptimizer
 
-    from tutorial_impl.hybrid import MASTER, filter_expected_warnings, ps_name, trainer_name
+    from tutorial_impl.rpc.hybrid import MASTER, filter_expected_warnings, ps_name, trainer_name
+    from tutorial_impl.rpc.hybrid_world import rpc_init_method
 
 # The original's MLP after the lookups; its first layer's input is P * dim (512 there).
 HIDDEN = (256, 128, 64, 32)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.ring import allreduce, ring_allreduce
+from tutorial_impl.dist_tuto.ring import allreduce, ring_allreduce
 from tutorial_impl.testing import RankError, run_ranks
 
 ALGORITHMS = ("gloo", "ring", "tutorial")

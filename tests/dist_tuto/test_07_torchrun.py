@@ -26,7 +26,7 @@ a worker that then returns from ``main`` lets the interpreter shut down around t
 may still touch Python objects, and aborts ("terminate called without an active exception")
 after all its work was done. The first test shows the threads outliving the group (no timing
 involved: a held ``Work`` keeps them for certain); the second shows how our workers end
-instead (``launch.exit_process``: flush, then ``os._exit``, no finalization).
+instead (``process.exit_process``: flush, then ``os._exit``, no finalization).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEADLINE = 150.0  # seconds for a whole torchrun job; generous, the machine is shared
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
 TRAIN = ["-m", "tutorial_impl", "train", "--epochs", "1", "--samples", "256"]

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_impl import hybrid
-from tutorial_impl.hybrid import HybridConfig, run_worker
-from tutorial_impl.hybrid_checks import TEST_DEADLINES
+from tutorial_impl.rpc import hybrid
+from tutorial_impl.rpc.hybrid import HybridConfig, run_worker
+from tutorial_impl.rpc.hybrid_checks import TEST_DEADLINES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOSS_LINE = re.compile(r"^Trainer (\d+) - Epoch (\d+) - Loss: (\d+\.\d+)$", re.MULTILINE)
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from tutorial_impl.hybrid import HybridConfig, run_worker
-from tutorial_impl.hybrid_checks import TEST_DEADLINES, twin_worker
+from tutorial_impl.rpc.hybrid import HybridConfig, run_worker
+from tutorial_impl.rpc.hybrid_checks import TEST_DEADLINES, twin_worker
 
 SEED = 7
 

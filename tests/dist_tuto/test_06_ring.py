@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tutorial_impl import ring, ring_checks
+from tutorial_impl.dist_tuto import ring, ring_checks
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32]
 

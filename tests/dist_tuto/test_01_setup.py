@@ -14,12 +14,50 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tutorial_impl import __main__ as cli
-from tutorial_impl import init_methods, p2p
-from tutorial_impl.launch import check_backend, init_process, launch
+from tutorial_impl.cli import check_backend, launch
+from tutorial_impl.dist_tuto import init_methods, p2p
+from tutorial_impl.dist_tuto.process import init_process, select_gpu
 from tutorial_impl.testing import proctable
+
+
+def test_the_tutorials_run_py_as_written(tmp_path):
+    """``run.py`` itself: two spawned interpreters join a group and rank 0's 1.0 reaches rank 1.
+
+    The one test that pays for spawn (three interpreters import torch, seconds): every
+    other test starts its ranks through the harness. The test hosts the rendezvous store on
+    a port the kernel picks and hands it over as torchrun would (``MASTER_PORT`` plus
+    ``TORCHELASTIC_USE_AGENT_STORE``), instead of hoping 29500 is free.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tutorial_impl.dist_tuto.run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Rank  0  has data  tensor(1.)" in proc.stdout  # the sender's own copy
+    assert "Rank  1  has data  tensor(1.)" in proc.stdout  # received: it started as 0.
+
+
+def test_a_rank_without_a_gpu_of_its_own_is_refused(monkeypatch):
+    """NCCL needs one GPU per rank on a node; wrapping around would share one. Refused,
+    naming both counts (a node with 2 GPUs, asked for local rank 2)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"local rank 2 needs its own GPU, .* has 2 GPU\(s\)"):
+        select_gpu(2)
 
 
 @pytest.mark.world_size(3)

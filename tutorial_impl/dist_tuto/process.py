@@ -1,17 +1,21 @@
-"""The tutorial's run template: ``init_process`` and starting N local ranks.
+"""1. and 5.1 One rank's life: join the group, run, leave, end (``init_process`` grown up).
 
-The tutorial's ``run.py`` sets ``MASTER_ADDR``/``MASTER_PORT`` itself and starts the ranks
-with ``mp.Process``. We keep ``init_process`` exactly as the tutorial has it, with one change:
-the address is a *default* (``setdefault``), so whoever starts the ranks can give a better
-one. Our launcher does, through the test harness: its parent process owns the rendezvous
-store on a port the kernel picked, so two demos (or two test runs) never fight over 29500.
-Under ``torchrun`` the environment already holds RANK, WORLD_SIZE and the agent's store, and
-``launch`` simply runs this process's rank.
+``run.py`` is the tutorial's template as it wrote it. The demos of every section run their
+rank functions through the ``init_process`` below instead, which keeps the tutorial's shape
+with four changes, each for a reason a learner will meet sooner or later:
+
+* the address is a *default* (``setdefault``), so whoever starts the ranks can give a
+  better one: ``torchrun``'s agent, or our CLI, whose parent owns the rendezvous store on a
+  port the kernel picked, so two demos never fight over 29500;
+* with NCCL each rank first takes *its own* GPU (``select_gpu``), as section 5.1 says;
+* the ranks leave the group together (``barrier``, then ``destroy_process_group``);
+* a torchrun worker ends without interpreter finalization (``exit_process``, ``run_main``).
+
+The CLI's way of starting N local ranks lives in ``tutorial_impl/cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import traceback
@@ -20,10 +24,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-
-from tutorial_impl.testing import RankError, run_ranks
-
-BACKENDS = ("gloo", "nccl", "mpi")
 
 
 def init_process(rank: int, size: int, fn: Callable[[int, int], Any], backend: str = "gloo") -> Any:
@@ -132,94 +132,3 @@ def print_line(*values: object) -> None:
 def under_torchrun() -> bool:
     """True when this process is one rank that torchrun (torch.distributed.run) started."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
-def check_backend(backend: str, world_size: int) -> None:
-    """Refuse, with a clear message, a backend this machine cannot run."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "mpi" and not dist.is_mpi_available():
-        raise ValueError("backend 'mpi' needs a torch built with MPI; this one is not")
-    if backend == "nccl":
-        if not dist.is_nccl_available() or not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA GPUs and a CUDA build of torch")
-        if torch.cuda.device_count() < world_size and not under_torchrun():
-            raise ValueError(
-                f"backend 'nccl' needs one GPU per rank: {world_size} ranks, "
-                f"{torch.cuda.device_count()} GPUs"
-            )
-
-
-def launch(
-    fn: Callable[[int, int], Any],
-    world_size: int = 2,
-    backend: str = "gloo",
-    timeout: float = 300.0,
-) -> list[Any]:
-    """Run ``fn(rank, size)`` on ``world_size`` local ranks and print their output live.
-
-    Returns each rank's return value. Under torchrun, runs only this process's rank.
-    """
-    if under_torchrun():
-        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        check_backend(backend, size)
-        return [init_process(rank, size, fn, backend)]
-    if world_size < 1:
-        raise ValueError(f"--world-size must be at least 1, got {world_size}")
-    check_backend(backend, world_size)
-    # backend=None: the ranks get only the rendezvous environment, and init_process does
-    # the init_process_group call itself, as in the tutorial.
-    return list(
-        run_ranks(
-            init_process,
-            fn,
-            backend,
-            world_size=world_size,
-            backend=None,
-            timeout=timeout,
-            stream=sys.stdout,
-            stream_prefix=False,
-        )
-    )
-
-
-def exit_status(demo: Callable[[], object]) -> int:
-    """Run a section's demo for the CLI: a failed rank becomes its report and exit status 1.
-
-    The report (the rank, its traceback, every rank's output) is already readable, so the
-    command prints it instead of a second traceback of the launcher itself.
-    """
-    try:
-        demo()
-    except RankError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    return 0
-
-
-def add_launch_arguments(parser: argparse.ArgumentParser, world_size: int = 2) -> None:
-    """The options every tutorial section's demo takes."""
-    parser.add_argument("--world-size", type=int, default=world_size, help="number of ranks")
-    parser.add_argument("--backend", default="gloo", help=f"one of {', '.join(BACKENDS)}")
-    parser.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds before the ranks are stopped"
-    )
-
-
-def parse_launch_args(
-    parser: argparse.ArgumentParser, argv: list[str] | None, min_world_size: int = 1
-) -> argparse.Namespace:
-    """Parse ``argv`` and refuse a bad world size or backend with a clear usage error.
-
-    Done here, in the parent, so the user reads one line instead of a traceback per rank.
-    Under torchrun the world size comes from torchrun, so only the backend is checked.
-    """
-    args = parser.parse_args(argv)
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    if world_size < min_world_size:
-        parser.error(f"--world-size must be at least {min_world_size}, got {world_size}")
-    try:
-        check_backend(args.backend, world_size)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return args

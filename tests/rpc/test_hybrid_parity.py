@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tutorial_impl.hybrid import HybridConfig
-from tutorial_impl.hybrid_checks import TEST_DEADLINES, probe_worker
-from tutorial_impl.hybrid_model import shard_bounds, split_bags
+from tutorial_impl.rpc.hybrid import HybridConfig
+from tutorial_impl.rpc.hybrid_checks import TEST_DEADLINES, probe_worker
+from tutorial_impl.rpc.hybrid_model import shard_bounds, split_bags
 from tutorial_impl.testing.supervisor import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

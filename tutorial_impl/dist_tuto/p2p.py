@@ -19,16 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import (
-    add_launch_arguments,
-    exit_status,
-    launch,
-    parse_launch_args,
-    print_line,
-    rank_device,
-    run_main,
-    under_torchrun,
-)
+from tutorial_impl.dist_tuto.process import print_line, rank_device, run_main, under_torchrun
 
 
 def run_blocking(rank: int, size: int) -> torch.Tensor:
@@ -101,6 +92,13 @@ MODES = {"blocking": run_blocking, "nonblocking": run_nonblocking}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
+        add_launch_arguments,
+        exit_status,
+        launch,
+        parse_launch_args,
+    )
+
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl p2p",
         description="2. point-to-point: rank 0 sends a tensor holding 1.0 to every other rank",

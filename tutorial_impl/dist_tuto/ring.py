@@ -27,14 +27,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import (
-    add_launch_arguments,
-    exit_status,
-    launch,
-    parse_launch_args,
-    print_line,
-    run_main,
-)
+from tutorial_impl.dist_tuto.process import print_line, run_main
 
 # gloo moves its own allreduce in segments of at most 1 MiB; we do the same, so the sum of one
 # segment overlaps with the transfer of the next instead of waiting for a whole chunk.
@@ -253,6 +246,13 @@ def run(rank: int, size: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
+        add_launch_arguments,
+        exit_status,
+        launch,
+        parse_launch_args,
+    )
+
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl ring",
         description="4.5 the tutorial's ring allreduce(send, recv), the bandwidth-optimal ring "

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.ring import SEGMENT_BYTES, allreduce, ring_allreduce
+from tutorial_impl.dist_tuto.ring import SEGMENT_BYTES, allreduce, ring_allreduce
 
 
 def case_input(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -25,19 +24,10 @@ import torch.nn.functional as F
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tutorial_impl.data import get_dataset
-from tutorial_impl.launch import (
-    add_launch_arguments,
-    check_backend,
-    launch,
-    print_line,
-    run_main,
-    select_gpu,
-    under_torchrun,
-)
-from tutorial_impl.model import Net
-from tutorial_impl.partition import GLOBAL_BATCH, batch_sizes, partition_dataset
-from tutorial_impl.testing.ranks import add_preload
+from tutorial_impl.dist_tuto.data import get_dataset
+from tutorial_impl.dist_tuto.model import Net
+from tutorial_impl.dist_tuto.partition import GLOBAL_BATCH, batch_sizes, partition_dataset
+from tutorial_impl.dist_tuto.process import print_line, rank_device, run_main, under_torchrun
 
 LR, MOMENTUM = 0.01, 0.5
 
@@ -71,15 +61,6 @@ def train_step(
         average_gradients(model)
     optimizer.step()
     return loss.item()
-
-
-def rank_device(backend: str | None = None) -> torch.device:
-    """CPU for gloo; for NCCL this process's GPU (LOCAL_RANK: torchrun numbers them per node)."""
-    backend = backend or dist.get_backend()
-    if backend != "nccl":
-        return torch.device("cpu")
-    # Before the first collective, which creates the communicator on the current device.
-    return select_gpu(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
 def parameter_digest(model: nn.Module) -> str:
@@ -170,6 +151,13 @@ def train_global_batches(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
+        add_launch_arguments,
+        check_backend,
+        launch,
+    )
+    from tutorial_impl.testing.ranks import add_preload
+
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl train",
         description="4. Distributed synchronous SGD (Net, SGD lr 0.01 momentum 0.5, global "

@@ -19,14 +19,14 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 
-from tutorial_impl.hybrid import _setup_trainer, run_worker
-from tutorial_impl.hybrid_model import (
+from tutorial_impl.rpc.hybrid import _setup_trainer, run_worker
+from tutorial_impl.rpc.hybrid_model import (
     DATASETS,
     ShardedEmbeddingBag,
     get_next_batch,
     trainer_generator,
 )
-from tutorial_impl.hybrid_world import (
+from tutorial_impl.rpc.hybrid_world import (
     HybridConfig,
     check_worker,
     init_worker,

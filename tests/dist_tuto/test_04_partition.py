@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from tutorial_impl.partition import (
+from tutorial_impl.dist_tuto.partition import (
     DataPartitioner,
     Partition,
     batch_sizes,

@@ -27,7 +27,8 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.nn import RemoteModule
 
-from tutorial_impl.hybrid_model import (
+from tutorial_impl.dist_tuto.process import under_torchrun
+from tutorial_impl.rpc.hybrid_model import (
     DATASETS,
     EMBEDDING_DIM,
     HybridModel,
@@ -35,7 +36,7 @@ from tutorial_impl.hybrid_model import (
     shard_bounds,
     trainer_generator,
 )
-from tutorial_impl.hybrid_world import (  # noqa: F401 - re-exported: one import for users
+from tutorial_impl.rpc.hybrid_world import (  # noqa: F401 - re-exported: one import for users
     MASTER,
     HybridConfig,
     announce_outcome,
@@ -50,7 +51,6 @@ from tutorial_impl.hybrid_world import (  # noqa: F401 - re-exported: one import
     wait_for_outcome,
     worker_name,
 )
-from tutorial_impl.launch import under_torchrun
 
 with warnings.catch_warnings():
     # Importing the distributed optimizer compiles its functional optimizers with
@@ -245,18 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
         return 0
 
-    from tutorial_impl.testing import RankError, run_ranks
+    from tutorial_impl.cli import RankError, run_local  # the CLI's launcher
 
     start = time.perf_counter()
     try:
-        run_ranks(
+        run_local(
             run_worker,
             config,
             world_size=config.world_size,
-            backend=None,
             timeout=args.timeout + 2 * args.rpc_timeout,
-            stream=sys.stdout,
-            stream_prefix=False,
         )
     except RankError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -19,24 +19,31 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import (
-    add_launch_arguments,
-    exit_status,
-    parse_launch_args,
-    rank_device,
-    run_main,
-    select_gpu,
-    under_torchrun,
-)
-from tutorial_impl.testing.rendezvous import INIT_METHODS, init_method_url
-from tutorial_impl.testing.supervisor import run_ranks
+from tutorial_impl.dist_tuto.process import rank_device, run_main, select_gpu, under_torchrun
+
+INIT_METHODS = ("env", "tcp", "file")
+
+
+def init_method_url(kind: str, shared_dir: str) -> str:
+    """The ``init_method`` of 5.2 for ``kind``: ``env://``, ``tcp://ADDR:PORT`` or ``file://``.
+
+    ``tcp://`` names the same address and port ``env://`` would read. ``file://`` names a file
+    in ``shared_dir``, a directory every rank can reach that is fresh for this group: the
+    file must not hold keys of an earlier group.
+    """
+    if kind == "env":
+        return "env://"
+    if kind == "tcp":
+        return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if kind == "file":
+        return "file://" + os.path.join(shared_dir, "rendezvous")
+    raise ValueError(f"unknown init method {kind!r}; choose one of {', '.join(INIT_METHODS)}")
 
 
 def run(rank: int, size: int) -> dict[str, object]:
@@ -76,6 +83,13 @@ def join_with(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
+        add_launch_arguments,
+        exit_status,
+        parse_launch_args,
+        run_local,
+    )
+
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl setup",
         description="1. the run template and 5.2 init methods: every rank joins a group "
@@ -95,16 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as shared_dir:
         return exit_status(
-            lambda: run_ranks(
+            lambda: run_local(
                 join_with,
                 args.init_method,
                 shared_dir,
                 args.backend,
                 world_size=args.world_size,
-                backend=None,
                 timeout=args.timeout,
-                stream=sys.stdout,
-                stream_prefix=False,
             )
         )
 

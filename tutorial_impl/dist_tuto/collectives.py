@@ -21,15 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.launch import (
-    add_launch_arguments,
-    exit_status,
-    launch,
-    parse_launch_args,
-    print_line,
-    rank_device,
-    run_main,
-)
+from tutorial_impl.dist_tuto.process import print_line, rank_device, run_main
 
 ReduceOp = dist.ReduceOp
 
@@ -256,6 +248,13 @@ def demo(rank: int, size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
+        add_launch_arguments,
+        exit_status,
+        launch,
+        parse_launch_args,
+    )
+
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl collectives",
         description="3. collectives: the tutorial's all_reduce over new_group([0, 1]), "

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tutorial_impl import hybrid
-from tutorial_impl.hybrid import HybridConfig
-from tutorial_impl.hybrid_checks import (
+from tutorial_impl.rpc import hybrid
+from tutorial_impl.rpc.hybrid import HybridConfig
+from tutorial_impl.rpc.hybrid_checks import (
     DEATH_EXIT_CODE,
     TEST_DEADLINES,
     bad_index_worker,

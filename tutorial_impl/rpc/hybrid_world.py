@@ -18,6 +18,7 @@ announces how training ended, and the others shut down gracefully only after a s
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -27,8 +28,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from tutorial_impl.hybrid_model import DATASETS, shard_bounds
-from tutorial_impl.testing.rendezvous import rpc_init_method
+from tutorial_impl.rpc.hybrid_model import DATASETS, shard_bounds
+
+
+def rpc_init_method() -> str:
+    """Where RPC meets: the store at MASTER_ADDR:MASTER_PORT, as ``env://`` would find it.
+
+    ``TensorPipeRpcBackendOptions`` takes a URL, not ``env://``. Under torchrun (and our
+    CLI, which sets the same environment) this is the agent's store; RPC keeps its keys under
+    a prefix of its own there, so it never collides with a process group on the same store.
+    """
+    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tutorial_impl import collectives as coll
-from tutorial_impl.collectives import ReduceOp
+from tutorial_impl.dist_tuto import collectives as coll
+from tutorial_impl.dist_tuto.collectives import ReduceOp
 
 # The reductions' definitions, written independently of torch.distributed.
 NUMPY_REDUCTIONS = {

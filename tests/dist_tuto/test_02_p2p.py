@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tutorial_impl import p2p
+from tutorial_impl.dist_tuto import p2p
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

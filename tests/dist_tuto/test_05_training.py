@@ -24,14 +24,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tutorial_impl import sgd
-from tutorial_impl.data import (
+from tutorial_impl.dist_tuto import sgd
+from tutorial_impl.dist_tuto.data import (
     IDXFormatError,
     load_mnist,
     read_idx,
     synthetic_mnist,
 )
-from tutorial_impl.model import Net
+from tutorial_impl.dist_tuto.model import Net
 
 STEPS = 3
 # Float32 sums in a different order (all_reduce, shards) differ in the last bits: ~1e-8 was
