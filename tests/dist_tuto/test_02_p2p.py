@@ -8,6 +8,8 @@ buffer. Every rank returns its tensor, and we check every rank, including the se
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tutorial_impl.dist_tuto import p2p
 
@@ -36,6 +38,37 @@ def test_prints_what_the_tutorial_prints(run_ranks):
     ]
 
 
+def irecv_before_send(rank: int, size: int) -> dict[str, object]:
+    """Show that an ``irecv`` returns before any data exists: read its buffer only after wait.
+
+    Each receiver posts its ``irecv`` first and only then tells rank 0 (with a blocking send on
+    another tag) to go ahead; so at the moment we look, the data cannot have been sent yet.
+    The request is not completed and the buffer still holds its old zeros; after ``wait()``
+    it holds what rank 0 sent. Rank 0 sends ``10 + dst`` so every receiver's value is its own.
+    """
+    go, data = 1, 0  # tags: the "go ahead" message and the payload
+    if rank == 0:
+        sent = {}
+        for dst in range(1, size):
+            dist.recv(torch.zeros(1), src=dst, tag=go)  # wait until dst has posted its irecv
+            payload = torch.tensor([10.0 + dst])
+            req = dist.isend(payload, dst=dst, tag=data)
+            req.wait()  # only now may we touch ``payload`` again
+            sent[dst] = payload.item()
+        return {"sent": sent}
+    buffer = torch.zeros(1)
+    req = dist.irecv(buffer, src=0, tag=data)
+    done_before, value_before = req.is_completed(), buffer.item()
+    dist.send(torch.ones(1), dst=0, tag=go)
+    req.wait()
+    return {
+        "completed_before_wait": done_before,
+        "value_before_wait": value_before,
+        "completed_after_wait": req.is_completed(),
+        "value_after_wait": buffer.item(),
+    }
+
+
 @pytest.mark.world_size(3)
 def test_irecv_buffer_is_only_valid_after_wait(run_ranks):
     """An irecv returns at once, long before the data exists.
@@ -44,7 +77,7 @@ def test_irecv_buffer_is_only_valid_after_wait(run_ranks):
     ``irecv_before_send``): the request is not complete and the buffer still holds zeros.
     After ``wait()`` the request is complete and the buffer holds rank 0's value for it.
     """
-    sender, *receivers = run_ranks(p2p.irecv_before_send)
+    sender, *receivers = run_ranks(irecv_before_send)
     assert sender["sent"] == {1: 11.0, 2: 12.0}
     for rank, seen in enumerate(receivers, start=1):
         assert seen["completed_before_wait"] is False

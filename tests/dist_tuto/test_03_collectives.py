@@ -10,13 +10,17 @@ and every rank is checked.
 from __future__ import annotations
 
 import functools
+import os
+import time
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from tutorial_impl.dist_tuto import collectives as coll
-from tutorial_impl.dist_tuto.collectives import ReduceOp
+from tutorial_impl.dist_tuto.collectives import TUTORIAL_OPS, ReduceOp, all_reduce
+from tutorial_impl.dist_tuto.process import rank_device
 
 # The reductions' definitions, written independently of torch.distributed.
 NUMPY_REDUCTIONS = {
@@ -32,8 +36,17 @@ NUMPY_REDUCTIONS = {
 }
 
 
+def op_input(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input for the ReduceOp tests: small values with varied bit patterns."""
+    values = [rank + 1, 10 ^ rank, 6 | (rank << 2), 12 - 3 * rank, (7 * rank) % 5 - 2]
+    t = torch.tensor(values, dtype=torch.int64)
+    if dtype.is_floating_point:
+        return t.to(dtype) / 2  # halves: exact in binary, and PRODUCT stays small
+    return t.to(dtype)
+
+
 def numpy_inputs(world_size: int, dtype: torch.dtype) -> np.ndarray:
-    return np.stack([coll.op_input(r, dtype).numpy() for r in range(world_size)])
+    return np.stack([op_input(r, dtype).numpy() for r in range(world_size)])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -46,6 +59,20 @@ def test_tutorial_all_reduce_over_a_group(run_ranks, world_size):
     assert "Rank  1  has data  tensor(2.)" in results.outputs[1].splitlines()
 
 
+def reduce_every_op(rank: int, size: int, dtypes: list[torch.dtype]) -> dict[str, object]:
+    """All-reduce ``op_input`` with every op and dtype: the result, or the error's message."""
+    results: dict[str, object] = {}
+    for name in (*TUTORIAL_OPS, "AVG"):
+        for dtype in dtypes:
+            tensor = op_input(rank, dtype).to(rank_device())
+            try:
+                all_reduce(tensor, getattr(ReduceOp, name), premul_factor=0.5)
+                results[f"{name}/{dtype}"] = tensor.cpu()
+            except ValueError as exc:
+                results[f"{name}/{dtype}"] = str(exc)
+    return results
+
+
 @pytest.mark.world_size(3)
 def test_every_reduce_op_on_gloo(run_ranks):
     """Each op of the tutorial's list, on floats and integers, against numpy.
@@ -54,7 +81,7 @@ def test_every_reduce_op_on_gloo(run_ranks):
     on floats, AVG on integers, PREMUL_SUM at all (NCCL only).
     """
     dtypes = [torch.float32, torch.int64]
-    results = run_ranks(coll.reduce_every_op, dtypes)
+    results = run_ranks(reduce_every_op, dtypes)
     assert results[0].keys() == results[1].keys() == results[2].keys()
     expected_errors = {
         "PREMUL_SUM/torch.float32": "ReduceOp.PREMUL_SUM is not supported by the gloo backend",
@@ -84,9 +111,29 @@ def test_every_reduce_op_on_gloo(run_ranks):
     assert "(it is NCCL-only)" in results[0]["PREMUL_SUM/torch.float32"]
 
 
+def gloo_verdicts(rank: int, size: int) -> dict[str, str]:
+    """What gloo itself answers to each op and dtype, without our check in front.
+
+    Keeps ``SUPPORTED_OPS`` honest: the tests compare these verdicts with ``check_op``'s.
+    Gloo refuses these before any data moves, on every rank alike, so nothing hangs.
+    """
+    verdicts = {}
+    for name in (*TUTORIAL_OPS, "AVG"):
+        for dtype in (torch.float32, torch.int64):
+            op = getattr(ReduceOp, name)
+            if name == "PREMUL_SUM":
+                op = dist._make_nccl_premul_sum(0.5)
+            try:
+                dist.all_reduce(op_input(rank, dtype), op=op)
+                verdicts[f"{name}/{dtype}"] = "ok"
+            except (RuntimeError, ValueError, TypeError) as exc:
+                verdicts[f"{name}/{dtype}"] = f"error: {exc}"
+    return verdicts
+
+
 def test_supported_ops_table_agrees_with_gloo_itself(run_ranks):
     """Our pre-flight check refuses exactly what gloo refuses, nothing more and nothing less."""
-    verdicts = run_ranks(coll.gloo_verdicts)[0]
+    verdicts = run_ranks(gloo_verdicts)[0]
     for key, verdict in verdicts.items():
         name, dtype_name = key.split("/")
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
@@ -135,19 +182,58 @@ def test_every_collective(run_ranks, world_size):
     check_tour(results, world_size)
 
 
+def barrier_arrivals(rank: int, size: int, directory: str) -> list[str]:
+    """``barrier``: after it, every rank has done what it did before it.
+
+    Each rank sleeps a little (rank 0 longest), then leaves a file in ``directory`` and waits
+    at the barrier. Whoever leaves the barrier must find every rank's file already there,
+    even the slowest one's: the barrier waited for it.
+    """
+    time.sleep(0.1 * (size - 1 - rank))
+    with open(os.path.join(directory, f"arrived-{rank}"), "w") as f:
+        f.write(str(time.time()))
+    dist.barrier()
+    return sorted(os.listdir(directory))
+
+
 @pytest.mark.world_size(3)
 def test_barrier_waits_for_the_slowest_rank(run_ranks, tmp_path):
     """Rank 0 sleeps 0.2 s before it leaves its file, rank 1 0.1 s, rank 2 not at all.
     After the barrier every rank, the fast ones included, must already see all three files."""
     arrivals = tmp_path / "arrivals"
     arrivals.mkdir()
-    seen = run_ranks(coll.barrier_arrivals, str(arrivals))
+    seen = run_ranks(barrier_arrivals, str(arrivals))
     assert seen == [["arrived-0", "arrived-1", "arrived-2"]] * 3
+
+
+def excluding_groups(rank: int, size: int) -> dict[str, object]:
+    """Two groups that each leave a rank out: A = [0, 2] and B = [1, 2] (world size 3).
+
+    Every rank calls ``new_group`` for both, in the same order, even for a group it is not
+    in; that is how the ranks agree on the group's identity. A rank outside a group gets
+    ``GroupMember.NON_GROUP_MEMBER`` and its group rank is -1.
+    """
+    group_a, group_b = dist.new_group([0, 2]), dist.new_group([1, 2])
+    out: dict[str, object] = {
+        "rank_in_a": dist.get_group_rank(group_a, rank) if rank in (0, 2) else -1,
+        "a_is_member": group_a != dist.GroupMember.NON_GROUP_MEMBER,
+        "b_is_member": group_b != dist.GroupMember.NON_GROUP_MEMBER,
+    }
+    for name, group, members in (("a", group_a, (0, 2)), ("b", group_b, (1, 2))):
+        t = torch.tensor([float(rank + 1)], device=rank_device())
+        if rank in members:
+            all_reduce(t, ReduceOp.SUM, group=group)
+            # src is a *global* rank: rank 2 sends its list to the other member of the group.
+            payload = [f"hello from rank {rank} in group {name}"]
+            dist.broadcast_object_list(payload, src=2, group=group)
+            out[f"{name}_message"] = payload[0]
+        out[f"{name}_sum"] = t.item()
+    return out
 
 
 @pytest.mark.world_size(3)
 def test_groups_that_exclude_a_rank(run_ranks):
-    r0, r1, r2 = run_ranks(coll.excluding_groups)
+    r0, r1, r2 = run_ranks(excluding_groups)
     # Group A = [0, 2]: 1 + 3; group B = [1, 2]: 2 + 3. Outsiders keep their own rank + 1.
     assert (r0["a_sum"], r1["a_sum"], r2["a_sum"]) == (4.0, 2.0, 4.0)
     assert (r0["b_sum"], r1["b_sum"], r2["b_sum"]) == (1.0, 5.0, 5.0)
@@ -208,7 +294,7 @@ def test_every_collective_on_nccl(run_ranks):
 @pytest.mark.backend("nccl")
 def test_reduce_ops_on_nccl(run_ranks):
     """NCCL has PREMUL_SUM (floating types only) and AVG, but no bitwise ops."""
-    results = run_ranks(coll.reduce_every_op, [torch.float32])
+    results = run_ranks(reduce_every_op, [torch.float32])
     inputs = numpy_inputs(2, torch.float32)
     for rank in range(2):
         for name in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM"):

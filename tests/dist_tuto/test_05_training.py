@@ -22,7 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+import torch.optim as optim
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.dist_tuto import sgd
 from tutorial_impl.dist_tuto.data import (
@@ -32,6 +35,9 @@ from tutorial_impl.dist_tuto.data import (
     synthetic_mnist,
 )
 from tutorial_impl.dist_tuto.model import Net
+from tutorial_impl.dist_tuto.partition import batch_sizes
+from tutorial_impl.dist_tuto.process import rank_device
+from tutorial_impl.dist_tuto.sgd import LR, MOMENTUM, train_step
 
 STEPS = 3
 # Float32 sums in a different order (all_reduce, shards) differ in the last bits: ~1e-8 was
@@ -81,6 +87,39 @@ def test_the_tolerance_can_tell_right_from_wrong(global_batches, reference) -> N
     assert _max_diff(reference, alone) > 10 * PARITY_ATOL
 
 
+def train_global_batches(
+    rank: int,
+    size: int,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    use_ddp: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Train on given global batches, each rank taking its share; return the parameters.
+
+    Made for parity checks against one process training on the whole batches: the model is
+    in ``eval()`` mode, so dropout (a random mask per process) cannot make the runs differ.
+    ``use_ddp`` lets DistributedDataParallel average the gradients instead.
+    """
+    device = rank_device()
+    if device.type == "cuda":
+        # TF32 convolutions would round to ~1e-3; keep full float32 to compare with the CPU.
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(1234)
+    model = Net().to(device).eval()
+    trained: nn.Module = model
+    if use_ddp:
+        trained = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for data, target in batches:
+        bszs = batch_sizes(len(data), size)
+        start = sum(bszs[:rank])
+        shard = slice(start, start + bszs[rank])
+        weight = bszs[rank] * size / len(data)
+        x, y = data[shard].to(device), target[shard].to(device)
+        train_step(trained, optimizer, x, y, weight, sync=not use_ddp)
+    return {name: p.detach().cpu() for name, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize(
     ("world_size", "use_ddp"),
     [(2, False), (3, False), (4, False), (2, True), (3, True)],
@@ -96,7 +135,7 @@ def test_n_ranks_reach_the_parameters_of_one_process(
     averages the gradients instead of ``average_gradients``: the production tool and the
     tutorial's hand-written one must agree.
     """
-    results = run_ranks(sgd.train_global_batches, global_batches, use_ddp, world_size=world_size)
+    results = run_ranks(train_global_batches, global_batches, use_ddp, world_size=world_size)
     assert len(results) == world_size
     for rank, params in enumerate(results):
         diff = _max_diff(params, reference)
@@ -276,7 +315,7 @@ def test_nccl_ranks_on_gpus_reach_the_cpu_reference(
     GPU kernels sum in other orders than the CPU (TF32 is switched off in the ranks), hence
     a tolerance 10x the CPU one; still ~1/80 of the parameters' movement.
     """
-    results = run_ranks(sgd.train_global_batches, global_batches, use_ddp)
+    results = run_ranks(train_global_batches, global_batches, use_ddp)
     assert len(results) == world_size
     for rank, params in enumerate(results):
         assert _max_diff(params, reference) <= 10 * PARITY_ATOL, f"rank {rank}"

@@ -1,22 +1,56 @@
-"""4.5 Ring-allreduce (``tutorial_impl/ring.py``): the tutorial's ring and the optimal one.
+"""4.5 Ring-allreduce (``tutorial_impl/dist_tuto/ring.py``): the tutorial's ring and an optimal one.
 
-Both must compute exactly what ``dist.all_reduce`` computes, on every rank, for every shape
-and dtype we can think of. We check them against two references: gloo's own all_reduce, run
-in the same ranks, and the sum of every rank's input computed here in the parent (which
-rebuilds each rank's input from its seed). Integer data must match exactly; floats up to
-rounding, since the rings add in a different order from gloo.
+The tutorial claims its hand-written ``allreduce(send, recv)`` computes what
+``dist.all_reduce`` computes, by passing the partial sum around a ring of ranks. This module
+proves it, and the same for the bandwidth-optimal ring (reduce-scatter, then all-gather, in
+1 MiB segments), on every rank, for every shape and dtype we could think of, against two
+references: gloo's own all_reduce run in the same ranks, and the sum of every rank's input
+computed here in the parent (which rebuilds each rank's input from its seed). Integers must
+match exactly; floats up to rounding, since a ring adds in a different order from gloo.
 
-Many cases run inside one process group per world size, so the module stays cheap.
+Read in this order:
+
+1. ``case_input`` and the references: what every rank brings, and the closed-form answer.
+2. ``compare_cases`` + ``test_both_rings_equal_all_reduce``: correctness at worlds 1-4
+   (many cases in one process group per world size, so the module stays cheap).
+3. ``bytes_sent`` + ``test_bytes_sent_per_rank_match_the_theory``: why the optimal ring is
+   optimal, counted byte by byte: (N-1)K against 2(N-1)/N K from each rank.
+4. ``mismatched`` + its test: a rank with a different shape gets an error, not a hang.
+5. The demo, ``python -m tutorial_impl ring``.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from tutorial_impl.dist_tuto import ring, ring_checks
+from tutorial_impl.dist_tuto import ring
+from tutorial_impl.dist_tuto.ring import SEGMENT_BYTES, allreduce, ring_allreduce
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32]
+
+# --- 1. What each rank brings, and the answer ---------------------------------------------
+
+
+def case_input(
+    rank: int, shape: tuple[int, ...], dtype: torch.dtype, transposed: bool = False
+) -> torch.Tensor:
+    """A rank's deterministic input for one test case: small integers, or random floats.
+
+    ``transposed`` stores the last two dims swapped, so the tensor is a non-contiguous view.
+    """
+    store_shape = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+    numel = math.prod(store_shape)
+    if dtype.is_floating_point:
+        gen = torch.Generator().manual_seed(1000 + rank)
+        t = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+    else:
+        t = ((torch.arange(numel) * (rank + 3)) % 19 - 9).to(dtype)
+    t = t.reshape(store_shape)
+    return t.transpose(-1, -2) if transposed else t
 
 
 def cases_for(world_size: int) -> list[tuple]:
@@ -31,7 +65,7 @@ def cases_for(world_size: int) -> list[tuple]:
 
 def expected_sum(world_size: int, shape, dtype, transposed) -> torch.Tensor:
     """The closed-form answer: every rank's input, rebuilt here, summed in float64."""
-    inputs = [ring_checks.case_input(r, shape, dtype, transposed) for r in range(world_size)]
+    inputs = [case_input(r, shape, dtype, transposed) for r in range(world_size)]
     return torch.stack([t.double() for t in inputs]).sum(0)
 
 
@@ -43,12 +77,48 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> No
         assert torch.equal(got, want.to(dtype))
 
 
+# --- 2. Both rings equal dist.all_reduce --------------------------------------------------
+
+
+def compare_cases(
+    rank: int, size: int, cases: list[tuple], segment_bytes: int = SEGMENT_BYTES
+) -> list[dict[str, object]]:
+    """Run both rings and ``dist.all_reduce`` on every case, all in one process group.
+
+    A case is ``(shape, dtype, transposed)``. The bandwidth-optimal ring runs three times: into
+    a separate ``recv`` (``send`` must stay untouched), in place, and in place without the
+    layout check.
+    """
+    out = []
+    for shape, dtype, transposed in cases:
+        send = case_input(rank, shape, dtype, transposed)
+        before = send.clone()
+        tutorial = torch.empty_like(send)  # same strides as send: non-contiguous recv too
+        allreduce(send, tutorial)
+        ring = ring_allreduce(send, torch.empty_like(send), segment_bytes=segment_bytes)
+        in_place = ring_allreduce(send.clone(), segment_bytes=segment_bytes)
+        unchecked = ring_allreduce(send.clone(), segment_bytes=segment_bytes, check=False)
+        reference = send.clone()
+        dist.all_reduce(reference)
+        out.append(
+            {
+                "tutorial": tutorial,
+                "ring": ring,
+                "in_place": in_place,
+                "unchecked": unchecked,
+                "all_reduce": reference,
+                "send_unchanged": torch.equal(send, before),
+            }
+        )
+    return out
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_both_rings_equal_all_reduce(run_ranks, world_size):
     cases = cases_for(world_size)
     # 64-byte segments: the 250-element case crosses many segments and exercises the
     # pipelining, which real tensors only reach at megabytes.
-    results = run_ranks(ring_checks.compare_cases, cases, 64, world_size=world_size)
+    results = run_ranks(compare_cases, cases, 64, world_size=world_size)
     assert len(results) == world_size
     for i, (shape, dtype, transposed) in enumerate(cases):
         want = expected_sum(world_size, shape, dtype, transposed)
@@ -62,14 +132,67 @@ def test_both_rings_equal_all_reduce(run_ranks, world_size):
             assert got["send_unchanged"], (rank, shape, dtype)
 
 
+# --- 3. Bytes on the wire ---------------------------------------------------------------
+
+
+def bytes_sent(rank: int, size: int, numel: int) -> dict[str, int]:
+    """Count the payload bytes each ring sends from this rank with ``dist.isend``."""
+    counted = {"n": 0}
+    real_isend = dist.isend
+
+    def counting_isend(tensor: torch.Tensor, dst: int, *args: object, **kwargs: object):
+        counted["n"] += tensor.numel() * tensor.element_size()
+        return real_isend(tensor, dst, *args, **kwargs)
+
+    send = torch.ones(numel)
+    result = {}
+    dist.isend = counting_isend  # both rings send with dist.isend, looked up at call time
+    try:
+        for name, fn in (("tutorial", allreduce), ("ring", ring_allreduce)):
+            counted["n"] = 0
+            fn(send, torch.empty_like(send))
+            result[name] = counted["n"]
+    finally:
+        dist.isend = real_isend
+    return result
+
+
 @pytest.mark.world_size(4)
 def test_bytes_sent_per_rank_match_the_theory(run_ranks):
     """The tutorial ring sends (N-1)*K bytes from each rank, the optimal one 2(N-1)/N*K."""
     numel = 4 * 1000  # divisible by N: chunks are equal and the counts exact
     k = numel * 4  # float32 bytes
-    for counts in run_ranks(ring_checks.bytes_sent, numel):
+    for counts in run_ranks(bytes_sent, numel):
         assert counts["tutorial"] == 3 * k
         assert counts["ring"] == 2 * 3 * k // 4
+
+
+# --- 4. Mismatched inputs: an error on every rank, never a hang ------------------------
+
+
+def mismatched(rank: int, size: int, problem: str) -> str:
+    """Give rank ``size - 1`` a bad input and return the error each rank gets (or "no error").
+
+    ``problem`` is ``shape`` (one element more), ``dtype`` (float64) or ``recv`` (a recv
+    buffer of the wrong size, on that rank only). Both rings are tried, the tutorial's first.
+    """
+    send = torch.ones(6)
+    recv = torch.zeros(6)
+    if rank == size - 1:
+        if problem == "shape":
+            send, recv = torch.ones(7), torch.zeros(7)
+        elif problem == "dtype":
+            send, recv = send.double(), recv.double()
+        elif problem == "recv":
+            recv = torch.zeros(5)
+    errors = []
+    for fn in (allreduce, ring_allreduce):
+        try:
+            fn(send, recv)
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return "\n---\n".join(errors)
 
 
 @pytest.mark.world_size(3)
@@ -78,7 +201,7 @@ def test_mismatched_inputs_raise_on_every_rank(run_ranks, problem):
     """The last rank brings a different shape or dtype (or a recv of the wrong size): a ring
     would wait forever for bytes that never come. Instead every rank, including the ones
     whose own tensors are fine, raises a ValueError that says which rank has what."""
-    errors = run_ranks(ring_checks.mismatched, problem, timeout=30)
+    errors = run_ranks(mismatched, problem, timeout=30)
     for text in errors:
         assert "no error" not in text
         assert text.count("ring allreduce needs the same shape and dtype on every rank") == 2
@@ -89,6 +212,9 @@ def test_mismatched_inputs_raise_on_every_rank(run_ranks, problem):
         assert "rank 2: shape (6,), dtype torch.float64" in errors[1]
     else:
         assert "rank 2: recv (shape (5,), dtype torch.float32) does not match send" in errors[0]
+
+
+# --- 5. The demo -------------------------------------------------------------------------
 
 
 def test_demo_prints_the_tutorial_line(run_ranks):

@@ -15,8 +15,6 @@ others).
 from __future__ import annotations
 
 import argparse
-import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -104,49 +102,6 @@ def run(rank: int, size: int) -> torch.Tensor:
     return tensor.cpu()
 
 
-def op_input(rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rank ``rank``'s input for the ReduceOp tests: small values with varied bit patterns."""
-    values = [rank + 1, 10 ^ rank, 6 | (rank << 2), 12 - 3 * rank, (7 * rank) % 5 - 2]
-    t = torch.tensor(values, dtype=torch.int64)
-    if dtype.is_floating_point:
-        return t.to(dtype) / 2  # halves: exact in binary, and PRODUCT stays small
-    return t.to(dtype)
-
-
-def reduce_every_op(rank: int, size: int, dtypes: list[torch.dtype]) -> dict[str, object]:
-    """All-reduce ``op_input`` with every op and dtype: the result, or the error's message."""
-    results: dict[str, object] = {}
-    for name in (*TUTORIAL_OPS, "AVG"):
-        for dtype in dtypes:
-            tensor = op_input(rank, dtype).to(rank_device())
-            try:
-                all_reduce(tensor, getattr(ReduceOp, name), premul_factor=0.5)
-                results[f"{name}/{dtype}"] = tensor.cpu()
-            except ValueError as exc:
-                results[f"{name}/{dtype}"] = str(exc)
-    return results
-
-
-def gloo_verdicts(rank: int, size: int) -> dict[str, str]:
-    """What gloo itself answers to each op and dtype, without our check in front.
-
-    Keeps ``SUPPORTED_OPS`` honest: the tests compare these verdicts with ``check_op``'s.
-    Gloo refuses these before any data moves, on every rank alike, so nothing hangs.
-    """
-    verdicts = {}
-    for name in (*TUTORIAL_OPS, "AVG"):
-        for dtype in (torch.float32, torch.int64):
-            op = getattr(ReduceOp, name)
-            if name == "PREMUL_SUM":
-                op = dist._make_nccl_premul_sum(0.5)
-            try:
-                dist.all_reduce(op_input(rank, dtype), op=op)
-                verdicts[f"{name}/{dtype}"] = "ok"
-            except (RuntimeError, ValueError, TypeError) as exc:
-                verdicts[f"{name}/{dtype}"] = f"error: {exc}"
-    return verdicts
-
-
 def rank_tensor(rank: int, n: int = 3) -> torch.Tensor:
     """A tensor that says who made it: ``[100*rank, 100*rank + 1, ...]``."""
     return torch.arange(n, dtype=torch.float32) + 100 * rank
@@ -198,45 +153,6 @@ def tour(rank: int, size: int, verbose: bool = True) -> dict[str, object]:
         for name, value in out.items():
             if value is not None:
                 print(f"Rank  {rank}  {name}: {value.tolist()}")
-    return out
-
-
-def barrier_arrivals(rank: int, size: int, directory: str) -> list[str]:
-    """``barrier``: after it, every rank has done what it did before it.
-
-    Each rank sleeps a little (rank 0 longest), then leaves a file in ``directory`` and waits
-    at the barrier. Whoever leaves the barrier must find every rank's file already there,
-    even the slowest one's: the barrier waited for it.
-    """
-    time.sleep(0.1 * (size - 1 - rank))
-    with open(os.path.join(directory, f"arrived-{rank}"), "w") as f:
-        f.write(str(time.time()))
-    dist.barrier()
-    return sorted(os.listdir(directory))
-
-
-def excluding_groups(rank: int, size: int) -> dict[str, object]:
-    """Two groups that each leave a rank out: A = [0, 2] and B = [1, 2] (world size 3).
-
-    Every rank calls ``new_group`` for both, in the same order, even for a group it is not
-    in; that is how the ranks agree on the group's identity. A rank outside a group gets
-    ``GroupMember.NON_GROUP_MEMBER`` and its group rank is -1.
-    """
-    group_a, group_b = dist.new_group([0, 2]), dist.new_group([1, 2])
-    out: dict[str, object] = {
-        "rank_in_a": dist.get_group_rank(group_a, rank) if rank in (0, 2) else -1,
-        "a_is_member": group_a != dist.GroupMember.NON_GROUP_MEMBER,
-        "b_is_member": group_b != dist.GroupMember.NON_GROUP_MEMBER,
-    }
-    for name, group, members in (("a", group_a, (0, 2)), ("b", group_b, (1, 2))):
-        t = torch.tensor([float(rank + 1)], device=rank_device())
-        if rank in members:
-            all_reduce(t, ReduceOp.SUM, group=group)
-            # src is a *global* rank: rank 2 sends its list to the other member of the group.
-            payload = [f"hello from rank {rank} in group {name}"]
-            dist.broadcast_object_list(payload, src=2, group=group)
-            out[f"{name}_message"] = payload[0]
-        out[f"{name}_sum"] = t.item()
     return out
 
 

@@ -57,37 +57,6 @@ def run_nonblocking(rank: int, size: int) -> torch.Tensor:
     return tensor.cpu()
 
 
-def irecv_before_send(rank: int, size: int) -> dict[str, object]:
-    """Show that an ``irecv`` returns before any data exists: read its buffer only after wait.
-
-    Each receiver posts its ``irecv`` first and only then tells rank 0 (with a blocking send on
-    another tag) to go ahead; so at the moment we look, the data cannot have been sent yet.
-    The request is not completed and the buffer still holds its old zeros; after ``wait()``
-    it holds what rank 0 sent. Rank 0 sends ``10 + dst`` so every receiver's value is its own.
-    """
-    go, data = 1, 0  # tags: the "go ahead" message and the payload
-    if rank == 0:
-        sent = {}
-        for dst in range(1, size):
-            dist.recv(torch.zeros(1), src=dst, tag=go)  # wait until dst has posted its irecv
-            payload = torch.tensor([10.0 + dst])
-            req = dist.isend(payload, dst=dst, tag=data)
-            req.wait()  # only now may we touch ``payload`` again
-            sent[dst] = payload.item()
-        return {"sent": sent}
-    buffer = torch.zeros(1)
-    req = dist.irecv(buffer, src=0, tag=data)
-    done_before, value_before = req.is_completed(), buffer.item()
-    dist.send(torch.ones(1), dst=0, tag=go)
-    req.wait()
-    return {
-        "completed_before_wait": done_before,
-        "value_before_wait": value_before,
-        "completed_after_wait": req.is_completed(),
-        "value_after_wait": buffer.item(),
-    }
-
-
 MODES = {"blocking": run_blocking, "nonblocking": run_nonblocking}
 
 

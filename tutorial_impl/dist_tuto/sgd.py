@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.dist_tuto.data import get_dataset
 from tutorial_impl.dist_tuto.model import Net
@@ -115,39 +114,6 @@ def run(rank: int, size: int, config: TrainConfig = TrainConfig()) -> TrainResul
     # Synchronous SGD keeps the replicas bitwise identical: every rank prints the same digest.
     print_line("Rank ", dist.get_rank(), " parameters sha256 ", result.digest[:16])
     return result
-
-
-def train_global_batches(
-    rank: int,
-    size: int,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    use_ddp: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Train on given global batches, each rank taking its share; return the parameters.
-
-    Made for parity checks against one process training on the whole batches: the model is
-    in ``eval()`` mode, so dropout (a random mask per process) cannot make the runs differ.
-    ``use_ddp`` lets DistributedDataParallel average the gradients instead.
-    """
-    device = rank_device()
-    if device.type == "cuda":
-        # TF32 convolutions would round to ~1e-3; keep full float32 to compare with the CPU.
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(1234)
-    model = Net().to(device).eval()
-    trained: nn.Module = model
-    if use_ddp:
-        trained = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for data, target in batches:
-        bszs = batch_sizes(len(data), size)
-        start = sum(bszs[:rank])
-        shard = slice(start, start + bszs[rank])
-        weight = bszs[rank] * size / len(data)
-        x, y = data[shard].to(device), target[shard].to(device)
-        train_step(trained, optimizer, x, y, weight, sync=not use_ddp)
-    return {name: p.detach().cpu() for name, p in model.named_parameters()}
 
 
 def main(argv: list[str] | None = None) -> int:
