@@ -1,7 +1,12 @@
 """The ring benchmark (``tutorial_impl/bench/ring.py``): its arithmetic, and a tiny real run.
 
-The figures themselves are not tested (timings on a shared machine prove nothing); what must
-be right is what the script computes from them and what it writes.
+The benchmark claims to measure the tutorial ring, the bandwidth-optimal ring and gloo's own
+all_reduce side by side, and to report bandwidths and ratios (with the ratio bytes alone
+predict, N/2). The figures themselves are not tested (timings on a shared machine prove
+nothing); what must be right is what the script computes from them and what it writes.
+
+Read in this order: parsing sizes; the expected ratio; bandwidth and ratios from hand-made
+rows (checked by hand); a tiny real run and its JSON; bad arguments.
 """
 
 from __future__ import annotations

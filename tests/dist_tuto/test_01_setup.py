@@ -1,8 +1,18 @@
 """1. Setup (the run template) and 5.2 initialization methods.
 
-``init_process(rank, size, fn, backend)`` is the tutorial's template: join a group, run
-``fn``, leave. ``init_methods.run`` proves a group is real with one all-reduce of rank+1, so
-a rank that did not join (or joined a different group) would return a wrong sum.
+The tutorial claims that ``init_process`` (set the rendezvous address, ``init_process_group``,
+run ``fn``) started once per rank gives every process a place in one group, and that a
+group can be found three ways: ``env://``, ``tcp://`` and ``file://``. This module proves it:
+``init_methods.run`` all-reduces rank + 1, so a rank that did not join (or joined another
+group) returns a wrong sum, and every rank's sum is checked against the closed form.
+
+Read in this order:
+
+1. ``test_the_tutorials_run_py_as_written``: the tutorial's own ``run.py``, spawn and all.
+2. ``init_process`` and the three init methods, started through the harness.
+3. The CLI: ``python -m tutorial_impl setup`` and its answers to bad input.
+4. Backends this machine may not have (MPI, a GPU per NCCL rank), refused clearly.
+5. Ctrl-C stops a demo and every one of its ranks.
 """
 
 from __future__ import annotations

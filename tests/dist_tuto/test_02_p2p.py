@@ -1,8 +1,18 @@
-"""2. Point-to-point communication (``tutorial_impl/p2p.py``).
+"""2. Point-to-point communication (``tutorial_impl/dist_tuto/p2p.py``).
 
-Rank 0 starts with zeros, adds one and sends; the others hold zeros until the data arrives.
-So a receiver that reports 1.0 has really received it: nothing else could have changed its
-buffer. Every rank returns its tensor, and we check every rank, including the sender.
+The tutorial claims ``send``/``recv`` move a tensor from one rank to another, blocking until
+done, and that ``isend``/``irecv`` return at once with a request whose data is valid only
+after ``wait()``. Rank 0 starts with zeros, adds one and sends; the others hold zeros until
+the data arrives. So a receiver that reports 1.0 has really received it: nothing else could
+have changed its buffer. Every rank returns its tensor, and every rank is checked.
+
+Read in this order:
+
+1. ``test_every_rank_ends_with_rank_0s_tensor``: both modes, worlds of 2 and 3.
+2. ``test_prints_what_the_tutorial_prints``: the tutorial's own lines.
+3. ``irecv_before_send`` + ``test_irecv_buffer_is_only_valid_after_wait``: the buffer of a
+   posted ``irecv`` is still zero until the sender sends and ``wait`` returns.
+4. The same on NCCL (skipped without GPUs), then the CLI.
 """
 
 from __future__ import annotations

@@ -1,10 +1,24 @@
-"""3. Collective communication (``tutorial_impl/collectives.py``).
+"""3. Collective communication (``tutorial_impl/dist_tuto/collectives.py``).
 
-Every rank starts from an input we can rebuild here in the parent (``op_input``,
-``rank_tensor``), so each expected result is computed independently, with numpy, from the
-definitions of the collectives: a broadcast copies the source's tensor, a reduce-scatter
-gives rank j the sum of everyone's j-th piece, and so on. Every rank returns what it holds
-and every rank is checked.
+The tutorial claims each collective does what its picture shows: ``all_reduce`` leaves every
+rank of a group with the reduction of all inputs under any ``ReduceOp``, ``broadcast`` copies
+the source's tensor, ``scatter``/``gather``/``all_gather``/``all_to_all`` move pieces, and a
+``new_group`` lets a subset communicate. Every rank starts from an input we can rebuild here
+in the parent (``op_input``, ``rank_tensor``), so each expected result is computed
+independently, with numpy, from the definitions; every rank returns what it holds and every
+rank is checked.
+
+Read in this order:
+
+1. ``test_tutorial_all_reduce_over_a_group``: the tutorial's own 3.1 ``run``.
+2. ``reduce_every_op`` + ``test_every_reduce_op_on_gloo``: every op and dtype, against numpy;
+   what gloo cannot do is refused with one clear message on every rank.
+3. ``gloo_verdicts`` + ``test_supported_ops_table_agrees_with_gloo_itself``: our pre-flight
+   table asked of gloo itself, so it cannot drift.
+4. ``test_every_collective``: the tour of 3.2, against the definitions.
+5. ``barrier_arrivals`` and ``excluding_groups``: what a barrier guarantees; groups that
+   leave a rank out.
+6. ``check_op``'s messages, the CLI, then the same on NCCL (skipped without GPUs).
 """
 
 from __future__ import annotations

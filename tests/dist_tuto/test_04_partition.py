@@ -1,9 +1,15 @@
 """4.1-4.2 Partitioning the dataset: every rank must be able to compute its share *alone*.
 
-There is no communication in ``DataPartitioner``: each rank builds the same partitioner and
-``use``-s its own slice. That only works if the shuffle is deterministic for a seed, and the
-slices are disjoint (no sample trained twice per epoch) and cover the data. These tests check
-exactly that, against an independent re-derivation with ``random.Random`` and set arithmetic.
+The tutorial's ``DataPartitioner`` shuffles the indices with a fixed seed and cuts them into
+fractions (0.7, 0.2, 0.1 in its example; ``1 / size`` each for training), and
+``partition_dataset`` gives each rank its part and a batch of ``128 / size``. There is no
+communication: each rank builds the same partitioner and ``use``-s its own slice. That only
+works if the shuffle is deterministic for a seed and the slices are disjoint (no sample
+trained twice per epoch) and cover the data. These tests check exactly that, against an
+independent re-derivation with ``random.Random`` and set arithmetic; no rank process starts.
+
+Read in this order: the shuffle, the partitions, reading through a ``Partition``, bad sizes;
+then ``partition_dataset`` (batch sizes, steps per epoch) and its clear errors.
 """
 
 from __future__ import annotations

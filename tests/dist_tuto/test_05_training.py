@@ -11,6 +11,15 @@ shards, while one process draws one mask for the concatenated batch, so the runs
 however carefully the seeds are set. ``Net`` has no batch norm, so ``eval()`` changes nothing
 but switching dropout off, and the arithmetic under test (gradients, averaging, SGD with
 momentum) is untouched.
+
+Read in this order:
+
+1. The reference (one process, whole batches) and ``test_the_tolerance_can_tell_right_from_wrong``.
+2. ``train_global_batches`` + ``test_n_ranks_reach_the_parameters_of_one_process``: 2, 3 and
+   4 ranks with ``average_gradients``, and DDP, against the reference.
+3. ``test_synthetic_data_is_learnable_and_replicas_stay_identical``: the real loop.
+4. The data: the MNIST IDX reader and the synthetic set; then the CLI; then NCCL (skipped
+   without GPUs).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``torchrun`` (``python -m torch.distributed.run``) is how the tutorial's ``run.py`` grows up:
 instead of our launcher forking ranks, an *agent* per machine starts the workers, and the
-agents meet at a *rendezvous* to agree on ranks. ``launch.launch`` notices it runs under an
+agents meet at a *rendezvous* to agree on ranks. ``cli.launch`` notices it runs under an
 agent (TORCHELASTIC_RUN_ID and RANK are set) and runs just this worker's rank, so the very same
 ``python -m tutorial_impl train`` works both ways.
 
@@ -25,7 +25,7 @@ forgets the group, but gloo's threads stop only when the last reference to the g
 a worker that then returns from ``main`` lets the interpreter shut down around threads that
 may still touch Python objects, and aborts ("terminate called without an active exception")
 after all its work was done. The first test shows the threads outliving the group (no timing
-involved: a held ``Work`` keeps them for certain); the second shows how our workers end
+involved: a reference we hold keeps them for certain); the second shows how our workers end
 instead (``process.exit_process``: flush, then ``os._exit``, no finalization).
 """
 
