@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from tutorial_impl.testing import proctable
+
 PRESETS = {
     "torchrun-train": "{py} -m torch.distributed.run --standalone --nproc_per_node=2 "
     "-m tutorial_impl train --epochs 1 --samples 256",
@@ -49,22 +51,14 @@ BURN = "while True: pass"
 
 
 def session_members(sid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every process whose session id is ``sid``."""
+    """(pid, command line) of every live process of session ``sid`` (see proctable)."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in proctable.session_members(sid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid:  # after the ')': state ppid pgrp session ...
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:
             continue  # gone meanwhile
-        if fields[0] != "Z":  # zombies are already dead, only not yet reaped
-            found.append((int(entry), cmd))
     return found
 
 

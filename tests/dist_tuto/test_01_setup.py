@@ -58,8 +58,13 @@ def test_the_tutorials_run_py_as_written(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Rank  0  has data  tensor(1.)" in proc.stdout  # the sender's own copy
-    assert "Rank  1  has data  tensor(1.)" in proc.stdout  # received: it started as 0.
+    # The tutorial's ``print('Rank ', rank, ' has data ', tensor[0])`` writes its pieces one
+    # by one, and both processes share our pipe: the two lines may interleave mid-line
+    # ("Rank Rank  0  has data   1 ..."; process.print_line is the cure). So count pieces.
+    out = proc.stdout
+    assert out.count("has data") == 2  # both ranks ran ``run``
+    assert out.count("tensor(1.)") == 2  # the sender's 1.0, and the receiver's copy of it
+    assert "tensor(0.)" not in out  # the receiver's zeros were overwritten by recv
 
 
 def test_a_rank_without_a_gpu_of_its_own_is_refused(monkeypatch):

@@ -164,21 +164,16 @@ def demo(rank: int, size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
-        add_launch_arguments,
-        exit_status,
-        launch,
-        parse_launch_args,
-    )
+    from tutorial_impl import cli  # the CLI's launcher, not the tutorial's
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl collectives",
         description="3. collectives: the tutorial's all_reduce over new_group([0, 1]), "
         "then broadcast, reduce, scatter, gather, all_gather, all_to_all, reduce_scatter",
     )
-    add_launch_arguments(parser)
-    args = parse_launch_args(parser, argv, min_world_size=2)
-    return exit_status(lambda: launch(demo, args.world_size, args.backend, args.timeout))
+    cli.add_launch_arguments(parser)
+    args = cli.parse_launch_args(parser, argv, min_world_size=2)
+    return cli.exit_status(lambda: cli.launch(demo, args.world_size, args.backend, args.timeout))
 
 
 if __name__ == "__main__":

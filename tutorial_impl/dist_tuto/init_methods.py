@@ -83,21 +83,16 @@ def join_with(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
-        add_launch_arguments,
-        exit_status,
-        parse_launch_args,
-        run_local,
-    )
+    from tutorial_impl import cli  # the CLI's launcher, not the tutorial's
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl setup",
         description="1. the run template and 5.2 init methods: every rank joins a group "
         "(env://, tcp:// or file://) and proves it with one all_reduce",
     )
-    add_launch_arguments(parser)
+    cli.add_launch_arguments(parser)
     parser.add_argument("--init-method", choices=INIT_METHODS, default="env")
-    args = parse_launch_args(parser, argv)
+    args = cli.parse_launch_args(parser, argv)
     if under_torchrun():
         # torchrun started us: one rank here, the others elsewhere, all with the same
         # environment. A file:// rendezvous needs a fresh file that every rank sees, which
@@ -108,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         join_with(rank, size, args.init_method, tempfile.gettempdir(), args.backend)
         return 0
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as shared_dir:
-        return exit_status(
-            lambda: run_local(
+        return cli.exit_status(
+            lambda: cli.run_local(
                 join_with,
                 args.init_method,
                 shared_dir,

@@ -61,34 +61,29 @@ MODES = {"blocking": run_blocking, "nonblocking": run_nonblocking}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
-        add_launch_arguments,
-        exit_status,
-        launch,
-        parse_launch_args,
-    )
+    from tutorial_impl import cli  # the CLI's launcher, not the tutorial's
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl p2p",
         description="2. point-to-point: rank 0 sends a tensor holding 1.0 to every other rank",
     )
-    add_launch_arguments(parser)
+    cli.add_launch_arguments(parser)
     parser.add_argument(
         "--mode",
         choices=[*MODES, "both"],
         default="both",
         help="2.1 blocking send/recv, 2.2 isend/irecv + wait, or both (default)",
     )
-    args = parse_launch_args(parser, argv, min_world_size=2)
+    args = cli.parse_launch_args(parser, argv, min_world_size=2)
     modes = list(MODES) if args.mode == "both" else [args.mode]
 
     def demo() -> None:
         for mode in modes:
             if os.environ.get("RANK", "0") == "0" or not under_torchrun():
                 print(f"--- {mode} ---", flush=True)
-            launch(MODES[mode], args.world_size, args.backend, args.timeout)
+            cli.launch(MODES[mode], args.world_size, args.backend, args.timeout)
 
-    return exit_status(demo)
+    return cli.exit_status(demo)
 
 
 if __name__ == "__main__":

@@ -246,21 +246,16 @@ def run(rank: int, size: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
-        add_launch_arguments,
-        exit_status,
-        launch,
-        parse_launch_args,
-    )
+    from tutorial_impl import cli  # the CLI's launcher, not the tutorial's
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl ring",
         description="4.5 the tutorial's ring allreduce(send, recv), the bandwidth-optimal ring "
         "and dist.all_reduce on the same tensors (benchmark: python -m tutorial_impl bench ring)",
     )
-    add_launch_arguments(parser)
-    args = parse_launch_args(parser, argv)
-    return exit_status(lambda: launch(run, args.world_size, args.backend, args.timeout))
+    cli.add_launch_arguments(parser)
+    args = cli.parse_launch_args(parser, argv)
+    return cli.exit_status(lambda: cli.launch(run, args.world_size, args.backend, args.timeout))
 
 
 if __name__ == "__main__":

@@ -117,19 +117,14 @@ def run(rank: int, size: int, config: TrainConfig = TrainConfig()) -> TrainResul
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl.cli import (  # the CLI's launcher, not the tutorial's
-        add_launch_arguments,
-        check_backend,
-        launch,
-    )
-    from tutorial_impl.testing.ranks import add_preload
+    from tutorial_impl import cli  # the CLI's launcher, not the tutorial's
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl train",
         description="4. Distributed synchronous SGD (Net, SGD lr 0.01 momentum 0.5, global "
         "batch 128) on synthetic MNIST-shaped data, or on MNIST IDX files with --data.",
     )
-    add_launch_arguments(parser)
+    cli.add_launch_arguments(parser)
     parser.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
     parser.add_argument(
         "--samples",
@@ -147,15 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         # Check the data against the world size here, once, for a clear message before any
         # rank starts (under torchrun each rank checks for itself in partition_dataset).
         try:
-            check_backend(args.backend, args.world_size)
+            cli.check_backend(args.backend, args.world_size)
             dataset = get_dataset(config.data_path, config.samples)
             partition_dataset(dataset, config.global_batch, rank=0, size=args.world_size)
         except (ValueError, FileNotFoundError) as exc:
             parser.error(str(exc))
-    # Every rank's first optimizer imports torch._dynamo (~1.3 s of CPU); import it once in
-    # the forkserver the local ranks are forked from instead of once per rank.
-    add_preload(["torch._dynamo"])
-    results = launch(partial(run, config=config), args.world_size, args.backend, args.timeout)
+    # Every rank's first optimizer imports torch._dynamo (~1.3 s of CPU): preload it.
+    demo = partial(run, config=config)
+    results = cli.launch(demo, args.world_size, args.backend, args.timeout, ["torch._dynamo"])
     if len(results) > 1:
         same = len({r.digest for r in results}) == 1
         print(
