@@ -1,9 +1,19 @@
 """The Distributed RPC Framework (shared/seeds/003) and Combining DDP with it (000, 001).
 
+The RPC framework itself, one module per part of the reference, in reading order:
+
+``workers.py``        init_rpc with TensorPipe options and BackendType, worker names,
+                      graceful shutdown and what it waits for
+``calls.py``          rpc_sync, rpc_async, remote, and when each is right (driver / PS / trainer)
+``rrefs.py``          RRef: owner, local_value, to_here, the proxies, sharing with a third worker
+
 The DDP + RPC tutorial, which builds on the RPC lessons:
 
 ``hybrid_world.py``  roles (trainers ``0..T-1``, master ``T``, parameter servers after it),
                      names, joining (a gloo group for the trainers, then RPC) and leaving
 ``hybrid_model.py``  ``HybridModel``: a remote ``EmbeddingBag`` and a DDP-replicated layer
 ``hybrid.py``        the master, ``_run_trainer``, ``run_worker``, the demo
+
+The proofs are in ``tests/rpc/``: ``test_rpc_*.py`` for the reference, ``test_hybrid_*.py``
+for the tutorial.
 """

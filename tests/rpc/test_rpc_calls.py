@@ -1,0 +1,113 @@
+"""Lesson 1, the three calls: ``rpc_sync``, ``rpc_async`` and ``remote``.
+
+The reference claims: ``rpc_sync`` blocks and returns the value; ``rpc_async`` returns a
+future to wait on when the value is needed; ``remote`` runs the function on the callee and
+returns a reference (RRef) to the result, which stays there. ``remote`` is the right call
+when the caller creates something for *others* to use: the driver creates an embedding table
+on the parameter server and hands the trainer a reference, never fetching the table itself.
+
+This module runs one world of three workers (``calls_lesson``): worker0 makes every call,
+worker1 and worker2 serve. Read the tests in order: the three calls, then the driver /
+parameter server / trainer story and why ``rpc_sync`` would be the wrong call for it, then
+names and ids, then a call to a worker that does not exist.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from tutorial_impl.rpc.calls import driver, make_table, three_calls
+from tutorial_impl.rpc.workers import init_worker, shutdown_worker
+from tutorial_impl.testing import run_ranks
+
+RPC_TIMEOUT = 10.0  # far above any healthy call here, even on a loaded machine
+INDICES, OFFSETS = torch.tensor([4, 0, 9, 4, 1]), torch.tensor([0, 2])  # bags {4, 0}, {9, 4, 1}
+SEED = 3
+
+
+def calls_lesson(rank: int, world_size: int) -> dict:
+    """Every worker: join, report who it is. worker0: make the calls. Everyone: leave."""
+    init_worker(rank, world_size, RPC_TIMEOUT)
+    me = rpc.get_worker_info()
+    report: dict = {"name": me.name, "id": me.id}
+    if rank == 0:
+        seen = three_calls("worker1", "worker2")
+        rref = seen.pop("remote")
+        report["three_calls"] = seen
+        report["remote_is_rref"] = isinstance(rref, rpc.PyRRef)  # the base class of rpc.RRef
+        report["remote_owner"] = rref.owner_name()
+        report["worker2_id"] = rpc.get_worker_info("worker2").id
+
+        story = driver("worker1", "worker2", INDICES, OFFSETS, seed=SEED)
+        table = story.pop("table")
+        report["story"] = {**story, "driver_is_owner": table.is_owner()}
+        # The wrong call for the job: rpc_sync brings the whole table back to the driver.
+        report["fetched"] = rpc.rpc_sync("worker1", make_table, args=(10, 3, SEED))
+
+        start = time.monotonic()
+        try:
+            rpc.rpc_sync("ps7", torch.add, args=(torch.ones(1), 1))
+        except RuntimeError as exc:
+            report["unknown_worker"] = (str(exc), time.monotonic() - start)
+    shutdown_worker(RPC_TIMEOUT)
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    return run_ranks(calls_lesson, world_size=3, backend=None, timeout=30)
+
+
+def test_rpc_sync_blocks_and_returns_the_value(reports):
+    # torch.add(ones(2), 3) ran on worker1; the tensor came back.
+    assert torch.equal(reports[0]["three_calls"]["rpc_sync"], torch.full((2,), 4.0))
+
+
+def test_rpc_async_returns_futures_that_collect_all_waits_for(reports):
+    # Two calls in flight at once, on two workers (+1 on worker1, +2 on worker2).
+    values = reports[0]["three_calls"]["rpc_async"]
+    assert [v.tolist() for v in values] == [[2.0, 2.0], [3.0, 3.0]]
+
+
+def test_remote_returns_a_reference_to_a_value_left_on_the_callee(reports):
+    report = reports[0]
+    assert report["remote_is_rref"]
+    assert report["remote_owner"] == "worker1"
+    # The value is there, and can be fetched on request.
+    assert torch.equal(report["three_calls"]["remote_value"], torch.full((2,), 4.0))
+
+
+def test_the_driver_creates_the_table_on_the_ps_and_shares_only_a_reference(reports):
+    story = reports[0]["story"]
+    assert story["table_owner"] == "worker1"  # created there by remote()
+    assert story["driver_is_owner"] is False  # the driver holds a reference, not the table
+    assert story["trainer"] == "worker2"
+    # The trainer's bags are sums of the table's rows; rebuild the rows from the seed.
+    rows = torch.randn(10, 3, generator=torch.Generator().manual_seed(SEED))
+    expected = torch.stack([rows[4] + rows[0], rows[9] + rows[4] + rows[1]])
+    torch.testing.assert_close(story["bags"], expected)
+
+
+def test_rpc_sync_would_have_copied_the_whole_table_to_the_driver(reports):
+    # Why remote() is right for the story: rpc_sync returns the table itself, all of it,
+    # to a driver that has no use for it (and a copy, not the table the trainer uses).
+    fetched = reports[0]["fetched"]
+    assert isinstance(fetched, nn.EmbeddingBag)
+    rows = torch.randn(10, 3, generator=torch.Generator().manual_seed(SEED))
+    assert torch.equal(fetched.weight.detach(), rows)
+
+
+def test_every_worker_has_a_name_and_an_id(reports):
+    assert [(r["name"], r["id"]) for r in reports] == [(f"worker{i}", i) for i in range(3)]
+    assert reports[0]["worker2_id"] == 2  # rpc.get_worker_info("worker2")
+
+
+def test_a_call_to_an_unknown_worker_fails_at_once(reports):
+    message, seconds = reports[0]["unknown_worker"]
+    assert "could not find destination name ps7" in message
+    assert seconds < 5.0  # no wait for a worker that will never come

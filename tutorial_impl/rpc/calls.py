@@ -1,0 +1,88 @@
+"""The three calls: ``rpc_sync``, ``rpc_async`` and ``remote``, and when each is the right one.
+
+The reference's rule of thumb:
+
+* ``rpc_sync`` when the caller cannot go on without the return value: it blocks until the
+  value is back.
+* ``rpc_async`` otherwise: it returns a ``Future`` at once, so several calls can be in flight
+  together; ``fut.wait()`` (or ``torch.futures.collect_all`` for a list) when the value is
+  needed.
+* ``remote`` when something should be *created* on another worker and stay there: it returns
+  an ``RRef`` (a reference to the value on its owner), never the value itself.
+
+The reference's story for ``remote``: a driver sets up a parameter server and a trainer. It
+creates the embedding table on the parameter server and hands the trainer a reference to it,
+but never uses the table itself. ``rpc_sync``/``rpc_async`` would be wrong there, because they
+always bring the return value back to the caller, now or later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+
+def three_calls(callee: str, other: str) -> dict[str, Any]:
+    """``torch.add`` on other workers, once with each API (the reference's own example)."""
+    x = torch.ones(2)
+    # Blocks until worker ``callee`` has computed x + 3 and sent it back.
+    synced = rpc.rpc_sync(callee, torch.add, args=(x, 3))
+    # Two calls in flight at once, on two workers; collect_all gives one future for both.
+    futures = [
+        rpc.rpc_async(callee, torch.add, args=(x, 1)),
+        rpc.rpc_async(other, torch.add, args=(x, 2)),
+    ]
+    done = torch.futures.collect_all(futures).wait()  # the same futures, each now complete
+    # Runs on ``callee`` and stays there: what comes back is a reference, not a tensor.
+    rref = rpc.remote(callee, torch.add, args=(x, 3))
+    return {
+        "rpc_sync": synced,
+        "rpc_async": [fut.wait() for fut in done],
+        "remote": rref,
+        "remote_value": rref.to_here(),  # fetched only because this lesson asks for it
+    }
+
+
+# --- The driver / parameter server / trainer story -------------------------------------
+
+
+def make_table(num_embeddings: int, embedding_dim: int, seed: int) -> nn.EmbeddingBag:
+    """The embedding table, built wherever this function runs (on the parameter server).
+
+    Its rows are ``torch.randn`` of a seeded generator, so anyone can rebuild them to check.
+    """
+    table = nn.EmbeddingBag(num_embeddings, embedding_dim, mode="sum")
+    rows = torch.randn(num_embeddings, embedding_dim, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        table.weight.copy_(rows)
+    return table
+
+
+def trainer_lookup(
+    table: rpc.RRef[nn.EmbeddingBag], indices: torch.Tensor, offsets: torch.Tensor
+) -> dict[str, Any]:
+    """Runs on the trainer. It holds a reference to a table it neither created nor owns,
+    and looks rows up *on the table's owner*: only the bags travel, never the table."""
+    return {
+        "bags": table.rpc_sync().forward(indices, offsets),
+        "trainer": rpc.get_worker_info().name,
+        "table_owner": table.owner_name(),
+    }
+
+
+def driver(
+    ps: str,
+    trainer: str,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    num_embeddings: int = 10,
+    embedding_dim: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The driver's whole part: create the table on ``ps``, share it with ``trainer``."""
+    table = rpc.remote(ps, make_table, args=(num_embeddings, embedding_dim, seed))
+    seen = rpc.rpc_sync(trainer, trainer_lookup, args=(table, indices, offsets))
+    return {**seen, "table": table}
