@@ -6,6 +6,9 @@ The RPC framework itself, one module per part of the reference, in reading order
                       graceful shutdown and what it waits for
 ``calls.py``          rpc_sync, rpc_async, remote, and when each is right (driver / PS / trainer)
 ``rrefs.py``          RRef: owner, local_value, to_here, the proxies, sharing with a third worker
+``autograd.py``       distributed autograd: context, backward, get_gradients, A -> B -> C
+``optimizer.py``      DistributedOptimizer over parameters owned by two workers
+``remote_module.py``  RemoteModule: forward, forward_async, remote_parameters, get_module_rref
 
 The DDP + RPC tutorial, which builds on the RPC lessons:
 
