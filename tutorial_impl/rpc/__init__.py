@@ -9,6 +9,8 @@ The RPC framework itself, one module per part of the reference, in reading order
 ``autograd.py``       distributed autograd: context, backward, get_gradients, A -> B -> C
 ``optimizer.py``      DistributedOptimizer over parameters owned by two workers
 ``remote_module.py``  RemoteModule: forward, forward_async, remote_parameters, get_module_rref
+``options.py``        num_worker_threads, rpc_timeout and per-call timeouts, a call that times out
+``retry.py``          RPC never retries: an application-level retry, and what is safe to retry
 
 The DDP + RPC tutorial, which builds on the RPC lessons:
 
