@@ -11,6 +11,7 @@ The RPC framework itself, one module per part of the reference, in reading order
 ``remote_module.py``  RemoteModule: forward, forward_async, remote_parameters, get_module_rref
 ``options.py``        num_worker_threads, rpc_timeout and per-call timeouts, a call that times out
 ``retry.py``          RPC never retries: an application-level retry, and what is safe to retry
+``batching.py``       @rpc.functions.async_execution: the chained add, a batch-updating server
 
 The DDP + RPC tutorial, which builds on the RPC lessons:
 
