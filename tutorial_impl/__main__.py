@@ -27,6 +27,10 @@ SECTIONS: dict[str, tuple[str, str]] = {
         "tutorial_impl.dist_tuto.ring",
         "4.5 the tutorial's ring allreduce and a bandwidth-optimal one",
     ),
+    "rpc": (
+        "tutorial_impl.rpc.demo",
+        "RPC framework: rpc_sync/async/remote, RRef, dist autograd, optimizer, timeouts, ...",
+    ),
     "hybrid": ("tutorial_impl.rpc.hybrid", "DDP + RPC: DDP trainers, a master, parameter servers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {

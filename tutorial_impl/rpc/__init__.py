@@ -12,6 +12,7 @@ The RPC framework itself, one module per part of the reference, in reading order
 ``options.py``        num_worker_threads, rpc_timeout and per-call timeouts, a call that times out
 ``retry.py``          RPC never retries: an application-level retry, and what is safe to retry
 ``batching.py``       @rpc.functions.async_execution: the chained add, a batch-updating server
+``demo.py``           ``python -m tutorial_impl rpc``: every lesson above on local workers
 
 The DDP + RPC tutorial, which builds on the RPC lessons:
 
