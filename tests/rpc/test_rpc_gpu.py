@@ -1,0 +1,83 @@
+"""The reference's CUDA notes, on a GPU (every test is marked ``gpu``: skipped without CUDA).
+
+The reference claims: TensorPipe sends CPU tensors by default; CUDA tensors need a *device
+map* in ``TensorPipeRpcBackendOptions`` (``device_maps=`` or ``set_device_map``) that says
+where each of the caller's devices lands on the callee, and replies come back through the
+inverse map. RRefs, RemoteModule, distributed autograd and the distributed optimizer do not
+support CUDA tensors: keep what they hold on the CPU and move it to the GPU locally.
+
+One world of three workers on one GPU (``cuda_lesson``): worker0 has a device map to worker1
+(cuda:0 -> cuda:0) and none to worker2. Read in order: a CUDA tensor without a map, with a
+map, then the CPU-first pattern for RRefs and distributed autograd, checked against plain
+autograd.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from tutorial_impl.rpc.workers import init_worker, shutdown_worker
+from tutorial_impl.testing import run_ranks
+
+RPC_TIMEOUT = 10.0
+DEVICE_MAPS = {"worker1": {"cuda:0": "cuda:0"}}  # worker0's cuda:0 lands on worker1's cuda:0
+
+
+def add_and_report(x: torch.Tensor, k: float) -> tuple[torch.Tensor, str]:
+    """Runs on the callee: the sum (sent back) and the device the argument arrived on."""
+    return x + k, str(x.device)
+
+
+def cuda_lesson(rank: int, world_size: int) -> dict:
+    init_worker(rank, world_size, RPC_TIMEOUT, device_maps=DEVICE_MAPS if rank == 0 else None)
+    report: dict = {}
+    if rank == 0:
+        x = torch.ones(2, device="cuda:0")
+        try:
+            rpc.rpc_sync("worker2", add_and_report, args=(x, 1.0))
+        except RuntimeError as exc:
+            report["unmapped_error"] = str(exc)
+        total, arrived_on = rpc.rpc_sync("worker1", add_and_report, args=(x, 1.0))
+        report["mapped"] = {"arrived_on": arrived_on, "reply_device": str(total.device)}
+        report["mapped"]["reply"] = total.cpu()
+
+        # RRef and distributed autograd: CPU tensors over RPC, the GPU only locally.
+        w = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+        with dist_autograd.context() as context_id:
+            remote_sum = rpc.remote("worker2", torch.add, args=(w, 1.0))  # a CPU value
+            on_gpu = remote_sum.to_here().to("cuda:0")
+            loss = (on_gpu * on_gpu).sum()
+            dist_autograd.backward(context_id, [loss])
+            report["cpu_first_grad"] = dist_autograd.get_gradients(context_id)[w]
+    shutdown_worker(RPC_TIMEOUT)
+    return report
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return run_ranks(cuda_lesson, world_size=3, backend=None, timeout=60)[0]
+
+
+@pytest.mark.gpu(1)
+def test_a_cuda_tensor_without_a_device_map_is_refused(report):
+    assert "TensorPipe RPC backend only supports CPU tensors by default" in report["unmapped_error"]
+    assert "set_device_map" in report["unmapped_error"]
+
+
+@pytest.mark.gpu(1)
+def test_a_device_map_places_the_tensor_and_maps_the_reply_back(report):
+    mapped = report["mapped"]
+    assert mapped["arrived_on"] == "cuda:0"  # on worker1, as the map says
+    assert mapped["reply_device"] == "cuda:0"  # back through the inverse map
+    assert torch.equal(mapped["reply"], torch.full((2,), 2.0))
+
+
+@pytest.mark.gpu(1)
+def test_rrefs_and_dist_autograd_keep_cpu_tensors_and_move_to_the_gpu_locally(report):
+    w = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    ((w + 1.0) ** 2).sum().backward()  # the same loss, one process, plain autograd
+    torch.testing.assert_close(report["cpu_first_grad"], w.grad)
+    assert report["cpu_first_grad"].device.type == "cpu"
