@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -51,18 +50,7 @@ from tutorial_impl.rpc.hybrid_world import (  # noqa: F401 - re-exported: one im
     wait_for_outcome,
     worker_name,
 )
-
-with warnings.catch_warnings():
-    # Importing the distributed optimizer compiles its functional optimizers with
-    # TorchScript, and torch 2.13 warns once per compiled function that TorchScript is
-    # deprecated. Nothing else happens in this block.
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`torch\.jit\.(script|interface)` is deprecated",
-        category=DeprecationWarning,
-    )
-    from torch.distributed.optim import DistributedOptimizer
-
+from tutorial_impl.rpc.optimizer import DistributedOptimizer  # imported without its warnings
 
 # --- The master ------------------------------------------------------------------------
 

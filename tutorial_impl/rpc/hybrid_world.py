@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from tutorial_impl.rpc.hybrid_model import DATASETS, shard_bounds
+from tutorial_impl.rpc.workers import filter_expected_warnings  # torch 2.13's, for RPC
 
 
 def rpc_init_method() -> str:
@@ -127,39 +127,6 @@ def trainer_device(i: int, config: HybridConfig) -> torch.device:
     if config.device == "cuda":
         return torch.device("cuda", i % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-# Deprecation warnings torch 2.13 emits for this (maintenance-mode) API, each matched by its
-# message, category and the torch module that issues it. ``catch_warnings`` around our calls
-# cannot catch them: DDP warns from the RPC thread that runs ``_run_trainer``, and
-# ``DistributedOptimizer`` builds its TorchScript optimizers in RPC handler threads of
-# whichever process owns parameters (the servers too). So every process installs these.
-EXPECTED_WARNINGS = (
-    (
-        r"You are using a Backend <class '.*ProcessGroupGloo'> as a ProcessGroup",
-        UserWarning,
-        r"torch\.distributed\.distributed_c10d",
-    ),
-    (r"`torch\.jit\.script` is deprecated", DeprecationWarning, r"torch\.jit\._script"),
-)
-# This one torch raises inside its own ``catch_warnings(); simplefilter("always")``, which
-# overrides every filter; the only place left to drop it is where warnings are displayed.
-FORCED_WARNING = "`TorchScript` support for functional optimizers is deprecated"
-
-
-def filter_expected_warnings() -> None:
-    for message, category, module in EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    show = warnings.showwarning
-    if getattr(show, "drops", None) == FORCED_WARNING:
-        return  # installed already
-
-    def showwarning(message, category, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if not (category is DeprecationWarning and str(message).startswith(FORCED_WARNING)):
-            show(message, category, *args, **kwargs)
-
-    showwarning.drops = FORCED_WARNING  # type: ignore[attr-defined]
-    warnings.showwarning = showwarning
 
 
 def init_worker(rank: int, config: HybridConfig) -> str:
