@@ -22,8 +22,6 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from tutorial_impl.rpc.remote_module import SeededLinear
-
 
 @rpc.functions.async_execution
 def async_add_chained(to: str, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> Any:
@@ -32,20 +30,21 @@ def async_add_chained(to: str, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor
 
 
 class BatchUpdateParameterServer:
-    """A linear model on the parameter server, updated once per batch of N trainer pushes."""
+    """A linear model ``x @ weight.T + bias`` on the parameter server, updated once per batch
+    of N trainer pushes. Its parameters start as ``torch.randn`` of a seeded generator."""
 
     def __init__(self, trainers: int, in_features: int, lr: float, seed: int) -> None:
-        self.model = SeededLinear(in_features, 1, seed)
+        g = torch.Generator().manual_seed(seed)
+        self.params = [torch.randn(1, in_features, generator=g), torch.randn(1, generator=g)]
+        self.grad_sums = [torch.zeros_like(p) for p in self.params]  # this batch's pushes
         self.trainers = trainers
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.lr = lr
         self.lock = threading.Lock()
         self.pending = 0
         self.updated = torch.futures.Future()  # completed by the batch's last push
-        for p in self.model.parameters():
-            p.grad = torch.zeros_like(p)
 
     def snapshot(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
+        return [p.clone() for p in self.params]
 
     @staticmethod
     @rpc.functions.async_execution
@@ -55,18 +54,18 @@ class BatchUpdateParameterServer:
         """A trainer's push: add its gradients; the N-th push of a batch steps and answers all."""
         self = ps.local_value()
         with self.lock:
-            for p, g in zip(self.model.parameters(), grads, strict=True):
-                p.grad += g
+            for grad_sum, g in zip(self.grad_sums, grads, strict=True):
+                grad_sum += g
             self.pending += 1
             future = self.updated
             if self.pending == self.trainers:
-                for p in self.model.parameters():
-                    p.grad /= self.trainers  # the average of the N pushes
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=False)
+                # One plain SGD step on the average of the N pushes.
+                for p, grad_sum in zip(self.params, self.grad_sums, strict=True):
+                    p -= self.lr * grad_sum / self.trainers
+                    grad_sum.zero_()
                 self.pending = 0
-                # A snapshot, not the live model: the reply is serialized later, maybe after
-                # the next batch has already changed the model.
+                # A snapshot, not the live parameters: the reply is serialized later, maybe
+                # after the next batch has already changed them.
                 future.set_result(self.snapshot())
                 self.updated = torch.futures.Future()
         return future

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from tutorial_impl.dist_tuto.process import under_torchrun
-from tutorial_impl.rpc import autograd, batching, calls, optimizer, options, remote_module, retry
+from tutorial_impl.rpc import autograd, batching, calls, options, retry
 from tutorial_impl.rpc.rrefs import rref_tour
 from tutorial_impl.rpc.workers import (
     check_timeout,
@@ -86,7 +86,14 @@ def lesson_autograd() -> None:
     )
 
 
+# torch.distributed.optim takes seconds to import and only the workers use it: the two lessons
+# that need it import it themselves, so that the launching process never does.
+HEAVY = ["tutorial_impl.rpc.optimizer", "tutorial_impl.rpc.remote_module"]
+
+
 def lesson_optimizer() -> None:
+    from tutorial_impl.rpc import optimizer
+
     for name, cls in (("SGD", torch.optim.SGD), ("Adagrad", torch.optim.Adagrad)):
         a = rpc.remote("worker1", optimizer.parameter, args=([1.0, -2.0],))
         b = rpc.remote("worker2", optimizer.parameter, args=([0.5, 3.0],))
@@ -99,6 +106,8 @@ def lesson_optimizer() -> None:
 
 
 def lesson_remote_module() -> None:
+    from tutorial_impl.rpc import remote_module
+
     seen = remote_module.remote_module_tour("worker1", torch.ones(2, 3))
     say(
         f"5. RemoteModule(Linear(3, 2)) on {seen['module_owner']}: forward {fmt(seen['forward'])}",
@@ -209,13 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         demo_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.rpc_timeout)
         return 0
 
-    from tutorial_impl.cli import exit_status, run_local  # the CLI's launcher
-    from tutorial_impl.testing.ranks import add_preload
+    from tutorial_impl import cli  # the CLI's launcher, not the tutorial's
 
     start = time.perf_counter()
-    add_preload(["torch._dynamo", __name__])  # imported once, before the workers are forked
-    status = exit_status(
-        lambda: run_local(
+    # Every worker imports these: the server the local workers are forked from imports them
+    # once instead.
+    cli.add_preload([__name__, *HEAVY])
+    status = cli.exit_status(
+        lambda: cli.run_local(
             demo_worker, args.rpc_timeout, world_size=args.world_size, timeout=args.timeout
         )
     )
