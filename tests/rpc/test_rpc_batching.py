@@ -31,7 +31,7 @@ RPC_TIMEOUT = 10.0
 PARKED = 4  # calls parked on worker1 at once, twice its two threads
 LR, FEATURES, ROUNDS = 0.1, 3, 2
 TRAINERS = ["worker1", "worker2"]
-LATE = 0.2  # seconds worker2 waits before its first push
+LATE = 0.1  # seconds worker2 waits before its first push
 
 
 # --- Rank functions only these tests use ----------------------------------------------------

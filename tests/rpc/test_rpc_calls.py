@@ -1,15 +1,23 @@
-"""Lesson 1, the three calls: ``rpc_sync``, ``rpc_async`` and ``remote``.
+"""Lesson 1, the three calls (``rpc_sync``, ``rpc_async``, ``remote``), and lesson 8, shutdown.
 
 The reference claims: ``rpc_sync`` blocks and returns the value; ``rpc_async`` returns a
 future to wait on when the value is needed; ``remote`` runs the function on the callee and
 returns a reference (RRef) to the result, which stays there. ``remote`` is the right call
 when the caller creates something for *others* to use: the driver creates an embedding table
 on the parameter server and hands the trainer a reference, never fetching the table itself.
+The same part of the reference ends with ``shutdown(graceful=True)``, which blocks until every
+worker has reached it and all outstanding work is complete, so a worker can start work with
+``rpc_async``, never wait for it, and still leave safely.
 
 This module runs one world of three workers (``calls_lesson``): worker0 makes every call,
 worker1 and worker2 serve. Read the tests in order: the three calls, then the driver /
 parameter server / trainer story and why ``rpc_sync`` would be the wrong call for it, then
-names and ids, then a call to a worker that does not exist.
+names and ids, a call to a worker that does not exist, and last how the world ends: worker0
+starts 0.2 s of work on worker1 without waiting for it and shuts down at once, while worker2
+is busy with 0.2 s of its own before it calls shutdown. The shutdown claims are orderings of
+``time.monotonic()`` (one clock for every process of a machine), which a slow machine cannot
+reverse; their premises (worker0 called shutdown before the others were done) have 0.2 s of
+slack.
 """
 
 from __future__ import annotations
@@ -22,12 +30,13 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from tutorial_impl.rpc.calls import driver, make_table, three_calls
-from tutorial_impl.rpc.workers import init_worker, shutdown_worker
+from tutorial_impl.rpc.workers import init_worker, shutdown_with_work_in_flight, shutdown_worker
 from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0  # far above any healthy call here, even on a loaded machine
 INDICES, OFFSETS = torch.tensor([4, 0, 9, 4, 1]), torch.tensor([0, 2])  # bags {4, 0}, {9, 4, 1}
 SEED = 3
+WORK = 0.2  # seconds of work in flight, or still to do, when worker0 shuts down
 
 
 def calls_lesson(rank: int, world_size: int) -> dict:
@@ -54,6 +63,11 @@ def calls_lesson(rank: int, world_size: int) -> dict:
             rpc.rpc_sync("ps7", torch.add, args=(torch.ones(1), 1))
         except RuntimeError as exc:
             report["unknown_worker"] = (str(exc), time.monotonic() - start)
+        report["shutdown"] = shutdown_with_work_in_flight("worker1", WORK, RPC_TIMEOUT)
+        return report
+    if rank == 2:
+        time.sleep(WORK)  # worker2's own work, before it is ready to leave
+    report["arrived"] = time.monotonic()
     shutdown_worker(RPC_TIMEOUT)
     return report
 
@@ -111,3 +125,16 @@ def test_a_call_to_an_unknown_worker_fails_at_once(reports):
     message, seconds = reports[0]["unknown_worker"]
     assert "could not find destination name ps7" in message
     assert seconds < 5.0  # no wait for a worker that will never come
+
+
+def test_shutdown_waits_for_work_still_in_flight(reports):
+    worker0 = reports[0]["shutdown"]
+    assert worker0["shutdown_started"] < worker0["work_finished"]  # left before it was done
+    assert worker0["shutdown_returned"] >= worker0["work_finished"]  # but returned after
+    assert worker0["future_done"] is True
+
+
+def test_shutdown_waits_for_every_worker_to_call_it(reports):
+    worker0, worker2 = reports[0]["shutdown"], reports[2]
+    assert worker0["shutdown_started"] < worker2["arrived"]
+    assert worker0["shutdown_returned"] >= worker2["arrived"]

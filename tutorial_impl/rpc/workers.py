@@ -14,7 +14,7 @@ any launcher sets.
 
 Leaving: a *graceful* ``rpc.shutdown()`` is a collective. It returns only once every worker
 has called it and no worker has an RPC in flight any more, so work that was started with
-``rpc_async`` and never waited for still finishes (``tests/rpc/test_rpc_shutdown.py`` shows
+``rpc_async`` and never waited for still finishes (``tests/rpc/test_rpc_calls.py`` shows
 what it waits for).
 """
 
