@@ -31,7 +31,6 @@ RPC_TIMEOUT = 10.0
 PARKED = 4  # calls parked on worker1 at once, twice its two threads
 LR, FEATURES, ROUNDS = 0.1, 3, 2
 TRAINERS = ["worker1", "worker2"]
-LATE = 0.1  # seconds worker2 waits before its first push
 
 
 # --- Rank functions only these tests use ----------------------------------------------------
@@ -60,12 +59,22 @@ def park(key: str) -> list[bool]:
     return [fut.wait() for fut in futures]
 
 
-def late_trainer(ps, x: torch.Tensor, y: torch.Tensor, delay: float) -> dict:
-    """A trainer that starts ``delay`` seconds late; notes when it pushed and got its answer."""
-    time.sleep(delay)
-    pushed = time.monotonic()
+def pushes_waiting(ps) -> int:
+    """On the server: how many pushes of the current batch wait for their answer."""
+    return ps.local_value().pending
+
+
+def trainer(ps, x: torch.Tensor, y: torch.Tensor, after_others: int) -> dict:
+    """``train_batch``, started only once ``after_others`` pushes wait on the server; notes
+    how many it saw waiting, when it started, and when it got its answer."""
+    deadline = time.monotonic() + RPC_TIMEOUT
+    waiting = rpc.rpc_sync(ps.owner(), pushes_waiting, args=(ps,))
+    while waiting < after_others and time.monotonic() < deadline:
+        time.sleep(0.01)
+        waiting = rpc.rpc_sync(ps.owner(), pushes_waiting, args=(ps,))
+    started = time.monotonic()
     seen = train_batch(ps, x, y)
-    return {**seen, "pushed": pushed, "answered": time.monotonic()}
+    return {**seen, "waiting": waiting, "started": started, "answered": time.monotonic()}
 
 
 def batch_data() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -89,10 +98,10 @@ def batching_lesson(rank: int, world_size: int) -> dict:
         report["initial"] = ps.local_value().snapshot()
         report["rounds"] = []
         for r, data in enumerate(batch_data()):
-            delays = [0.0, LATE if r == 0 else 0.0]
+            after_others = [0, 1 if r == 0 else 0]  # round 0: worker2 waits for worker1's push
             futures = [
-                rpc.rpc_async(t, late_trainer, args=(ps, x, y, d))
-                for t, (x, y), d in zip(TRAINERS, data, delays, strict=True)
+                rpc.rpc_async(t, trainer, args=(ps, x, y, n))
+                for t, (x, y), n in zip(TRAINERS, data, after_others, strict=True)
             ]
             report["rounds"].append([fut.wait() for fut in futures])
     shutdown_worker(RPC_TIMEOUT)
@@ -118,8 +127,8 @@ def test_async_execution_does_not_hold_the_callees_threads(report):
 
 def test_nobody_is_answered_before_every_trainer_has_pushed(report):
     early, late = report["rounds"][0]
-    assert late["pushed"] - early["pushed"] > 0  # worker2 really came later...
-    assert early["answered"] >= late["pushed"]  # ... and worker1 was answered after that
+    assert late["waiting"] == 1  # worker1's push was waiting when worker2 started...
+    assert early["answered"] >= late["started"]  # ... and it was answered only after that
 
 
 def test_every_trainer_receives_the_same_parameters(report):

@@ -13,15 +13,16 @@ This module runs one world of three workers (``calls_lesson``): worker0 makes ev
 worker1 and worker2 serve. Read the tests in order: the three calls, then the driver /
 parameter server / trainer story and why ``rpc_sync`` would be the wrong call for it, then
 names and ids, a call to a worker that does not exist, and last how the world ends: worker0
-starts 0.2 s of work on worker1 without waiting for it and shuts down at once, while worker2
-is busy with 0.2 s of its own before it calls shutdown. The shutdown claims are orderings of
-``time.monotonic()`` (one clock for every process of a machine), which a slow machine cannot
-reverse; their premises (worker0 called shutdown before the others were done) have 0.2 s of
-slack.
+tells worker2 to start 0.2 s of work of its own, starts 0.2 s of work on worker1 without
+waiting for it, and shuts down at once; worker2 calls shutdown when its work is done. The
+shutdown claims are orderings of ``time.monotonic()`` (one clock for every process of a
+machine), which a slow machine cannot reverse; their premises (worker0 called shutdown before
+the others were done) have 0.2 s of slack.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -37,6 +38,14 @@ RPC_TIMEOUT = 10.0  # far above any healthy call here, even on a loaded machine
 INDICES, OFFSETS = torch.tensor([4, 0, 9, 4, 1]), torch.tensor([0, 2])  # bags {4, 0}, {9, 4, 1}
 SEED = 3
 WORK = 0.2  # seconds of work in flight, or still to do, when worker0 shuts down
+
+
+_start_own_work = threading.Event()
+
+
+def start_own_work() -> None:
+    """Called on worker2 by worker0, just before worker0 shuts down."""
+    _start_own_work.set()
 
 
 def calls_lesson(rank: int, world_size: int) -> dict:
@@ -63,9 +72,11 @@ def calls_lesson(rank: int, world_size: int) -> dict:
             rpc.rpc_sync("ps7", torch.add, args=(torch.ones(1), 1))
         except RuntimeError as exc:
             report["unknown_worker"] = (str(exc), time.monotonic() - start)
+        rpc.rpc_sync("worker2", start_own_work)
         report["shutdown"] = shutdown_with_work_in_flight("worker1", WORK, RPC_TIMEOUT)
         return report
     if rank == 2:
+        _start_own_work.wait(RPC_TIMEOUT)
         time.sleep(WORK)  # worker2's own work, before it is ready to leave
     report["arrived"] = time.monotonic()
     shutdown_worker(RPC_TIMEOUT)
