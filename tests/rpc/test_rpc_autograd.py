@@ -30,7 +30,6 @@ from tutorial_impl.rpc.autograd import (
     weight_grad_attribute,
 )
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
-from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0
 CHAIN = ["worker1", "worker2"]
@@ -86,8 +85,8 @@ def autograd_lesson(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return run_ranks(autograd_lesson, world_size=3, backend=None, timeout=30)[0]
+def report(rpc_worlds) -> dict:
+    return rpc_worlds.run(autograd_lesson, world_size=3, backend=None, timeout=30)[0]
 
 
 def local_grads(scale: float = 1.0) -> dict[str, torch.Tensor]:

@@ -25,7 +25,6 @@ import torch.distributed.rpc as rpc
 
 from tutorial_impl.rpc.batching import BatchUpdateParameterServer, async_add_chained, train_batch
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
-from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0
 PARKED = 4  # calls parked on worker1 at once, twice its two threads
@@ -109,8 +108,8 @@ def batching_lesson(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return run_ranks(batching_lesson, world_size=3, backend=None, timeout=30)[0]
+def report(rpc_worlds) -> dict:
+    return rpc_worlds.run(batching_lesson, world_size=3, backend=None, timeout=30)[0]
 
 
 def test_the_chained_add(report):

@@ -32,7 +32,6 @@ from torch import nn
 
 from tutorial_impl.rpc.calls import driver, make_table, three_calls
 from tutorial_impl.rpc.workers import init_worker, shutdown_with_work_in_flight, shutdown_worker
-from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0  # far above any healthy call here, even on a loaded machine
 INDICES, OFFSETS = torch.tensor([4, 0, 9, 4, 1]), torch.tensor([0, 2])  # bags {4, 0}, {9, 4, 1}
@@ -84,8 +83,8 @@ def calls_lesson(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reports() -> list[dict]:
-    return run_ranks(calls_lesson, world_size=3, backend=None, timeout=30)
+def reports(rpc_worlds) -> list[dict]:
+    return rpc_worlds.run(calls_lesson, world_size=3, backend=None, timeout=30)
 
 
 def test_rpc_sync_blocks_and_returns_the_value(reports):

@@ -23,7 +23,7 @@ import torch.distributed.rpc as rpc
 
 from tutorial_impl.rpc import options, retry
 from tutorial_impl.rpc.workers import check_timeout, init_worker, rpc_options, shutdown_worker
-from tutorial_impl.testing import proctable, run_ranks
+from tutorial_impl.testing import proctable
 
 RPC_TIMEOUT = 10.0
 SHORT = 0.3  # the per-call timeout of calls that are meant to time out
@@ -179,9 +179,9 @@ def failures_lesson(rank: int, world_size: int, pid_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> tuple[list[dict], str]:
-    pid_dir = str(tmp_path_factory.mktemp("failures-pids"))
-    return run_ranks(failures_lesson, pid_dir, world_size=3, backend=None, timeout=30), pid_dir
+def world(rpc_worlds) -> tuple[list[dict], str]:
+    pid_dir = str(rpc_worlds.directory("failures-pids"))
+    return rpc_worlds.run(failures_lesson, pid_dir, world_size=3, backend=None, timeout=30), pid_dir
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
-from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0
 DEVICE_MAPS = {"worker1": {"cuda:0": "cuda:0"}}  # worker0's cuda:0 lands on worker1's cuda:0
@@ -57,8 +56,8 @@ def cuda_lesson(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return run_ranks(cuda_lesson, world_size=3, backend=None, timeout=60)[0]
+def report(rpc_worlds) -> dict:
+    return rpc_worlds.run(cuda_lesson, world_size=3, backend=None, timeout=60)[0]
 
 
 @pytest.mark.gpu(1)

@@ -18,7 +18,6 @@ import torch.distributed.rpc as rpc
 
 from tutorial_impl.rpc.optimizer import distributed_step, optimizer_owners, parameter
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
-from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0
 A, B = [1.0, -2.0, 0.5], [0.5, 3.0, -2.0]
@@ -44,8 +43,8 @@ def optimizer_lesson(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return run_ranks(optimizer_lesson, world_size=3, backend=None, timeout=30)[0]
+def report(rpc_worlds) -> dict:
+    return rpc_worlds.run(optimizer_lesson, world_size=3, backend=None, timeout=30)[0]
 
 
 def closed_form_gradients() -> tuple[torch.Tensor, torch.Tensor]:

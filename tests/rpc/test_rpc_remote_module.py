@@ -18,7 +18,6 @@ import torch
 
 from tutorial_impl.rpc.remote_module import SeededLinear, remote_module_tour
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
-from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0
 LR = 0.1
@@ -35,8 +34,8 @@ def remote_module_lesson(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return run_ranks(remote_module_lesson, world_size=2, backend=None, timeout=30)[0]
+def report(rpc_worlds) -> dict:
+    return rpc_worlds.run(remote_module_lesson, world_size=2, backend=None, timeout=30)[0]
 
 
 def seeded_weights() -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,6 @@ import torch.distributed.rpc as rpc
 
 from tutorial_impl.rpc.rrefs import Counter, counters_built_here, rref_tour
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
-from tutorial_impl.testing import run_ranks
 
 RPC_TIMEOUT = 10.0
 
@@ -44,8 +43,8 @@ def rrefs_lesson(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reports() -> list[dict]:
-    return run_ranks(rrefs_lesson, world_size=3, backend=None, timeout=30)
+def reports(rpc_worlds) -> list[dict]:
+    return rpc_worlds.run(rrefs_lesson, world_size=3, backend=None, timeout=30)
 
 
 @pytest.fixture(scope="module")
