@@ -150,9 +150,10 @@ def lesson_batching(world_size: int) -> None:
     trainers = [f"worker{i}" for i in range(1, world_size)]
     ps = rpc.RRef(batching.BatchUpdateParameterServer(len(trainers), 2, lr=0.1, seed=0))
     g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 2, generator=g), torch.ones(4, 1)) for _ in trainers]
     futures = [
-        rpc.rpc_async(t, batching.train_batch, args=(ps, torch.randn(4, 2, generator=g), ones))
-        for t in trainers
+        rpc.rpc_async(t, batching.train_batch, args=(ps, x, y))
+        for t, (x, y) in zip(trainers, batches, strict=True)
     ]
     afters = [fut.wait()["after"] for fut in futures]
     same = all(torch.equal(a[0], afters[0][0]) for a in afters)
