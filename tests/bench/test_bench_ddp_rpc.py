@@ -1,12 +1,18 @@
-"""The DDP + RPC benchmark: its arithmetic first, then two small runs end to end.
+"""The DDP + RPC benchmark: its arithmetic, its batches, its command line, small runs end to end.
 
-The original script's table had two arithmetic defects: a throughput column labelled
-``epoch/sec`` that was really ``samples of the last epoch / percentile epoch time``. So the
-percentiles and the throughput are checked against an independent reference (numpy) on
-inputs where the last-epoch figure would give a different answer. The end-to-end runs then
-start real workers (trainers, parameter servers, a master) with small sizes and check the
-table and the JSON they produce, including figures the workers could only get right if
-every option reached them.
+What the benchmark claims (PyTorch's ``benchmark_ddp_rpc.py``): T trainers, P parameter servers
+and a master train the hybrid model; each trainer's epochs are timed, and a table gives the
+50th/75th/90th/95th percentile of the epoch times per trainer and for all of them, with a
+throughput next to each.
+
+What this module proves, in reading order: the percentiles and the throughput equal an
+independent reference (numpy), on inputs where the original's figure (``epoch/sec``, really
+the last epoch's samples over a percentile) would differ; the batches have the shape the
+options ask for, a stream per trainer; the command line refuses what cannot work before any
+worker starts, naming the option (a bad ``--json`` path included), and says what its clock
+counts; then real workers with small sizes produce the table and the JSON, with figures only
+workers that received every option could get right, and a run past ``--timeout`` fails with
+advice a command-line user can follow.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from tutorial_impl.bench import ddp_rpc, report, stats
-from tutorial_impl.bench.ddp_rpc_workers import BenchConfig, get_next_batch
+from tutorial_impl.bench import ddp_rpc, ddp_rpc_workers, report, stats
+from tutorial_impl.rpc.hybrid_data import get_next_batch, trainer_generator
 
 # ---------------------------------------------------------------------------------------
 # The arithmetic, against numpy
@@ -99,15 +105,34 @@ def test_table_has_a_row_per_trainer_and_a_labelled_throughput():
     assert f"{np.percentile(PER_TRAINER['Trainer1'][0], 50):7.3f}s" in lines[2]
 
 
-def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
-    cfg = BenchConfig(num_embeddings=7, indices=(9, 9), bag_size=(2, 2))
-    import random
+# ---------------------------------------------------------------------------------------
+# The batches (the hybrid tutorial's generator, with the benchmark's options)
+# ---------------------------------------------------------------------------------------
 
-    indices, offsets, target = get_next_batch(random.Random("0/0"), cfg, torch.device("cpu"))
-    # 9 indices in bags of 2: offsets 0, 2, 4, 6, 8 -> 5 bags, one label each.
-    assert offsets.tolist() == [0, 2, 4, 6, 8]
-    assert len(indices) == 9 and int(indices.min()) >= 0 and int(indices.max()) < 7
-    assert len(target) == 5 and int(target.max()) < 8
+
+def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
+    def batches(trainer):
+        # --num-embeddings 7 --batch-indices 9 9 --bag-size 2 2, three iterations
+        g = trainer_generator(0, trainer)
+        return list(get_next_batch(g, 3, 7, 8, indices=(9, 9), bag_size=(2, 2)))
+
+    for indices, offsets, target in batches(0):
+        # 9 indices in bags of 2: offsets 0, 2, 4, 6, 8 -> 5 bags, one label each.
+        assert offsets.tolist() == [0, 2, 4, 6, 8]
+        assert len(indices) == 9 and int(indices.min()) >= 0 and int(indices.max()) < 7
+        assert len(target) == 5 and int(target.max()) < 8
+    # The same trainer gets the same stream again; another trainer another stream.
+    same, other = batches(0), batches(1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches(0), same, strict=True))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(same, other, strict=True))
+    # Ranges, not constants: bag sizes between 1 and 3 give bags of every size.
+    g = trainer_generator(0, 0)
+    gaps = [
+        d
+        for _, offsets, _ in get_next_batch(g, 50, 7, 8, indices=(20, 20), bag_size=(1, 3))
+        for d in offsets.diff().tolist()
+    ]
+    assert set(gaps) == {1, 2, 3}
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,7 +202,8 @@ def test_small_runs_print_the_table_and_valid_json(
 @pytest.mark.slow
 def test_a_run_past_its_deadline_fails_cleanly(capsys):
     # 1000 epochs cannot finish in 2 s: the harness must stop every worker at the deadline
-    # and the CLI must say so and fail, rather than hang or print a half-empty table.
+    # and the CLI must say so and fail, rather than hang or print a half-empty table. The
+    # advice names the command's own option, not the test suite's marker.
     tiny = ["--num-embeddings", "10", "--embedding-dim", "2", "--parameter-servers", "1"]
     code = ddp_rpc.main([*tiny, "--trainers", "2", "--epochs", "1000", "--timeout", "2"])
     err = capsys.readouterr().err
@@ -207,16 +233,43 @@ def test_plot_draws_one_box_per_trainer(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_options_are_refused_before_any_worker_starts(capsys, monkeypatch):
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if the benchmark gets as far as starting its workers."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the workers started before the options were checked")
+
+    monkeypatch.setattr(ddp_rpc, "run_benchmark", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trainers", "0"], "--trainers must be at least 1, got 0"),
+        (["--parameter-servers", "0"], "--parameter-servers must be at least 1, got 0"),
+        (["--batch-indices", "0", "3"], "--batch-indices MIN MAX must satisfy 1 <= MIN <= MAX"),
+        (["--bag-size", "5", "2"], "--bag-size MIN MAX must satisfy 1 <= MIN <= MAX, got 5 2"),
+        (["--rpc-threads", "0"], "--rpc-threads must be at least 1, got 0"),
+        (["--rpc-timeout", "0"], "--rpc-timeout must be positive, got 0.0"),
+    ],
+)
+def test_bad_options_are_refused_before_any_worker_starts(no_workers, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        ddp_rpc.main(["--trainers", "0"])
+        ddp_rpc.main(argv)
     assert exit_info.value.code == 2
-    assert "trainers must be at least 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        ddp_rpc.main(["--bag-size", "5", "2"])
-    assert "bag_size must satisfy 1 <= min <= max" in capsys.readouterr().err
-    # --plot without matplotlib: said at once, not after the run.
+    assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_at_once(no_workers, capsys, monkeypatch):
     monkeypatch.setattr(report, "have_matplotlib", lambda: False)
     with pytest.raises(SystemExit):
         ddp_rpc.main(["--plot", "epochs.png"])
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_every_error_names_an_option_the_parser_has():
+    """Errors name a field's option (``flag``); each must be one the parser really has."""
+    options = {action.dest: action.option_strings for action in ddp_rpc.build_parser()._actions}
+    for field in ddp_rpc_workers.BenchConfig.__dataclass_fields__:
+        assert ddp_rpc_workers.flag(field) in options[field], field

@@ -2,9 +2,10 @@
 
 PyTorch's ``benchmark_ddp_rpc.py`` starts 8 trainers, 8 parameter servers and a master,
 times each trainer's epochs, and prints their percentiles. The workers live in
-``ddp_rpc_workers.py`` (read that first); this module starts them through the test harness,
-turns what the master collected into the table (``stats.py``) and prints it the way the
-original does, with an Info section first.
+``ddp_rpc_workers.py`` (read that first: they are the hybrid tutorial's world, sized up and
+timed); this module starts them through the test harness, turns what the master collected
+into the table (``stats.py``) and prints it the way the original does, with an Info section
+first.
 
 The harness is what makes any topology safe to start: the parent process owns the
 rendezvous store on a port the kernel picked, the workers are forked from a warm forkserver
@@ -25,14 +26,10 @@ import torch
 
 from tutorial_impl.bench import ddp_rpc_workers as workers
 from tutorial_impl.bench import report
-from tutorial_impl.bench.ddp_rpc_workers import (
-    HIDDEN,
-    NUM_CLASSES,
-    OPTIMIZERS,
-    BenchConfig,
-    run_worker,
-)
+from tutorial_impl.bench.ddp_rpc_workers import OPTIMIZERS, BenchConfig, run_worker
 from tutorial_impl.bench.stats import Row, format_table, summarize
+from tutorial_impl.rpc.hybrid_model import HIDDEN, NUM_CLASSES
+from tutorial_impl.rpc.hybrid_world import master_rank
 from tutorial_impl.testing import RankError, ranks, run_ranks
 
 
@@ -64,7 +61,7 @@ def run_benchmark(cfg: BenchConfig, progress: TextIO | None = None) -> dict[str,
         stream=progress,
         stream_prefix=False,
     )
-    report = results[-1]
+    report = results[master_rank(cfg)]
     trainers = report["trainers"]
     rows = summarize({n: (r["seconds"], r["samples"]) for n, r in trainers.items()})
     return {
