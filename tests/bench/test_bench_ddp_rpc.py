@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -195,6 +197,8 @@ def test_small_runs_print_the_table_and_valid_json(
     slowest = max(rows[n]["seconds"] for n in names)
     assert everything["samples_per_s"] == pytest.approx(everything["samples"] / slowest)
     assert 0 < result["join_s"] <= result["startup_s"] < result["wall_s"]
+    # The printed figures say what they count, and what came before it.
+    assert "(counted from the launch of the workers; this process had been running" in out
     assert result["config"]["trainers"] == trainers
     assert f"{servers * dim}-256-128-64-32-8" in out  # the MLP's width followed P * dim
 
@@ -208,7 +212,10 @@ def test_a_run_past_its_deadline_fails_cleanly(capsys):
     code = ddp_rpc.main([*tiny, "--trainers", "2", "--epochs", "1000", "--timeout", "2"])
     err = capsys.readouterr().err
     assert code == 1
-    assert "benchmark failed" in err and "deadline of 2 s" in err
+    assert "benchmark failed: still running when the deadline of 2 s passed" in err
+    assert "give the run more time with --timeout SECONDS" in err
+    assert "rank_timeout" not in err and "--rank-timeout" not in err
+    assert "Python stacks of rank" in err  # where each worker was still goes with it
 
 
 def test_gpu_topology_is_shown_only_where_nvidia_smi_exists(tmp_path, monkeypatch):
@@ -252,6 +259,8 @@ def no_workers(monkeypatch):
         (["--bag-size", "5", "2"], "--bag-size MIN MAX must satisfy 1 <= MIN <= MAX, got 5 2"),
         (["--rpc-threads", "0"], "--rpc-threads must be at least 1, got 0"),
         (["--rpc-timeout", "0"], "--rpc-timeout must be positive, got 0.0"),
+        (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: there is no directory"),
+        (["--json", "/"], "--json /: is a directory, not a file"),
     ],
 )
 def test_bad_options_are_refused_before_any_worker_starts(no_workers, capsys, argv, message):
@@ -273,3 +282,19 @@ def test_every_error_names_an_option_the_parser_has():
     options = {action.dest: action.option_strings for action in ddp_rpc.build_parser()._actions}
     for field in ddp_rpc_workers.BenchConfig.__dataclass_fields__:
         assert ddp_rpc_workers.flag(field) in options[field], field
+
+
+def test_the_process_start_is_read_from_the_kernel():
+    """The CLI says how long it ran before launching the workers, from the process's start
+    as the kernel recorded it: a child started between two readings of the clock must be
+    found to have started between them (to a clock tick)."""
+    before = time.time()
+    child = subprocess.Popen(["sleep", "30"])
+    after = time.time()
+    try:
+        started = report.process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert started is not None and before - 0.02 <= started <= after + 0.02
+    assert report.process_start_time() < before  # this process is older than its child

@@ -282,14 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
         return 0
 
-    from tutorial_impl.cli import RankError, run_local  # the CLI's launcher
+    from tutorial_impl.cli import RankError, failure_report, run_local  # the CLI's launcher
 
     start = time.perf_counter()
     deadline = config.train_timeout + 2 * config.rpc_timeout
     try:
         run_local(run_worker, config, world_size=config.world_size, timeout=deadline)
     except RankError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {failure_report(exc, deadline, '--timeout')}", file=sys.stderr)
         return 1
     print(f"{config.world_size} processes, {time.perf_counter() - start:.1f} s")
     return 0
