@@ -96,7 +96,7 @@ def failure_report(exc: RankError, seconds: float, flag: str) -> str:
         return str(exc)
     details = str(exc).partition("\n")[2]
     return (
-        f"still running when the deadline of {seconds:g} s passed (set by {flag}; "
+        f"still running when the deadline of {seconds:g} s passed (it follows {flag}; "
         f"give the run more time with {flag} SECONDS)\n{details}"
     )
 
