@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.dist_tuto.process import init_process, under_torchrun
-from tutorial_impl.testing import RankError, run_ranks
+from tutorial_impl.testing import RankError, RankTimeout, run_ranks
 from tutorial_impl.testing.ranks import add_preload
 
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -88,6 +88,21 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int, timeout: floa
             stream=sys.stdout,
             stream_prefix=False,
         )
+    )
+
+
+def failure_report(exc: RankError, seconds: float, flag: str) -> str:
+    """A failed run's report for someone at the command line.
+
+    The harness words a deadline for pytest users (a marker, ``--rank-timeout``); here the
+    deadline came from the command's own option, so the headline names that instead.
+    """
+    if not isinstance(exc, RankTimeout):
+        return str(exc)
+    details = str(exc).partition("\n")[2]
+    return (
+        f"still running when the deadline of {seconds:g} s passed (it follows {flag}; "
+        f"give the run more time with {flag} SECONDS)\n{details}"
     )
 
 

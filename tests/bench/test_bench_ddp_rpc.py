@@ -1,25 +1,33 @@
-"""The DDP + RPC benchmark: its arithmetic first, then two small runs end to end.
+"""The DDP + RPC benchmark: its arithmetic, its batches, its command line, small runs end to end.
 
-The original script's table had two arithmetic defects: a throughput column labelled
-``epoch/sec`` that was really ``samples of the last epoch / percentile epoch time``. So the
-percentiles and the throughput are checked against an independent reference (numpy) on
-inputs where the last-epoch figure would give a different answer. The end-to-end runs then
-start real workers (trainers, parameter servers, a master) with small sizes and check the
-table and the JSON they produce, including figures the workers could only get right if
-every option reached them.
+What the benchmark claims (PyTorch's ``benchmark_ddp_rpc.py``): T trainers, P parameter servers
+and a master train the hybrid model; each trainer's epochs are timed, and a table gives the
+50th/75th/90th/95th percentile of the epoch times per trainer and for all of them, with a
+throughput next to each.
+
+What this module proves, in reading order: the percentiles and the throughput equal an
+independent reference (numpy), on inputs where the original's figure (``epoch/sec``, really
+the last epoch's samples over a percentile) would differ; the batches have the shape the
+options ask for, a stream per trainer; the command line refuses what cannot work before any
+worker starts, naming the option (a bad ``--json`` path included), and says what its clock
+counts; then real workers with small sizes produce the table and the JSON, with figures only
+workers that received every option could get right, and a run past ``--timeout`` fails with
+advice a command-line user can follow.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from tutorial_impl.bench import ddp_rpc, report, stats
-from tutorial_impl.bench.ddp_rpc_workers import BenchConfig, get_next_batch
+from tutorial_impl.bench import ddp_rpc, ddp_rpc_workers, report, stats
+from tutorial_impl.rpc.hybrid_data import get_next_batch, trainer_generator
 
 # ---------------------------------------------------------------------------------------
 # The arithmetic, against numpy
@@ -99,15 +107,34 @@ def test_table_has_a_row_per_trainer_and_a_labelled_throughput():
     assert f"{np.percentile(PER_TRAINER['Trainer1'][0], 50):7.3f}s" in lines[2]
 
 
-def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
-    cfg = BenchConfig(num_embeddings=7, indices=(9, 9), bag_size=(2, 2))
-    import random
+# ---------------------------------------------------------------------------------------
+# The batches (the hybrid tutorial's generator, with the benchmark's options)
+# ---------------------------------------------------------------------------------------
 
-    indices, offsets, target = get_next_batch(random.Random("0/0"), cfg, torch.device("cpu"))
-    # 9 indices in bags of 2: offsets 0, 2, 4, 6, 8 -> 5 bags, one label each.
-    assert offsets.tolist() == [0, 2, 4, 6, 8]
-    assert len(indices) == 9 and int(indices.min()) >= 0 and int(indices.max()) < 7
-    assert len(target) == 5 and int(target.max()) < 8
+
+def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
+    def batches(trainer):
+        # --num-embeddings 7 --batch-indices 9 9 --bag-size 2 2, three iterations
+        g = trainer_generator(0, trainer)
+        return list(get_next_batch(g, 3, 7, 8, indices=(9, 9), bag_size=(2, 2)))
+
+    for indices, offsets, target in batches(0):
+        # 9 indices in bags of 2: offsets 0, 2, 4, 6, 8 -> 5 bags, one label each.
+        assert offsets.tolist() == [0, 2, 4, 6, 8]
+        assert len(indices) == 9 and int(indices.min()) >= 0 and int(indices.max()) < 7
+        assert len(target) == 5 and int(target.max()) < 8
+    # The same trainer gets the same stream again; another trainer another stream.
+    same, other = batches(0), batches(1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches(0), same, strict=True))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(same, other, strict=True))
+    # Ranges, not constants: bag sizes between 1 and 3 give bags of every size.
+    g = trainer_generator(0, 0)
+    gaps = [
+        d
+        for _, offsets, _ in get_next_batch(g, 50, 7, 8, indices=(20, 20), bag_size=(1, 3))
+        for d in offsets.diff().tolist()
+    ]
+    assert set(gaps) == {1, 2, 3}
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,6 +197,8 @@ def test_small_runs_print_the_table_and_valid_json(
     slowest = max(rows[n]["seconds"] for n in names)
     assert everything["samples_per_s"] == pytest.approx(everything["samples"] / slowest)
     assert 0 < result["join_s"] <= result["startup_s"] < result["wall_s"]
+    # The printed figures say what they count, and what came before it.
+    assert "(counted from the launch of the workers; this process had been running" in out
     assert result["config"]["trainers"] == trainers
     assert f"{servers * dim}-256-128-64-32-8" in out  # the MLP's width followed P * dim
 
@@ -177,12 +206,16 @@ def test_small_runs_print_the_table_and_valid_json(
 @pytest.mark.slow
 def test_a_run_past_its_deadline_fails_cleanly(capsys):
     # 1000 epochs cannot finish in 2 s: the harness must stop every worker at the deadline
-    # and the CLI must say so and fail, rather than hang or print a half-empty table.
+    # and the CLI must say so and fail, rather than hang or print a half-empty table. The
+    # advice names the command's own option, not the test suite's marker.
     tiny = ["--num-embeddings", "10", "--embedding-dim", "2", "--parameter-servers", "1"]
     code = ddp_rpc.main([*tiny, "--trainers", "2", "--epochs", "1000", "--timeout", "2"])
     err = capsys.readouterr().err
     assert code == 1
-    assert "benchmark failed" in err and "deadline of 2 s" in err
+    assert "benchmark failed: still running when the deadline of 2 s passed" in err
+    assert "give the run more time with --timeout SECONDS" in err
+    assert "rank_timeout" not in err and "--rank-timeout" not in err
+    assert "Python stacks of rank" in err  # where each worker was still goes with it
 
 
 def test_gpu_topology_is_shown_only_where_nvidia_smi_exists(tmp_path, monkeypatch):
@@ -207,16 +240,61 @@ def test_plot_draws_one_box_per_trainer(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_options_are_refused_before_any_worker_starts(capsys, monkeypatch):
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if the benchmark gets as far as starting its workers."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the workers started before the options were checked")
+
+    monkeypatch.setattr(ddp_rpc, "run_benchmark", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trainers", "0"], "--trainers must be at least 1, got 0"),
+        (["--parameter-servers", "0"], "--parameter-servers must be at least 1, got 0"),
+        (["--batch-indices", "0", "3"], "--batch-indices MIN MAX must satisfy 1 <= MIN <= MAX"),
+        (["--bag-size", "5", "2"], "--bag-size MIN MAX must satisfy 1 <= MIN <= MAX, got 5 2"),
+        (["--rpc-threads", "0"], "--rpc-threads must be at least 1, got 0"),
+        (["--rpc-timeout", "0"], "--rpc-timeout must be positive, got 0.0"),
+        (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: there is no directory"),
+        (["--json", "/"], "--json /: is a directory, not a file"),
+    ],
+)
+def test_bad_options_are_refused_before_any_worker_starts(no_workers, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        ddp_rpc.main(["--trainers", "0"])
+        ddp_rpc.main(argv)
     assert exit_info.value.code == 2
-    assert "trainers must be at least 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        ddp_rpc.main(["--bag-size", "5", "2"])
-    assert "bag_size must satisfy 1 <= min <= max" in capsys.readouterr().err
-    # --plot without matplotlib: said at once, not after the run.
+    assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_at_once(no_workers, capsys, monkeypatch):
     monkeypatch.setattr(report, "have_matplotlib", lambda: False)
     with pytest.raises(SystemExit):
         ddp_rpc.main(["--plot", "epochs.png"])
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_every_error_names_an_option_the_parser_has():
+    """Errors name a field's option (``flag``); each must be one the parser really has."""
+    options = {action.dest: action.option_strings for action in ddp_rpc.build_parser()._actions}
+    for field in ddp_rpc_workers.BenchConfig.__dataclass_fields__:
+        assert ddp_rpc_workers.flag(field) in options[field], field
+
+
+def test_the_process_start_is_read_from_the_kernel():
+    """The CLI says how long it ran before launching the workers, from the process's start
+    as the kernel recorded it: a child started between two readings of the clock must be
+    found to have started between them (to a clock tick)."""
+    before = time.time()
+    child = subprocess.Popen(["sleep", "30"])
+    after = time.time()
+    try:
+        started = report.process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert started is not None and before - 0.02 <= started <= after + 0.02
+    assert report.process_start_time() < before  # this process is older than its child

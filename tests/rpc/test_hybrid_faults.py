@@ -1,93 +1,163 @@
-"""Faults and bad input in the hybrid world: clear errors, bounded waits, no leftovers.
+"""Faults and bad input in the hybrid world: clear errors, bounded waits, nothing left behind.
 
-RPC never retries a call, and a graceful ``rpc.shutdown`` waits for every worker: a world
-that loses a member must notice, say who failed, and still let everyone leave.
+What the RPC reference says: RPC never retries a call, and a graceful ``rpc.shutdown`` waits
+for every worker. So a world that loses a member must notice, say who failed, and still let
+everyone leave; and input that cannot work must be refused with a message that says why.
+
+What this module proves, in reading order: a parameter server that dies mid-training fails the
+run with an error naming each trainer that failed and the server, within the RPC timeout, and
+leaves no process behind; rows outside the table are refused on the trainer, and the world
+still trains afterwards; a worker name the world does not have is refused at once; a
+configuration that cannot run is refused before any process starts.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import time
+from typing import Any
+
 import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import nn
 
 from tutorial_impl.rpc import hybrid
-from tutorial_impl.rpc.hybrid import HybridConfig
-from tutorial_impl.rpc.hybrid_checks import (
-    DEATH_EXIT_CODE,
-    TEST_DEADLINES,
-    bad_index_worker,
-    dying_ps_worker,
-    unknown_worker_check,
-)
-from tutorial_impl.testing import proctable
+from tutorial_impl.rpc.hybrid import HybridConfig, _setup_trainer, run_worker, train_step
+from tutorial_impl.rpc.hybrid_data import get_next_batch, trainer_generator
+from tutorial_impl.rpc.hybrid_world import MASTER, check_worker, join, leave, master_rank, ps_rank
+from tutorial_impl.testing import RankExited, proctable
 
 RPC_TIMEOUT = 10.0  # short, yet far above any healthy RPC here, even on a loaded machine
+DEADLINES = {"rpc_timeout": 15.0, "train_timeout": 30.0}  # below the harness's 60 s
+
+# --- A parameter server that dies on its fifth lookup ---------------------------------------
+
+DEATH_EXIT_CODE = 17
 
 
-@pytest.mark.rank_timeout(60)
-def test_dead_parameter_server_fails_training_fast(run_ranks, tmp_path):
-    """The server dies (``os._exit``) on its fifth lookup, mid-training.
+class DyingEmbeddingBag(nn.EmbeddingBag):
+    """An ``EmbeddingBag`` whose process dies (``os._exit``) on its ``die_on``-th lookup."""
 
-    How this is observed honestly: the harness stops everything as soon as a *rank* dies,
-    which would hide what the others do. So the dying server is a child process that the
-    last rank forks (and only waits for); the master and the trainers are ordinary ranks,
-    and the master returns the error it got instead of raising it.
-    """
-    config = HybridConfig(
-        2, 1, epochs=1, batches=10, verbose=False, rpc_timeout=RPC_TIMEOUT, train_timeout=30
-    )
-    pid_dir = str(tmp_path)
+    def __init__(self, *args: Any, die_on: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.die_on = die_on
+        self.lookups = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.lookups += 1
+        if self.lookups == self.die_on:
+            print(f"dying at {time.time()!r}", flush=True)
+            os._exit(DEATH_EXIT_CODE)  # no reply, no goodbye: like a machine that fails
+        return super().forward(*args, **kwargs)
+
+
+def world_with_a_dying_server(rank: int, world_size: int, config: HybridConfig, pids: str) -> dict:
+    """The tutorial's world, its server a ``DyingEmbeddingBag``; each rank says when it left."""
+    proctable.record_self(pids, f"rank{rank}")
+    try:
+        report = run_worker(rank, world_size, config, module_cls=DyingEmbeddingBag, die_on=5)
+    except RuntimeError as exc:  # the master: training failed, and it says how
+        report = {"error": str(exc)}
+    return {**report, "end_time": time.time()}
+
+
+def test_a_dead_parameter_server_fails_training_with_a_clear_error(run_ranks, tmp_path):
+    config = HybridConfig(2, 1, epochs=1, verbose=False, rpc_timeout=RPC_TIMEOUT, train_timeout=30)
+    ps, master = ps_rank(config, 0), master_rank(config)
     results = run_ranks(
-        dying_ps_worker, config, 5, pid_dir, world_size=config.world_size, backend=None
+        world_with_a_dying_server,
+        *(config, str(tmp_path)),
+        world_size=config.world_size,
+        backend=None,
+        may_exit={ps},  # its death is the lesson: the harness lets the others run on
     )
-    trainer0, trainer1, master, ps_host = results
-    died_at = float((tmp_path / "death-time").read_text())
-
-    # The server really died of the injected fault, not of something else.
-    assert ps_host["child_exit"] == DEATH_EXIT_CODE
-
-    # The master's error names each trainer and the server whose lookup failed...
-    error = master["error"]
-    assert error is not None and error.startswith("training failed:")
-    for name in ("trainer0", "trainer1"):
-        assert f"{name} failed:" in error
+    # The server died of the injected fault, and said when.
+    assert isinstance(results[ps], RankExited) and results[ps].exitcode == DEATH_EXIT_CODE
+    died_at = float(re.search(r"dying at (\S+)", results.outputs[ps]).group(1))
+    # The master's error names each trainer and the server whose lookup failed.
+    error = results[master]["error"]
+    assert error.startswith("training failed:\ntrainer0 failed:") and "\ntrainer1 failed:" in error
     assert "embedding lookup on parameter server ps0 failed" in error
-    # ... and came within the RPC timeout of the death (a lost connection is noticed
-    # at once; a silent one would take the full timeout).
-    assert master["error_time"] - died_at < RPC_TIMEOUT
+    # The trainers heard it, so they left without a graceful shutdown (which would wait for
+    # the dead server). Everyone was gone within the RPC timeout: a lost connection is
+    # noticed at once; a silent one would take the whole timeout.
+    assert [results[i]["training_ok"] for i in range(config.trainers)] == [False, False]
+    for rank in (0, 1, master):
+        assert results[rank]["end_time"] - died_at < RPC_TIMEOUT
+    assert proctable.wait_until_gone(tmp_path) == {}  # asked of the kernel, not the harness
 
-    # The trainers heard that training failed and left without a graceful shutdown
-    # (which would wait for the dead server), also within the RPC timeout.
-    for trainer in (trainer0, trainer1):
-        assert trainer["training_ok"] is False
-        assert trainer["end_time"] - died_at < RPC_TIMEOUT
 
-    # Nothing left behind: every rank and the forked server are gone (OS process table).
-    assert set(proctable.recorded(pid_dir)) == {"rank0", "rank1", "rank2", "rank3", "ps0-child"}
-    assert proctable.wait_until_gone(pid_dir) == {}
+# --- Rows outside the table -------------------------------------------------------------------
+
+
+def bad_index_trainer(remote_emb_module: Any, rank: int, config: HybridConfig) -> dict:
+    """Look up rows outside the table, then prove the world still works with a real step."""
+    model, opt, criterion = _setup_trainer(remote_emb_module, rank, config)
+    errors: dict[str, str | None] = {}
+    n = config.num_embeddings
+    for name, bad in (("past_end", [3, n]), ("negative", [-1, 3])):
+        try:
+            with dist_autograd.context():
+                model(torch.tensor(bad), torch.tensor([0]))
+            errors[name] = None
+        except (IndexError, ValueError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    batch = next(get_next_batch(trainer_generator(config.seed, rank), 1, n))
+    return {"errors": errors, "loss": train_step(model, opt, criterion, batch).item()}
+
+
+def bad_index_world(rank: int, world_size: int, config: HybridConfig) -> dict:
+    return run_worker(rank, world_size, config, bad_index_trainer)
 
 
 def test_indices_outside_the_table_are_refused(run_ranks):
     """Out-of-range rows raise on the trainer before any lookup is sent. With the table split
     over two servers this matters: each shard keeps only its own rows, so index 100 would
     otherwise be dropped silently. Afterwards a normal step still works on both trainers."""
-    config = HybridConfig(2, 2, verbose=False, **TEST_DEADLINES)
-    results = run_ranks(bad_index_worker, config, world_size=config.world_size, backend=None)
-    for name, seen in results[2]["trainers"].items():
-        assert seen["errors"]["past_end"] == (
-            "IndexError: embedding indices must lie in [0, 100); got [100]"
-        ), name
-        assert seen["errors"]["negative"] == (
-            "IndexError: embedding indices must lie in [0, 100); got [-1]"
-        ), name
+    config = HybridConfig(2, 2, verbose=False, **DEADLINES)
+    results = run_ranks(bad_index_world, config, world_size=config.world_size, backend=None)
+    for name, seen in results[master_rank(config)]["trainers"].items():
+        assert seen["errors"] == {
+            "past_end": "IndexError: embedding indices must lie in [0, 100); got [100]",
+            "negative": "IndexError: embedding indices must lie in [0, 100); got [-1]",
+        }, name
         assert 0 < seen["loss"] < 20
 
 
+# --- A worker that is not there -----------------------------------------------------------------
+
+
+def ask_for_a_missing_worker(rank: int, world_size: int, config: HybridConfig, name: str) -> dict:
+    """The master asks for a worker the world does not have: our check, then RPC's own."""
+    me = join(rank, config, config.rpc_timeout)
+    errors: dict[str, str | None] = {}
+    try:
+        if me == MASTER:
+            for how, call in (
+                ("check_worker", lambda: check_worker(name)),
+                ("rpc_sync", lambda: rpc.rpc_sync(name, os.getpid)),
+            ):
+                start = time.monotonic()
+                try:
+                    call()
+                    errors[how] = None
+                except (ValueError, RuntimeError) as exc:
+                    errors[how] = f"{type(exc).__name__}: {exc}"
+                errors[how + "_seconds"] = f"{time.monotonic() - start:.3f}"
+    finally:
+        leave(config.rpc_timeout)
+    return {"name": me, "errors": errors}
+
+
 def test_unknown_worker_name(run_ranks):
-    config = HybridConfig(2, 1, verbose=False, **TEST_DEADLINES)
+    config = HybridConfig(2, 1, verbose=False, **DEADLINES)
     results = run_ranks(
-        unknown_worker_check, config, "ps7", world_size=config.world_size, backend=None
+        ask_for_a_missing_worker, config, "ps7", world_size=config.world_size, backend=None
     )
-    assert [r["name"] for r in results] == ["trainer0", "trainer1", "master", "ps0"]
-    errors = results[2]["errors"]
+    errors = results[master_rank(config)]["errors"]
     # Ours names the worker and lists who is there...
     assert errors["check_worker"] == (
         "ValueError: unknown RPC worker 'ps7'; this world has: master, ps0, trainer0, trainer1"
@@ -97,12 +167,16 @@ def test_unknown_worker_name(run_ranks):
     assert float(errors["rpc_sync_seconds"]) < 1.0
 
 
+# --- Configurations that cannot run ---------------------------------------------------------------
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--trainers", "0"], "need at least one trainer, got --trainers 0"),
-        (["--parameter-servers", "0"], "need at least one parameter server, got 0"),
-        (["--parameter-servers", "101"], "cannot split 100 rows over 101 servers"),
+        (["--trainers", "0"], "--trainers must be at least 1, got 0"),
+        (["--parameter-servers", "0"], "--parameter-servers must be at least 1, got 0"),
+        (["--parameter-servers", "101"], "cannot split 100 rows over --parameter-servers 101"),
+        (["--rpc-timeout", "0"], "--rpc-timeout and --timeout must be positive"),
     ],
 )
 def test_bad_configuration_is_refused_before_any_process_starts(argv, message, capsys):

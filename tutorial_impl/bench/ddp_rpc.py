@@ -2,9 +2,11 @@
 
 PyTorch's ``benchmark_ddp_rpc.py`` starts 8 trainers, 8 parameter servers and a master,
 times each trainer's epochs, and prints their percentiles. The workers live in
-``ddp_rpc_workers.py`` (read that first); this module starts them through the test harness,
-turns what the master collected into the table (``stats.py``) and prints it the way the
-original does, with an Info section first.
+``ddp_rpc_workers.py`` (read that first: they are the hybrid tutorial's world, sized up and
+timed); this module starts them through the test harness, turns what the master collected
+into the table (``stats.py``) and prints it the way the original does, with an Info section
+first. Its figures count from the launch of the workers; it also says how long the command
+had been running before that (starting Python, importing torch).
 
 The harness is what makes any topology safe to start: the parent process owns the
 rendezvous store on a port the kernel picked, the workers are forked from a warm forkserver
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, fields
@@ -25,21 +28,21 @@ import torch
 
 from tutorial_impl.bench import ddp_rpc_workers as workers
 from tutorial_impl.bench import report
-from tutorial_impl.bench.ddp_rpc_workers import (
-    HIDDEN,
-    NUM_CLASSES,
-    OPTIMIZERS,
-    BenchConfig,
-    run_worker,
-)
+from tutorial_impl.bench.ddp_rpc_workers import OPTIMIZERS, BenchConfig, run_worker
 from tutorial_impl.bench.stats import Row, format_table, summarize
+from tutorial_impl.cli import failure_report
+from tutorial_impl.rpc.hybrid_model import HIDDEN, NUM_CLASSES
+from tutorial_impl.rpc.hybrid_world import master_rank
 from tutorial_impl.testing import RankError, ranks, run_ranks
 
 
-def run_benchmark(cfg: BenchConfig, progress: TextIO | None = None) -> dict[str, Any]:
+def run_benchmark(
+    cfg: BenchConfig, progress: TextIO | None = None, t0: float | None = None
+) -> dict[str, Any]:
     """Start the workers, wait for them, and return the measurements (see ``to_json``).
 
     The workers' progress lines are relayed to ``progress`` (default: stderr) as they come.
+    Every time in the result counts from ``t0`` (``time.time()``; default: now, the launch).
     """
     progress = sys.stderr if progress is None else progress
     cfg.check()
@@ -47,7 +50,7 @@ def run_benchmark(cfg: BenchConfig, progress: TextIO | None = None) -> dict[str,
     # instead of every one of the workers importing it after the fork. It only takes effect
     # if no rank was started yet in this process (true for the CLI).
     ranks.add_preload([workers.__name__])
-    t0 = time.time()
+    t0 = time.time() if t0 is None else t0
     print(
         f"starting {cfg.world_size} workers ({cfg.trainers} trainers, "
         f"{cfg.parameter_servers} parameter servers, 1 master)...",
@@ -64,7 +67,7 @@ def run_benchmark(cfg: BenchConfig, progress: TextIO | None = None) -> dict[str,
         stream=progress,
         stream_prefix=False,
     )
-    report = results[-1]
+    report = results[master_rank(cfg)]
     trainers = report["trainers"]
     rows = summarize({n: (r["seconds"], r["samples"]) for n, r in trainers.items()})
     return {
@@ -148,12 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_writable(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written, before any worker starts."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{option} {path}: is a directory, not a file")
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path}: there is no directory {folder}")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{option} {path}: cannot write in {folder}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Say what cannot work before 17 processes start, not after the run.
     if args.plot and not report.have_matplotlib():
-        # Say so before 17 processes start, not after the run.
         parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    _check_writable(parser, "--json", args.json)
+    _check_writable(parser, "--plot", args.plot)
     # Every option's dest is the name of a BenchConfig field (the pairs as tuples).
     values = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
     cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
@@ -173,20 +191,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.iterations} iterations an epoch; {cfg.warmup} warm-up + {cfg.epochs} timed epochs",
         flush=True,
     )
+    launch = time.time()
     try:
-        result = run_benchmark(cfg)
+        result = run_benchmark(cfg, t0=launch)
     except RankError as exc:
         # A worker failed, crashed or ran past --timeout: the harness has killed them all and
         # its message says which one and where (stacks, the workers' output).
-        print(f"\nbenchmark failed: {exc}", file=sys.stderr)
+        print(
+            f"\nbenchmark failed: {failure_report(exc, cfg.timeout, '--timeout')}", file=sys.stderr
+        )
         return 1
     rows = result["rows"]
     print("\n" + format_table(rows))
     epoch_p50 = rows[-1].percentiles()["p50"]
+    started = report.process_start_time()
+    before = f"{launch - started:.2f} s" if started is not None else "an unknown time"
     print(
         f"\nstart-up: {result['startup_s']:.2f} s (all workers joined RPC after "
         f"{result['join_s']:.2f} s); iteration p50: {1000 * epoch_p50 / cfg.iterations:.1f} ms; "
-        f"wall: {result['wall_s']:.2f} s"
+        f"wall: {result['wall_s']:.2f} s\n(counted from the launch of the workers; this "
+        f"process had been running {before} before it, starting Python and importing torch)"
     )
     if args.spawn_baseline:
         base = report.spawn_baseline(cfg.world_size)

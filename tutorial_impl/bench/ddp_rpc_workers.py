@@ -1,20 +1,23 @@
-"""The DDP + RPC benchmark: trainers, parameter servers and a master, timed epoch by epoch.
+"""The DDP + RPC benchmark's workers: the hybrid tutorial's world, sized up and timed.
 
-The topology of PyTorch's ``benchmark_ddp_rpc.py``: ranks ``0 .. T-1`` are trainers, the
-next ``P`` ranks parameter servers, the last rank the master. The master builds an
-``EmbeddingBag(300, 64, mode="sum")`` on *every* PS and starts ``_run_trainer`` on each
-trainer. A trainer looks its batch up on every PS, concatenates the P results (width
-``P * dim``) and feeds them to an MLP replicated with DDP; backward runs through dist
-autograd (DDP all-reduces the MLP gradients, the embedding gradients go back to the PS) and
-a ``DistributedOptimizer`` updates both. Each epoch (10 iterations) is timed; the warm-up
-epochs are dropped.
+PyTorch's ``benchmark_ddp_rpc.py`` is the hybrid tutorial at another size, and here it runs on
+the tutorial's own code: the rank layout, names, joining and leaving (``rpc/hybrid_world.py``:
+trainers ``0 .. T-1``, master ``T``, parameter servers ``T+1 ..``), the model
+(``rpc/hybrid_model.py``), the batches (``rpc/hybrid_data.py``), the master's ``run_trainers``
+and the trainer's ``distributed_optimizer`` and ``train_step`` (``rpc/hybrid.py``). Its sizes
+are the original's: an ``EmbeddingBag(300, 64, mode="sum")`` on *every* server, the P lookups
+side by side (a table split by columns, ``P * dim`` wide), then a DDP-replicated MLP
+``P*dim -> 256 -> 128 -> 64 -> 32 -> 8``.
 
-What differs from the original, on purpose (its defects): the options travel to every
-worker as arguments (the original set globals that ``mp.spawn``'s children never saw); any
-trainer and PS counts and any embedding width work (the first layer takes ``P * dim``
-inputs instead of asserting ``P * dim == 512``); the rendezvous is the harness's
-parent-owned store instead of fixed ports 29500/29501; every RPC and collective has a
-deadline; the throughput column is samples/s over all timed epochs (see ``stats.py``).
+What is the benchmark's own is here: its options (``BenchConfig``), the choice of optimizer
+and of RPC threads, the warm-up and the timing of each epoch, and the progress lines.
+
+What differs from the original, on purpose (its defects): the options travel to every worker
+as arguments (the original set globals that ``mp.spawn``'s children never saw); any trainer and
+PS counts and any embedding width work (the first layer takes ``P * dim`` inputs instead of
+asserting ``P * dim == 512``); the rendezvous is the harness's parent-owned store instead of
+fixed ports 29500/29501; every RPC and collective has a deadline; the throughput column is
+samples/s over all timed epochs (see ``stats.py``).
 
 Run: ``python -m tutorial_impl bench ddp-rpc [--trainers 2 --parameter-servers 1 ...]``.
 """
@@ -22,12 +25,9 @@ Run: ``python -m tutorial_impl bench ddp-rpc [--trainers 2 --parameter-servers 1
 from __future__ import annotations
 
 import logging
-import random
 import sys
 import time
-import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,30 +35,19 @@ import torch
 # DDP's constructor imports torch._dynamo (800 modules, ~4 s of CPU here). Importing it with
 # this module puts it in the rank forkserver's preload: paid once, not once per trainer.
 import torch._dynamo  # noqa: F401
-import torch.distributed as dist
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 from torch import nn, optim
-from torch.distributed.nn import RemoteModule
-from torch.distributed.rpc import RRef
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-with warnings.catch_warnings():
-    # Importing torch.distributed.optim (here or through hybrid) scripts its optimizers, and
-    # torch 2.13 warns 67 times that torch.jit.script / jit.interface are deprecated.
-    warnings.filterwarnings(
-        "ignore",
-        message="`torch.jit.(script|interface)` is deprecated",
-        category=DeprecationWarning,
-    )
-    from torch.distributed.optim import DistributedOptimizer
+from tutorial_impl.rpc import hybrid_world as world
+from tutorial_impl.rpc.hybrid import distributed_optimizer, run_trainers, train_step
+from tutorial_impl.rpc.hybrid_data import get_next_batch, trainer_generator
+from tutorial_impl.rpc.hybrid_model import (
+    NUM_CLASSES,
+    HybridModel,
+    RemoteEmbeddingBag,
+    create_remote_embedding,
+    mlp,
+)
 
-    from tutorial_impl.rpc.hybrid import MASTER, filter_expected_warnings, ps_name, trainer_name
-    from tutorial_impl.rpc.hybrid_world import rpc_init_method
-
-# The original's MLP after the lookups; its first layer's input is P * dim (512 there).
-HIDDEN = (256, 128, 64, 32)
-NUM_CLASSES = 8
 LR = 0.05
 
 
@@ -76,6 +65,13 @@ class PlainSGD(optim.SGD):
 OPTIMIZERS = {"python": PlainSGD, "torchscript": optim.SGD}
 # DistributedOptimizer logs this (once per trainer) when given a non-TorchScript optimizer.
 NO_TORCHSCRIPT_LOG = "Creating the optimizer %s without TorchScript support"
+# The option of each field whose name is not simply --field-name.
+FLAGS = {"indices": "--batch-indices"}
+
+
+def flag(field: str) -> str:
+    """The command-line option that sets a ``BenchConfig`` field."""
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 class _DropRecord(logging.Filter):
@@ -103,50 +99,37 @@ class BenchConfig:
     seed: int = 0
     device: str = "cpu"
     optimizer: str = "torchscript"  # a key of OPTIMIZERS
-    rpc_threads: int = 16  # TensorPipe's num_worker_threads (its default) in every worker
+    rpc_threads: int = world.RPC_THREADS  # TensorPipe's num_worker_threads in every worker
     rpc_timeout: float = 60.0  # every single RPC and collective
     timeout: float = 600.0  # the whole run
 
     @property
     def world_size(self) -> int:
-        return self.trainers + self.parameter_servers + 1
+        return world.world_size(self)
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first option that cannot work."""
-        positive = (
-            "trainers",
-            "parameter_servers",
-            "num_embeddings",
-            "embedding_dim",
-            "rpc_threads",
-        )
-        for name in (*positive, "epochs", "iterations"):
+        """Raise ``ValueError`` naming the option of the first value that cannot work."""
+        world.check_layout(self)
+        for name in ("num_embeddings", "embedding_dim", "rpc_threads", "epochs", "iterations"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+            raise ValueError(f"{flag('warmup')} must be at least 0, got {self.warmup}")
         for name in ("indices", "bag_size"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
-                raise ValueError(f"{name} must satisfy 1 <= min <= max, got {low} {high}")
+                raise ValueError(
+                    f"{flag(name)} MIN MAX must satisfy 1 <= MIN <= MAX, got {low} {high}"
+                )
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda needs a CUDA build of torch and a GPU; this has none")
+            raise ValueError("--device cuda needs a CUDA build of torch and a GPU; this has none")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
-        if self.rpc_timeout <= 0 or self.timeout <= 0:
-            raise ValueError("timeouts must be positive")
-
-
-# Worker names are the tutorial's (trainer{i}, ps{j}, master; see hybrid.py). The rank
-# layout is the benchmark's own: trainers, then parameter servers, then the master.
-def worker_name(rank: int, cfg: BenchConfig) -> str:
-    if rank < cfg.trainers:
-        return trainer_name(rank)
-    if rank < cfg.trainers + cfg.parameter_servers:
-        return ps_name(rank - cfg.trainers)
-    return MASTER
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+        for name in ("rpc_timeout", "timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{flag(name)} must be positive, got {getattr(self, name)}")
 
 
 def _say(who: str, t0: float, text: str) -> None:
@@ -154,80 +137,19 @@ def _say(who: str, t0: float, text: str) -> None:
     print(f"[{who} {time.time() - t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
-def get_next_batch(
-    rng: random.Random, cfg: BenchConfig, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch as in the original: random indices cut into bags of random sizes.
-
-    Returns ``(indices, offsets, target)``; the batch size is the number of bags. Indices
-    and offsets stay on the CPU because they travel to the parameter servers by RPC.
-    """
-    num_indices = rng.randint(*cfg.indices)
-    indices = torch.tensor([rng.randrange(cfg.num_embeddings) for _ in range(num_indices)])
-    offsets: list[int] = []
-    start = 0
-    while start < num_indices:
-        offsets.append(start)
-        start += rng.randint(*cfg.bag_size)
-    target = torch.tensor([rng.randrange(NUM_CLASSES) for _ in offsets], device=device)
-    return indices, torch.tensor(offsets), target
-
-
-class HybridModel(nn.Module):
-    """The benchmark's model: a lookup on every PS, concatenated, into a DDP-replicated MLP.
-
-    The MLP keeps the original's sizes and its single ReLU (after the second layer); only
-    the input width follows from the configuration, ``P * dim``, where the original
-    hard-coded 512 and reshaped anything wider into extra rows (which no longer matched
-    the targets).
-    """
-
-    def __init__(self, remote_embs: list[RemoteModule], cfg: BenchConfig, device: torch.device):
-        super().__init__()
-        self.remote_embs = remote_embs
-        width = cfg.parameter_servers * cfg.embedding_dim
-        h1, h2, h3, h4 = HIDDEN
-        mlp = nn.Sequential(
-            nn.Linear(width, h1),
-            nn.Linear(h1, h2),
-            nn.ReLU(),
-            nn.Linear(h2, h3),
-            nn.Linear(h3, h4),
-            nn.Linear(h4, NUM_CLASSES),
-        )
-        ids = [device.index] if device.type == "cuda" else None
-        self.ddp = DDP(mlp.to(device), device_ids=ids)
-        self.device = device
-
-    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        # The lookups are independent: send them all, then wait (the original waited for
-        # each before sending the next). Each RPC has the agent's rpc_timeout as deadline.
-        futures = [emb.forward_async(indices, offsets) for emb in self.remote_embs]
-        lookups = torch.cat([f.wait() for f in futures], dim=1)
-        # Tables stay on the servers' CPU by choice (hybrid_model.HybridModel says why).
-        return self.ddp(lookups.to(self.device))
-
-
 def _run_trainer(
-    remote_embs: list[RemoteModule], cfg: BenchConfig, index: int, t0: float
+    remote_emb_module: RemoteEmbeddingBag, index: int, cfg: BenchConfig, t0: float
 ) -> dict[str, Any]:
     """Train for warm-up + timed epochs and report the timed epochs' seconds and samples."""
-    device = torch.device("cpu")
-    if cfg.device == "cuda":
-        device = torch.device("cuda", index % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    torch.manual_seed(cfg.seed)  # DDP broadcasts trainer 0's weights anyway
-    model = HybridModel(remote_embs, cfg, device)
-
-    # DistributedOptimizer wants RRefs: the tables' parameters from every PS, and RRefs to
-    # our own MLP parameters (model.parameters() would recurse into the RemoteModules).
-    params = [p for emb in remote_embs for p in emb.remote_parameters()]
-    params += [RRef(p) for p in model.ddp.parameters()]
-    opt = DistributedOptimizer(OPTIMIZERS[cfg.optimizer], params, lr=LR)
+    device = world.trainer_device(index, cfg.device)
+    torch.manual_seed(cfg.seed)  # the MLP's init; DDP broadcasts trainer 0's anyway
+    dense = mlp(cfg.parameter_servers * cfg.embedding_dim)
+    model = HybridModel(remote_emb_module, dense, device)
+    opt = distributed_optimizer(model, OPTIMIZERS[cfg.optimizer], LR)
     criterion = nn.CrossEntropyLoss()
-    rng = random.Random(f"{cfg.seed}/{index}")  # a stream per trainer, not the global one
+    generator = trainer_generator(cfg.seed, index)  # a stream per trainer
 
-    me = trainer_name(index)
+    me = world.trainer_name(index)
     ready = time.time()
     if index == 0:
         _say(me, t0, f"model ready; {cfg.warmup} warm-up + {cfg.epochs} timed epochs")
@@ -236,13 +158,11 @@ def _run_trainer(
     for epoch in range(cfg.warmup + cfg.epochs):
         start = time.perf_counter()
         count = 0
-        for _ in range(cfg.iterations):
-            indices, offsets, target = get_next_batch(rng, cfg, device)
-            count += len(target)
-            with dist_autograd.context() as context_id:
-                loss = criterion(model(indices, offsets), target)
-                dist_autograd.backward(context_id, [loss])
-                opt.step(context_id)
+        for batch in get_next_batch(
+            generator, cfg.iterations, cfg.num_embeddings, NUM_CLASSES, cfg.indices, cfg.bag_size
+        ):
+            count += len(batch[2])  # a sample is a bag, with its label
+            train_step(model, opt, criterion, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -258,68 +178,33 @@ def _run_trainer(
     return {"seconds": seconds, "samples": samples, "ready": ready, "done": time.time()}
 
 
-def run_worker(rank: int, world_size: int, cfg: BenchConfig, t0: float) -> dict[str, Any] | None:
+def _run_master(cfg: BenchConfig, t0: float) -> dict[str, Any]:
+    _say(world.MASTER, t0, f"all {cfg.world_size} workers joined RPC")
+    joined = time.time()
+    # One EmbeddingBag(num_embeddings, dim) per server: a table P * dim wide, split by columns.
+    g = torch.Generator().manual_seed(cfg.seed)
+    table = torch.randn(cfg.num_embeddings, cfg.parameter_servers * cfg.embedding_dim, generator=g)
+    remote_emb_module = create_remote_embedding(table, cfg.parameter_servers, "columns")
+    reports = run_trainers(cfg.trainers, remote_emb_module, _run_trainer, (cfg, t0), cfg.timeout)
+    trainers = {f"Trainer{i}": reports[world.trainer_name(i)] for i in range(cfg.trainers)}
+    return {"joined": joined, "trainers": trainers}
+
+
+def run_worker(rank: int, world_size: int, cfg: BenchConfig, t0: float) -> dict[str, Any]:
     """One process of the benchmark; ``cfg`` arrives as an argument, never as a global."""
     if world_size != cfg.world_size:
         raise ValueError(f"world size {world_size} != {cfg.world_size} workers in the config")
     logging.getLogger("torch.distributed.optim.optimizer").addFilter(
         _DropRecord(NO_TORCHSCRIPT_LOG)  # we chose it knowingly (see PlainSGD)
     )
-    # A parameter server initialises its table itself (RemoteModule runs the constructor
-    # there), so each process seeds its own generator.
-    torch.manual_seed(cfg.seed * 1_000_003 + rank)
-    name = worker_name(rank, cfg)
-    if name != MASTER:  # the master says when everyone has joined
+    name = world.worker_name(rank, cfg)
+    if name != world.MASTER:  # the master says when everyone has joined
         _say(name, t0, "started; joining RPC")
-    # torch 2.13's deprecation warnings on this path, filtered by message in this process
-    # (they come from RPC threads too, where a catch_warnings here could not reach).
-    filter_expected_warnings()
-    if rank < cfg.trainers:
-        # The trainers' own gloo group for DDP, before RPC, on the parent-owned store
-        # (RPC keys have a prefix of their own there, so the two rendezvous never mix).
-        dist.init_process_group(
-            "gloo",
-            init_method="env://",
-            rank=rank,
-            world_size=cfg.trainers,
-            timeout=timedelta(seconds=cfg.rpc_timeout),
-        )
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=rpc_init_method(),
+    return world.serve(
+        rank,
+        cfg,
+        lambda: _run_master(cfg, t0),
         rpc_timeout=cfg.rpc_timeout,
-        num_worker_threads=cfg.rpc_threads,
+        train_timeout=cfg.timeout,
+        rpc_threads=cfg.rpc_threads,
     )
-    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
-    result = None
-    try:
-        if name == MASTER:
-            result = _run_master(cfg, t0)
-    finally:
-        # Graceful: waits until every worker gets here. The trainers and servers arrive at
-        # once and wait for the master, which arrives after training: hence the run's deadline.
-        rpc.shutdown(graceful=True, timeout=cfg.timeout)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return result
-
-
-def _run_master(cfg: BenchConfig, t0: float) -> dict[str, Any]:
-    _say(MASTER, t0, f"all {cfg.world_size} workers joined RPC")
-    joined = time.time()
-    remote_embs = [
-        RemoteModule(
-            f"{ps_name(j)}/cpu",
-            nn.EmbeddingBag,
-            args=(cfg.num_embeddings, cfg.embedding_dim),
-            kwargs={"mode": "sum"},
-        )
-        for j in range(cfg.parameter_servers)
-    ]
-    futures = [
-        rpc.rpc_async(
-            trainer_name(i), _run_trainer, args=(remote_embs, cfg, i, t0), timeout=cfg.timeout
-        )
-        for i in range(cfg.trainers)
-    ]
-    reports = {f"Trainer{i}": f.wait() for i, f in enumerate(futures)}
-    return {"joined": joined, "trainers": reports}

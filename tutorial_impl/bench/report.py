@@ -63,6 +63,21 @@ def spawn_baseline(n: int, module: str = "torch.distributed.rpc", timeout: float
     return time.perf_counter() - start
 
 
+def process_start_time(pid: int | None = None) -> float | None:
+    """When a process (default: this one) started, as a ``time.time()``; None off Linux.
+
+    The kernel keeps each process's start in clock ticks since boot (``/proc/PID/stat``,
+    field 22); the boot clock says how long ago that was. Good to a tick (10 ms).
+    """
+    try:
+        with open(f"/proc/{pid or 'self'}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 

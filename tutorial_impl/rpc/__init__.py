@@ -14,11 +14,13 @@ The RPC framework itself, one module per part of the reference, in reading order
 ``batching.py``       @rpc.functions.async_execution: the chained add, a batch-updating server
 ``demo.py``           ``python -m tutorial_impl rpc``: every lesson above on local workers
 
-The DDP + RPC tutorial, which builds on the RPC lessons:
+The DDP + RPC tutorial, which builds on the RPC lessons, in reading order:
 
-``hybrid_world.py``  roles (trainers ``0..T-1``, master ``T``, parameter servers after it),
-                     names, joining (a gloo group for the trainers, then RPC) and leaving
-``hybrid_model.py``  ``HybridModel``: a remote ``EmbeddingBag`` and a DDP-replicated layer
+``hybrid_world.py``  the rank layout (trainers ``0..T-1``, master ``T``, parameter servers
+                     after it), names, joining (a gloo group for the trainers, then RPC),
+                     leaving; shared with the DDP + RPC benchmark
+``hybrid_data.py``   ``get_next_batch``: random bags of random rows
+``hybrid_model.py``  ``HybridModel``: a table split over the servers, a DDP-replicated part
 ``hybrid.py``        the master, ``_run_trainer``, ``run_worker``, the demo
 
 The proofs are in ``tests/rpc/``: ``test_rpc_*.py`` for the reference, ``test_hybrid_*.py``

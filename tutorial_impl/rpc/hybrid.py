@@ -1,14 +1,16 @@
 """Combining DistributedDataParallel with the distributed RPC framework (the hybrid tutorial).
 
-The tutorial's four processes: trainers 0 and 1, the master (rank 2) and the parameter
-server (rank 3), generalised to T trainers and P servers (see ``hybrid_world`` for roles,
-joining and leaving, ``hybrid_model`` for the model). The master creates the embedding table
-on the servers and runs ``_run_trainer`` on every trainer over RPC; each trainer trains a
-``HybridModel`` with distributed autograd and a ``DistributedOptimizer``.
+The tutorial's four processes: trainers 0 and 1, the master (rank 2) and the parameter server
+(rank 3), generalised to T trainers and P servers (``hybrid_world`` holds the layout, joining
+and leaving; ``hybrid_model`` the model; ``hybrid_data`` the batches). The master puts the
+embedding table on the servers and runs ``_run_trainer`` on every trainer over RPC; each
+trainer trains a ``HybridModel`` with distributed autograd and a ``DistributedOptimizer``.
+The DDP + RPC benchmark (``bench/ddp_rpc_workers.py``) reuses the master's ``run_trainers``
+and the trainer's ``distributed_optimizer`` and ``train_step``.
 
-Every wait has a deadline: each RPC has ``rpc_timeout``, the master's call that runs a
-whole training loop has ``train_timeout``, the trainers' collectives the group timeout,
-and ``rpc.shutdown`` at most ``rpc_timeout`` more.
+Every wait has a deadline: each RPC has ``rpc_timeout``, the master's call that runs a whole
+training loop has ``train_timeout``, the trainers' collectives the group timeout, and
+``rpc.shutdown`` at most ``rpc_timeout`` more.
 """
 
 from __future__ import annotations
@@ -18,83 +20,103 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.distributed.nn import RemoteModule
 
 from tutorial_impl.dist_tuto.process import under_torchrun
+from tutorial_impl.rpc import hybrid_world as world
+from tutorial_impl.rpc.hybrid_data import DATASETS, Batch, trainer_generator
 from tutorial_impl.rpc.hybrid_model import (
-    DATASETS,
     EMBEDDING_DIM,
+    NUM_CLASSES,
     HybridModel,
-    ShardedEmbeddingBag,
-    shard_bounds,
-    trainer_generator,
-)
-from tutorial_impl.rpc.hybrid_world import (  # noqa: F401 - re-exported: one import for users
-    MASTER,
-    HybridConfig,
-    announce_outcome,
-    check_worker,
-    filter_expected_warnings,
-    init_worker,
-    ps_name,
-    role_of,
-    shutdown_worker,
-    trainer_device,
-    trainer_name,
-    wait_for_outcome,
-    worker_name,
+    RemoteEmbeddingBag,
+    create_remote_embedding,
 )
 from tutorial_impl.rpc.optimizer import DistributedOptimizer  # imported without its warnings
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Everything every process of the world must agree on; sent to each one as is."""
+
+    trainers: int = 2
+    parameter_servers: int = 1
+    epochs: int = 3
+    batches: int = 10  # per epoch
+    seed: int = 0
+    device: str = "cpu"  # "cuda": each trainer's fc on its own GPU
+    lr: float = 0.05
+    num_embeddings: int = 100
+    data: str = "tutorial"  # a key of DATASETS
+    rpc_timeout: float = 30.0  # seconds, for every RPC and the trainers' collectives
+    train_timeout: float = 300.0  # seconds, for the master's wait on a whole training loop
+    verbose: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return world.world_size(self)
+
+    def check(self) -> None:
+        """Refuse a configuration that cannot run, before any process waits for another."""
+        world.check_layout(self)
+        if self.parameter_servers > self.num_embeddings:
+            raise ValueError(
+                f"cannot split {self.num_embeddings} rows over "
+                f"--parameter-servers {self.parameter_servers}"
+            )
+        if self.data not in DATASETS:
+            raise ValueError(f"--data must be one of {', '.join(DATASETS)}, got {self.data!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda needs CUDA, which this machine does not have")
+        if min(self.epochs, self.batches) < 0:
+            raise ValueError("--epochs and --batches must be at least 0")
+        if min(self.rpc_timeout, self.train_timeout) <= 0:
+            raise ValueError("--rpc-timeout and --timeout must be positive")
+
 
 # --- The master ------------------------------------------------------------------------
 
 
 def create_embedding(
     config: HybridConfig, module_cls: type[nn.Module] = nn.EmbeddingBag, **kwargs: Any
-) -> ShardedEmbeddingBag:
-    """Put the table's rows on the parameter servers, as ``RemoteModule(EmbeddingBag)``s.
+) -> RemoteEmbeddingBag:
+    """The tutorial's table, ``EmbeddingBag(100, 16, mode="sum")``, its rows on the servers.
 
     The master draws the whole table from ``seed`` (N(0, 1), EmbeddingBag's own init) and
-    sends each server its rows: so the table is the same however it is sharded.
+    sends each server its rows: so the table is the same however it is split.
     """
     g = torch.Generator().manual_seed(config.seed)
     table = torch.randn(config.num_embeddings, EMBEDDING_DIM, generator=g)
-    bounds = shard_bounds(config.num_embeddings, config.parameter_servers)
-    shards = []
-    for j, (start, end) in enumerate(bounds):
-        check_worker(ps_name(j))
-        shards.append(
-            RemoteModule(
-                f"{ps_name(j)}/cpu",
-                module_cls,
-                args=(end - start, EMBEDDING_DIM),
-                kwargs={"mode": "sum", "_weight": table[start:end].clone(), **kwargs},
-            )
-        )
-    return ShardedEmbeddingBag(shards, bounds)
+    return create_remote_embedding(table, config.parameter_servers, "rows", module_cls, **kwargs)
 
 
-def run_master(
-    config: HybridConfig, trainer_fn: Callable[..., Any] | None = None, **emb_kwargs: Any
+def run_trainers(
+    trainers: int,
+    remote_emb_module: RemoteEmbeddingBag,
+    trainer_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout: float,
 ) -> dict[str, Any]:
-    """Create the table, run ``trainer_fn`` on every trainer, wait for all of them."""
-    trainer_fn = trainer_fn or _run_trainer
-    remote_emb_module = create_embedding(config, **emb_kwargs)
-    initial = remote_emb_module.weight()
+    """Run ``trainer_fn(remote_emb_module, i, *args)`` on every trainer; their reports by name.
+
+    All start at once (``rpc_async``); each wait is bounded by ``timeout``. Every failure is
+    collected, so the error says which trainers failed and how, not just the first.
+    """
     futs = {}
-    for i in range(config.trainers):
-        name = trainer_name(i)
-        check_worker(name)
+    for i in range(trainers):
+        name = world.trainer_name(i)
+        world.check_worker(name)
         futs[name] = rpc.rpc_async(
-            name, trainer_fn, args=(remote_emb_module, i, config), timeout=config.train_timeout
+            name, trainer_fn, args=(remote_emb_module, i, *args), timeout=timeout
         )
-    # Wait for every trainer (each wait bounded by train_timeout) and report every failure.
     reports, failures = {}, []
     for name, fut in futs.items():
         try:
@@ -106,6 +128,20 @@ def run_master(
             failures.append(f"{name} failed: " + " ".join(str(exc).splitlines()[:2]))
     if failures:
         raise RuntimeError("training failed:\n" + "\n".join(failures))
+    return reports
+
+
+def run_master(
+    config: HybridConfig, trainer_fn: Callable[..., Any] | None = None, **emb_kwargs: Any
+) -> dict[str, Any]:
+    """Create the table, train on every trainer, and report the table before and after."""
+    remote_emb_module = create_embedding(config, **emb_kwargs)
+    initial = remote_emb_module.weight()
+    trainer_fn = trainer_fn or _run_trainer
+    args = (config,)
+    reports = run_trainers(
+        config.trainers, remote_emb_module, trainer_fn, args, config.train_timeout
+    )
     if config.verbose:
         print("Training complete", flush=True)
     return {"trainers": reports, "initial_table": initial, "table": remote_emb_module.weight()}
@@ -114,22 +150,50 @@ def run_master(
 # --- The trainers ----------------------------------------------------------------------
 
 
+def distributed_optimizer(
+    model: HybridModel, optimizer_cls: type[torch.optim.Optimizer], lr: float
+) -> DistributedOptimizer:
+    """An optimizer over RRefs of every parameter: the table's on the servers, the fc's here.
+
+    ``model.parameters()`` cannot be used: a ``RemoteModule`` has no local parameters, and
+    both its ``parameters()`` and the walk over it (``named_modules``) raise ValueError
+    (test_hybrid_parity shows the messages). So the table's come as RRefs from
+    ``remote_parameters()``, and our own fc's are wrapped in local RRefs.
+    """
+    rrefs = model.remote_emb_module.remote_parameters()
+    rrefs += [rpc.RRef(param) for param in model.fc.parameters()]
+    return DistributedOptimizer(optimizer_cls, rrefs, lr=lr)
+
+
+def train_step(
+    model: HybridModel, opt: DistributedOptimizer, criterion: nn.Module, batch: Batch
+) -> torch.Tensor:
+    """One iteration: forward, loss, distributed backward, optimizer step; returns the loss.
+
+    Every iteration gets a fresh dist-autograd context that holds its own gradients (the
+    fc's here, averaged by DDP; the table's on the servers), so there is nothing to zero.
+    """
+    indices, offsets, target = batch
+    with dist_autograd.context() as context_id:
+        output = model(indices, offsets)
+        loss = criterion(output, target.to(model.device))
+        dist_autograd.backward(context_id, [loss])
+        opt.step(context_id)
+    return loss
+
+
 def _setup_trainer(
-    remote_emb_module: ShardedEmbeddingBag, rank: int, config: HybridConfig
+    remote_emb_module: RemoteEmbeddingBag, rank: int, config: HybridConfig
 ) -> tuple[HybridModel, DistributedOptimizer, nn.Module]:
     torch.manual_seed(config.seed)  # the fc's init; DDP then broadcasts trainer 0's anyway
-    model = HybridModel(remote_emb_module, trainer_device(rank, config))
-    # RRefs of every parameter: the table's on the servers, plus our own fc's. We cannot
-    # use model.parameters(): the table's parameters are only reachable as RRefs.
-    model_parameter_rrefs = remote_emb_module.remote_parameters()
-    for param in model.fc.parameters():
-        model_parameter_rrefs.append(rpc.RRef(param))
-    opt = DistributedOptimizer(torch.optim.SGD, model_parameter_rrefs, lr=config.lr)
+    dense = nn.Linear(EMBEDDING_DIM, NUM_CLASSES)
+    model = HybridModel(remote_emb_module, dense, world.trainer_device(rank, config.device))
+    opt = distributed_optimizer(model, torch.optim.SGD, config.lr)
     return model, opt, nn.CrossEntropyLoss()
 
 
 def _run_trainer(
-    remote_emb_module: ShardedEmbeddingBag, rank: int, config: HybridConfig
+    remote_emb_module: RemoteEmbeddingBag, rank: int, config: HybridConfig
 ) -> dict[str, Any]:
     """The tutorial's training loop; runs on a trainer, called by the master over RPC."""
     model, opt, criterion = _setup_trainer(remote_emb_module, rank, config)
@@ -137,16 +201,10 @@ def _run_trainer(
     generator = trainer_generator(config.seed, rank)
     epoch_losses = []
     for epoch in range(config.epochs):
-        losses = []
-        for indices, offsets, target in batches(generator, config.batches, config.num_embeddings):
-            # Every iteration gets a fresh context that holds its own gradients, so there
-            # is nothing to zero.
-            with dist_autograd.context() as context_id:
-                output = model(indices, offsets)
-                loss = criterion(output, target.to(model.device))
-                dist_autograd.backward(context_id, [loss])
-                opt.step(context_id)
-            losses.append(loss.item())
+        losses = [
+            train_step(model, opt, criterion, batch).item()
+            for batch in batches(generator, config.batches, config.num_embeddings)
+        ]
         epoch_losses.append(sum(losses) / max(len(losses), 1))
         if config.verbose:
             print(f"Trainer {rank} - Epoch {epoch} - Loss: {epoch_losses[-1]:.4f}", flush=True)
@@ -165,30 +223,19 @@ def run_worker(
 ) -> dict[str, Any]:
     """One process of the hybrid world; the master's result holds every trainer's report.
 
-    As in the tutorial, only the master has work of its own: trainers and servers answer
-    RPCs until the master says how training ended. That word decides how they leave.
+    As in the tutorial, only the master has work of its own (``run_master``): trainers and
+    servers answer RPCs until it says how training ended (``hybrid_world.serve``).
     """
     if world_size != config.world_size:
         raise ValueError(
             f"{config.trainers} trainers + 1 master + {config.parameter_servers} parameter "
             f"servers need {config.world_size} processes, not {world_size}"
         )
-    name = init_worker(rank, config)
-    result: dict[str, Any] = {"name": name, "pid": os.getpid()}
-    ok = False
-    try:
-        if name == MASTER:
-            try:
-                result.update(run_master(config, trainer_fn, **emb_kwargs))
-                ok = True
-            finally:
-                announce_outcome(config, ok)
-        else:
-            ok = wait_for_outcome(config)
-            result["training_ok"] = ok
-    finally:
-        shutdown_worker(config, graceful=ok)
-    return result
+    config.check()
+    master = lambda: run_master(config, trainer_fn, **emb_kwargs)  # noqa: E731 - named
+    return world.serve(
+        rank, config, master, rpc_timeout=config.rpc_timeout, train_timeout=config.train_timeout
+    )
 
 
 # --- Command line ----------------------------------------------------------------------
@@ -212,18 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    config = HybridConfig(
-        trainers=args.trainers,
-        parameter_servers=args.parameter_servers,
-        epochs=args.epochs,
-        batches=args.batches,
-        seed=args.seed,
-        device=args.device,
-        data=args.data,
-        rpc_timeout=args.rpc_timeout,
-        train_timeout=args.timeout,
-    )
+    args = vars(build_parser().parse_args(argv))  # each option's dest is a config field,
+    train_timeout = args.pop("timeout")  # but for --timeout's
+    config = HybridConfig(**args, train_timeout=train_timeout)
     try:
         config.check()
     except ValueError as exc:
@@ -233,18 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
         return 0
 
-    from tutorial_impl.cli import RankError, run_local  # the CLI's launcher
+    from tutorial_impl.cli import RankError, failure_report, run_local  # the CLI's launcher
 
     start = time.perf_counter()
+    deadline = config.train_timeout + 2 * config.rpc_timeout
     try:
-        run_local(
-            run_worker,
-            config,
-            world_size=config.world_size,
-            timeout=args.timeout + 2 * args.rpc_timeout,
-        )
+        run_local(run_worker, config, world_size=config.world_size, timeout=deadline)
     except RankError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {failure_report(exc, deadline, '--timeout')}", file=sys.stderr)
         return 1
     print(f"{config.world_size} processes, {time.perf_counter() - start:.1f} s")
     return 0

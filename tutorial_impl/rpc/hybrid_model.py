@@ -1,100 +1,49 @@
-"""The model of the DDP + RPC tutorial: a remote embedding table and a replicated dense layer.
+"""The hybrid model: an embedding table on parameter servers, a dense part replicated by DDP.
 
-``HybridModel`` is the tutorial's: the *sparse* part is an ``EmbeddingBag`` held by a
-parameter server and reached through RPC, the *dense* part is an ``nn.Linear`` that every
-trainer holds a replica of, kept in sync by ``DistributedDataParallel``.
+``HybridModel`` is the tutorial's: the *sparse* part is an ``EmbeddingBag`` held by parameter
+servers and reached through RPC, the *dense* part a module every trainer holds a replica of,
+kept in sync by ``DistributedDataParallel``. Two sizes of it are in use:
 
-We generalise one thing: the table may be split by rows over several parameter servers
-(``ShardedEmbeddingBag``). With ``mode="sum"`` a bag's embedding is the sum of its rows, so
-the lookup can be done shard by shard and the partial sums added: every shard sees the
-indices that fall in its rows (renumbered from 0) and the same bags, and a bag with no row
-on that shard contributes zeros. With one shard this is exactly the tutorial's lookup.
+* the tutorial: ``EmbeddingBag(100, 16)``, its rows split over the servers, then ``Linear(16, 8)``;
+* the DDP + RPC benchmark: one ``EmbeddingBag(300, 64)`` per server, the P lookups side by side
+  (``P * 64`` wide), then an MLP ``P*64 -> 256 -> 128 -> 64 -> 32 -> 8`` (``mlp``).
 
-The batch generators take an explicit ``torch.Generator``, so a test (or the benchmark) can
-regenerate the very batches a trainer used.
+Both are one table split over servers (``RemoteEmbeddingBag``): by rows (the tutorial) or by
+columns (the benchmark). With ``mode="sum"`` a bag's embedding is the sum of its rows, so a
+row split is looked up shard by shard and the partial sums added: each shard sees the indices
+in its rows (renumbered from 0) and every bag, and a bag with no row there gives zeros. A
+column split sends every shard the whole batch and puts the answers side by side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
+from torch.distributed.nn import RemoteModule
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tutorial_impl.rpc.hybrid_world import check_worker, ps_name
 
 # The tutorial's sizes: EmbeddingBag(100, 16, mode="sum") and Linear(16, 8).
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 NUM_CLASSES = 8
-
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # indices, offsets, target
-
-
-def trainer_generator(seed: int, trainer: int) -> torch.Generator:
-    """The random stream of one trainer's batches: distinct per trainer, fixed by ``seed``."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + trainer)
+# The benchmark's MLP after the lookups (PyTorch's benchmark_ddp_rpc.py).
+HIDDEN = (256, 128, 64, 32)
+SPLITS = ("rows", "columns")
 
 
-def _random_bags(g: torch.Generator, num_embeddings: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # As in the tutorial: 20-50 indices, a new bag every 1-10 indices.
-    num_indices = int(torch.randint(20, 51, (1,), generator=g))
-    indices = torch.randint(0, num_embeddings, (num_indices,), generator=g)
-    offsets = []
-    start = 0
-    while start < num_indices:
-        offsets.append(start)
-        start += int(torch.randint(1, 11, (1,), generator=g))
-    return indices, torch.tensor(offsets, dtype=torch.long)
-
-
-def get_next_batch(
-    generator: torch.Generator,
-    num_batches: int = 10,
-    num_embeddings: int = NUM_EMBEDDINGS,
-    num_classes: int = NUM_CLASSES,
-) -> Iterator[Batch]:
-    """The tutorial's batches: random bags of random rows with random labels (CPU tensors)."""
-    for _ in range(num_batches):
-        indices, offsets = _random_bags(generator, num_embeddings)
-        target = torch.randint(0, num_classes, (len(offsets),), generator=generator)
-        yield indices, offsets, target
-
-
-def get_learnable_batch(
-    generator: torch.Generator,
-    num_batches: int = 10,
-    num_embeddings: int = NUM_EMBEDDINGS,
-    num_classes: int = NUM_CLASSES,
-) -> Iterator[Batch]:
-    """Bags shaped like the tutorial's, but a bag of class ``c`` only holds rows of block ``c``.
-
-    The rows are split into ``num_classes`` blocks; the label is then recoverable from the
-    bag's embedding, so training must lower the loss (random labels cannot be learnt).
-    """
-    block = num_embeddings // num_classes
-    for _ in range(num_batches):
-        indices, offsets = _random_bags(generator, num_embeddings)
-        target = torch.randint(0, num_classes, (len(offsets),), generator=generator)
-        bag_of_index = torch.bucketize(torch.arange(len(indices)), offsets, right=True) - 1
-        rows = torch.randint(0, block, (len(indices),), generator=generator)
-        yield target[bag_of_index] * block + rows, offsets, target
-
-
-DATASETS: dict[str, Callable[..., Iterator[Batch]]] = {
-    "tutorial": get_next_batch,  # random labels, as in the tutorial
-    "learnable": get_learnable_batch,  # labels a linear model can learn
-}
-
-
-def shard_bounds(num_embeddings: int, num_shards: int) -> list[tuple[int, int]]:
-    """Row ranges ``[start, end)`` of each shard, sizes differing by at most one."""
+def shard_bounds(size: int, num_shards: int) -> list[tuple[int, int]]:
+    """Ranges ``[start, end)`` of each shard of ``size`` rows (or columns), sizes within one."""
     if num_shards < 1:
-        raise ValueError(f"need at least one parameter server, got {num_shards}")
-    if num_shards > num_embeddings:
-        raise ValueError(f"cannot split {num_embeddings} rows over {num_shards} servers")
-    sizes = [len(part) for part in torch.arange(num_embeddings).tensor_split(num_shards)]
+        raise ValueError(f"--parameter-servers must be at least 1, got {num_shards}")
+    if num_shards > size:
+        raise ValueError(f"cannot split {size} rows over {num_shards} servers")
+    sizes = [len(part) for part in torch.arange(size).tensor_split(num_shards)]
     starts = [sum(sizes[:i]) for i in range(num_shards)]
     return [(s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
@@ -126,29 +75,40 @@ def check_bags(indices: torch.Tensor, offsets: torch.Tensor, num_embeddings: int
         raise ValueError("offsets must start with 0 (one offset per bag)")
 
 
-class ShardedEmbeddingBag:
-    """A ``mode="sum"`` embedding table split by rows over ``RemoteModule`` shards.
+class RemoteEmbeddingBag(nn.Module):
+    """A ``mode="sum"`` table split by ``rows`` or ``columns`` over ``RemoteModule`` shards.
 
-    Deliberately not an ``nn.Module``: its parameters live on the servers, and
-    ``remote_parameters()`` (RRefs) is the only way to reach them, as with ``RemoteModule``.
-    It pickles as a list of ``RemoteModule`` handles, so the master can send it to trainers.
+    Its shards are submodules, as the tutorial's ``RemoteModule`` is one of ``HybridModel``:
+    so ``model.parameters()`` raises, exactly as the tutorial warns, because a
+    ``RemoteModule`` has no local parameters; ``remote_parameters()`` (RRefs) reaches them.
+    It pickles as its ``RemoteModule`` handles, so the master can send it to the trainers.
     """
 
-    def __init__(self, shards: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]) -> None:
-        if len(shards) != len(bounds):
-            raise ValueError("one row range per shard")
-        self.shards = list(shards)  # RemoteModule(EmbeddingBag) on each parameter server
+    def __init__(
+        self,
+        shards: Sequence[nn.Module],
+        bounds: Sequence[tuple[int, int]],
+        split: str,
+        num_embeddings: int,
+    ) -> None:
+        super().__init__()
+        if len(shards) != len(bounds) or split not in SPLITS:
+            raise ValueError(f"one range per shard, split by one of {SPLITS}")
+        self.shards = nn.ModuleList(shards)  # RemoteModule(EmbeddingBag) on each server
         self.bounds = list(bounds)
-        self.num_embeddings = bounds[-1][1]
+        self.split = split
+        self.num_embeddings = num_embeddings
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # Checked here, on the trainer: a row split would drop a stray index silently.
         check_bags(indices, offsets, self.num_embeddings)
+        if self.split == "rows":
+            requests = [split_bags(indices, offsets, start, end) for start, end in self.bounds]
+        else:
+            requests = [(indices, offsets)] * len(self.shards)
         # Ask every server at once; each answer is recorded by dist autograd, so the
-        # backward pass sends each shard the gradient of its own partial sum.
-        futures = [
-            shard.forward_async(*split_bags(indices, offsets, start, end))
-            for shard, (start, end) in zip(self.shards, self.bounds, strict=True)
-        ]
+        # backward pass sends each shard the gradient of its own part.
+        futures = [s.forward_async(*r) for s, r in zip(self.shards, requests, strict=True)]
         parts = []
         for shard, future in zip(self.shards, futures, strict=True):
             try:
@@ -158,27 +118,26 @@ class ShardedEmbeddingBag:
                 raise RuntimeError(
                     f"embedding lookup on parameter server {where} failed: {exc}"
                 ) from exc
-        return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
-
-    __call__ = forward
+        if len(parts) == 1:
+            return parts[0]
+        return torch.stack(parts).sum(0) if self.split == "rows" else torch.cat(parts, dim=1)
 
     def remote_parameters(self) -> list[rpc.RRef]:
         return [p for shard in self.shards for p in shard.remote_parameters()]
 
+    def _gather(self, fn: object, *args: object) -> torch.Tensor:
+        parts = [
+            rpc.rpc_sync(s.module_rref.owner(), fn, (s.module_rref, *args)) for s in self.shards
+        ]
+        return torch.cat(parts, dim=0 if self.split == "rows" else 1)
+
     def weight(self) -> torch.Tensor:
         """A copy of the whole table, assembled from the servers (for checks and tests)."""
-        return torch.cat(
-            [rpc.rpc_sync(s.module_rref.owner(), _weight, (s.module_rref,)) for s in self.shards]
-        )
+        return self._gather(_weight)
 
     def gradient(self, context_id: int) -> torch.Tensor:
         """The table's gradient in a dist-autograd context, assembled from the servers."""
-        return torch.cat(
-            [
-                rpc.rpc_sync(s.module_rref.owner(), _gradient, (s.module_rref, context_id))
-                for s in self.shards
-            ]
-        )
+        return self._gather(_gradient, context_id)
 
 
 def _weight(module_rref: rpc.RRef) -> torch.Tensor:
@@ -191,23 +150,65 @@ def _gradient(module_rref: rpc.RRef, context_id: int) -> torch.Tensor:
     return dist_autograd.get_gradients(context_id).get(weight, torch.zeros_like(weight))
 
 
-class HybridModel(nn.Module):
-    """The tutorial's model: remote embedding lookup, then a DDP-replicated ``Linear(16, 8)``.
+def create_remote_embedding(
+    table: torch.Tensor,
+    parameter_servers: int,
+    split: str = "rows",
+    module_cls: type[nn.Module] = nn.EmbeddingBag,
+    **kwargs: object,
+) -> RemoteEmbeddingBag:
+    """Put ``table``'s rows (or columns) on the parameter servers, one ``RemoteModule`` each.
 
-    The embedding stays on its server's CPU by choice. RPC can carry CUDA tensors once
-    TensorPipe is given device maps (beta), but the RPC reference lists RRefs, RemoteModule and
-    distributed autograd among what is not yet supported with CUDA tensors, and a CPU table
-    needs no device map agreed between every trainer and server. So lookups cross RPC as CPU
-    tensors and only the looked-up rows move to the trainer's ``device``; the trainer's own
-    ``fc`` parameters (on its GPU with ``--device cuda``) are wrapped in *local* RRefs, which
-    the distributed optimizer steps where they are, without sending them anywhere.
+    The caller draws the whole table, so it is the same however it is split; each server's
+    ``EmbeddingBag`` starts from its part (``_weight``). Runs on the master.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    axis = 0 if split == "rows" else 1
+    bounds = shard_bounds(table.shape[axis], parameter_servers)
+    shards = []
+    for j, (start, end) in enumerate(bounds):
+        check_worker(ps_name(j))
+        part = table[start:end] if axis == 0 else table[:, start:end]
+        shards.append(
+            RemoteModule(
+                f"{ps_name(j)}/cpu",
+                module_cls,
+                args=part.shape,
+                kwargs={"mode": "sum", "_weight": part.clone(), **kwargs},
+            )
+        )
+    return RemoteEmbeddingBag(shards, bounds, split, table.shape[0])
+
+
+def mlp(width: int, hidden: Sequence[int] = HIDDEN, classes: int = NUM_CLASSES) -> nn.Sequential:
+    """The benchmark's dense part, with the original's single ReLU (after the second layer)."""
+    sizes = [width, *hidden, classes]
+    layers: list[nn.Module] = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:], strict=False)]
+    layers.insert(2, nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class HybridModel(nn.Module):
+    """The tutorial's model: remote embedding lookup, then a DDP-replicated dense part.
+
+    ``dense`` is the tutorial's ``Linear(16, 8)`` or the benchmark's ``mlp``; DDP keeps the
+    trainers' replicas equal. The embedding stays on its server's CPU by choice. RPC can carry
+    CUDA tensors once TensorPipe is given device maps (beta), but the RPC reference lists
+    RRefs, RemoteModule and distributed autograd among what is not yet supported with CUDA
+    tensors, and a CPU table needs no device map agreed between every trainer and server. So
+    lookups cross RPC as CPU tensors and only the looked-up rows move to the trainer's
+    ``device``; the trainer's own ``fc`` parameters (on its GPU with ``--device cuda``) are
+    wrapped in *local* RRefs, which the distributed optimizer steps where they are.
     """
 
-    def __init__(self, remote_emb_module: ShardedEmbeddingBag, device: torch.device) -> None:
+    def __init__(
+        self, remote_emb_module: RemoteEmbeddingBag, dense: nn.Module, device: torch.device
+    ) -> None:
         super().__init__()
-        self.remote_emb_module = remote_emb_module  # not a submodule: see remote_parameters()
+        self.remote_emb_module = remote_emb_module
         device_ids = [device] if device.type == "cuda" else None
-        self.fc = DDP(nn.Linear(EMBEDDING_DIM, NUM_CLASSES).to(device), device_ids=device_ids)
+        self.fc = DDP(dense.to(device), device_ids=device_ids)
         self.device = device
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

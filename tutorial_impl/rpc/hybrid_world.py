@@ -1,85 +1,73 @@
-"""The hybrid world: its configuration, its roles and names, how a worker joins and leaves.
+"""The hybrid world: one rank layout, its names, and how a worker joins it and leaves it.
 
-Roles, for ``T`` trainers and ``P`` parameter servers (the tutorial has T=2, P=1)::
+The DDP + RPC tutorial (``hybrid.py``) and the DDP + RPC benchmark (``bench/ddp_rpc_workers.py``)
+share this layout, for ``T`` trainers and ``P`` parameter servers::
 
-    rank 0 .. T-1    trainer{i}   DDP(Linear) replica, runs the training loop
-    rank T           master       creates the table on the servers, drives the trainers
-    rank T+1 ..      ps{j}        holds rows of the EmbeddingBag, answers lookups
+    rank 0 .. T-1      trainer{i}   a DDP replica of the dense part; runs the training loop
+    rank T             master       puts the table on the servers, drives the trainers
+    rank T+1 .. T+P    ps{j}        holds part of the embedding table, answers lookups
 
-Trainers first join a gloo process group of the trainers only (for DDP), then everyone
-joins one RPC world. Both rendezvous on the same store (the harness's, or torchrun's agent
-store) without colliding: the process group keeps its keys under ``default_pg/``, RPC under
+With the tutorial's T=2, P=1 that is trainers 0 and 1, master 2, parameter server 3. (PyTorch's
+benchmark script put the master last; here both follow the tutorial.) Any configuration with
+``trainers`` and ``parameter_servers`` attributes describes a world.
+
+Trainers first join a gloo process group of the trainers only (for DDP), then everyone joins
+one RPC world. Both rendezvous on the same store (the harness's, or torchrun's agent store)
+without colliding: the process group keeps its keys under ``default_pg/``, RPC under
 ``rpc_prefix_N/``.
 
 Leaving is the delicate part. A graceful ``rpc.shutdown`` waits for every worker and settles
 every RRef with its owner; with a dead worker it would retry for minutes. So the master
-announces how training ended, and the others shut down gracefully only after a success.
+announces how training ended, and the others shut down gracefully only after a success
+(``serve``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from tutorial_impl.rpc.hybrid_model import DATASETS, shard_bounds
 from tutorial_impl.rpc.workers import filter_expected_warnings  # torch 2.13's, for RPC
 
-
-def rpc_init_method() -> str:
-    """Where RPC meets: the store at MASTER_ADDR:MASTER_PORT, as ``env://`` would find it.
-
-    ``TensorPipeRpcBackendOptions`` takes a URL, not ``env://``. Under torchrun (and our
-    CLI, which sets the same environment) this is the agent's store; RPC keeps its keys under
-    a prefix of its own there, so it never collides with a process group on the same store.
-    """
-    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+MASTER = "master"
+RPC_THREADS = 16  # TensorPipe's own default for num_worker_threads
 
 
-@dataclass(frozen=True)
-class HybridConfig:
-    """Everything every process of the world must agree on; sent to each one as is."""
-
-    trainers: int = 2
-    parameter_servers: int = 1
-    epochs: int = 3
-    batches: int = 10  # per epoch
-    seed: int = 0
-    device: str = "cpu"  # "cuda": each trainer's fc on its own GPU
-    lr: float = 0.05
-    num_embeddings: int = 100
-    data: str = "tutorial"  # a key of DATASETS
-    rpc_timeout: float = 30.0  # seconds, for every RPC and the trainers' collectives
-    train_timeout: float = 300.0  # seconds, for the master's wait on a whole training loop
-    verbose: bool = True
+class Layout(Protocol):
+    """What fixes a world's ranks: ``HybridConfig`` and the benchmark's ``BenchConfig``."""
 
     @property
-    def world_size(self) -> int:
-        return self.trainers + 1 + self.parameter_servers
+    def trainers(self) -> int: ...
 
-    def check(self) -> None:
-        """Refuse a configuration that cannot run, before any process waits for another."""
-        if self.trainers < 1:
-            raise ValueError(f"need at least one trainer, got --trainers {self.trainers}")
-        if self.parameter_servers < 1:
-            raise ValueError(f"need at least one parameter server, got {self.parameter_servers}")
-        shard_bounds(self.num_embeddings, self.parameter_servers)
-        if self.data not in DATASETS:
-            raise ValueError(f"unknown data {self.data!r}; choose one of {', '.join(DATASETS)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda needs CUDA, which this machine does not have")
-        if min(self.epochs, self.batches) < 0 or min(self.rpc_timeout, self.train_timeout) <= 0:
-            raise ValueError("epochs and batches must be >= 0 and timeouts positive")
+    @property
+    def parameter_servers(self) -> int: ...
 
 
-# --- Roles and names -------------------------------------------------------------------
+def check_layout(layout: Layout) -> None:
+    """Refuse a world without a trainer or a parameter server, naming the option."""
+    if layout.trainers < 1:
+        raise ValueError(f"--trainers must be at least 1, got {layout.trainers}")
+    if layout.parameter_servers < 1:
+        raise ValueError(f"--parameter-servers must be at least 1, got {layout.parameter_servers}")
+
+
+def world_size(layout: Layout) -> int:
+    return layout.trainers + 1 + layout.parameter_servers
+
+
+def master_rank(layout: Layout) -> int:
+    return layout.trainers
+
+
+def ps_rank(layout: Layout, j: int) -> int:
+    return layout.trainers + 1 + j
 
 
 def trainer_name(i: int) -> str:
@@ -90,23 +78,20 @@ def ps_name(j: int) -> str:
     return f"ps{j}"
 
 
-MASTER = "master"
-
-
-def role_of(rank: int, config: HybridConfig) -> tuple[str, int]:
+def role_of(rank: int, layout: Layout) -> tuple[str, int]:
     """``("trainer", i)``, ``("master", 0)`` or ``("ps", j)`` for a rank of the world."""
-    if not 0 <= rank < config.world_size:
-        raise ValueError(f"rank {rank} outside a world of {config.world_size}")
-    if rank < config.trainers:
+    if not 0 <= rank < world_size(layout):
+        raise ValueError(f"rank {rank} outside a world of {world_size(layout)}")
+    if rank < layout.trainers:
         return "trainer", rank
-    if rank == config.trainers:
-        return "master", 0
-    return "ps", rank - config.trainers - 1
+    if rank == master_rank(layout):
+        return MASTER, 0
+    return "ps", rank - layout.trainers - 1
 
 
-def worker_name(rank: int, config: HybridConfig) -> str:
+def worker_name(rank: int, layout: Layout) -> str:
     """The RPC name of a rank: ``trainer{i}``, ``master`` or ``ps{j}``."""
-    role, i = role_of(rank, config)
+    role, i = role_of(rank, layout)
     if role == "trainer":
         return trainer_name(i)
     return ps_name(i) if role == "ps" else MASTER
@@ -122,19 +107,34 @@ def check_worker(name: str) -> rpc.WorkerInfo:
     raise ValueError(f"unknown RPC worker {name!r}; this world has: {known}")
 
 
-def trainer_device(i: int, config: HybridConfig) -> torch.device:
+def trainer_device(i: int, device: str) -> torch.device:
     """CPU, or trainer i's own GPU (round-robin when there are fewer GPUs than trainers)."""
-    if config.device == "cuda":
-        return torch.device("cuda", i % torch.cuda.device_count())
-    return torch.device("cpu")
+    if device != "cuda":
+        return torch.device("cpu")
+    gpu = torch.device("cuda", i % torch.cuda.device_count())
+    torch.cuda.set_device(gpu)  # DDP's buckets and the looked-up rows land here
+    return gpu
 
 
-def init_worker(rank: int, config: HybridConfig) -> str:
-    """Join the trainers' process group (trainers only), then the RPC world."""
-    config.check()
+# --- Joining and leaving ------------------------------------------------------------------
+
+
+def rpc_init_method() -> str:
+    """Where RPC meets: the store at MASTER_ADDR:MASTER_PORT, as ``env://`` would find it.
+
+    ``TensorPipeRpcBackendOptions`` takes a URL, not ``env://``. Under torchrun (and our
+    CLI, which sets the same environment) this is the agent's store; RPC keeps its keys under
+    a prefix of its own there, so it never collides with a process group on the same store.
+    """
+    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+
+def join(rank: int, layout: Layout, rpc_timeout: float, rpc_threads: int = RPC_THREADS) -> str:
+    """Join the trainers' process group (trainers only), then the RPC world; our name."""
+    check_layout(layout)
     _outcome_known.clear()
     filter_expected_warnings()
-    role, i = role_of(rank, config)
+    role, i = role_of(rank, layout)
     if role == "trainer":
         # WORLD_SIZE and RANK in the environment describe the whole RPC world: the DDP
         # group of the trainers is smaller, so rank and size are given explicitly.
@@ -142,22 +142,18 @@ def init_worker(rank: int, config: HybridConfig) -> str:
             "gloo",
             init_method=rpc_init_method(),
             rank=i,
-            world_size=config.trainers,
-            timeout=timedelta(seconds=config.rpc_timeout),
+            world_size=layout.trainers,
+            timeout=timedelta(seconds=rpc_timeout),
         )
-    name = worker_name(rank, config)
-    rpc.init_rpc(
-        name,
-        rank=rank,
-        world_size=config.world_size,
-        rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-            init_method=rpc_init_method(), rpc_timeout=config.rpc_timeout
-        ),
+    name = worker_name(rank, layout)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=rpc_init_method(), rpc_timeout=rpc_timeout, num_worker_threads=rpc_threads
     )
+    rpc.init_rpc(name, rank=rank, world_size=world_size(layout), rpc_backend_options=options)
     return name
 
 
-# How training ended, as the master announces it to every other worker (see run_worker).
+# How training ended, as the master announces it to every other worker (see serve).
 _outcome: dict[str, bool] = {}
 _outcome_known = threading.Event()
 
@@ -168,14 +164,11 @@ def _receive_outcome(ok: bool) -> None:
     _outcome_known.set()
 
 
-def announce_outcome(config: HybridConfig, ok: bool) -> None:
+def announce_outcome(ok: bool, rpc_timeout: float) -> None:
     """The master tells everyone else whether training succeeded (bounded, best effort)."""
     me = rpc.get_worker_info().name
     others = [i.name for i in rpc._get_current_rpc_agent().get_worker_infos() if i.name != me]
-    futs = [
-        rpc.rpc_async(name, _receive_outcome, args=(ok,), timeout=config.rpc_timeout)
-        for name in others
-    ]
+    futs = [rpc.rpc_async(n, _receive_outcome, args=(ok,), timeout=rpc_timeout) for n in others]
     for fut in futs:
         try:
             fut.wait()
@@ -183,12 +176,12 @@ def announce_outcome(config: HybridConfig, ok: bool) -> None:
             pass  # a dead worker cannot hear it; the others still must
 
 
-def wait_for_outcome(config: HybridConfig) -> bool:
-    """Wait for the master's word; no word within the training deadline counts as failure."""
-    return _outcome_known.wait(config.train_timeout + config.rpc_timeout) and _outcome["ok"]
+def wait_for_outcome(timeout: float) -> bool:
+    """Wait for the master's word; no word within ``timeout`` counts as failure."""
+    return _outcome_known.wait(timeout) and _outcome["ok"]
 
 
-def shutdown_worker(config: HybridConfig, graceful: bool = True) -> None:
+def leave(rpc_timeout: float, graceful: bool = True) -> None:
     """Leave RPC and, on a trainer, the trainers' group.
 
     A graceful shutdown waits for every worker and settles every RRef with its owner: right
@@ -196,7 +189,41 @@ def shutdown_worker(config: HybridConfig, graceful: bool = True) -> None:
     After a failure we therefore leave locally (``graceful=False``).
     """
     try:
-        rpc.shutdown(graceful=graceful, timeout=config.rpc_timeout)
+        rpc.shutdown(graceful=graceful, timeout=rpc_timeout)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def serve(
+    rank: int,
+    layout: Layout,
+    master: Callable[[], dict[str, Any]],
+    *,
+    rpc_timeout: float,
+    train_timeout: float,
+    rpc_threads: int = RPC_THREADS,
+) -> dict[str, Any]:
+    """One process of the world, from joining to leaving; only the master has work of its own.
+
+    The master runs ``master()`` (which drives the trainers over RPC) and announces how it
+    ended; trainers and servers answer RPCs until that word comes (at most ``train_timeout``
+    plus one RPC timeout). The word decides how everyone leaves. Returns the process's name,
+    pid and either the master's report or, elsewhere, ``training_ok``.
+    """
+    name = join(rank, layout, rpc_timeout, rpc_threads)
+    result: dict[str, Any] = {"name": name, "pid": os.getpid()}
+    ok = False
+    try:
+        if name == MASTER:
+            try:
+                result.update(master())
+                ok = True
+            finally:
+                announce_outcome(ok, rpc_timeout)
+        else:
+            ok = wait_for_outcome(train_timeout + rpc_timeout)
+            result["training_ok"] = ok
+    finally:
+        leave(rpc_timeout, graceful=ok)
+    return result

@@ -14,6 +14,7 @@
 from tutorial_impl.testing.errors import (
     RankCrashed,
     RankError,
+    RankExited,
     RankFailed,
     RankResults,
     RankSkipped,
@@ -24,6 +25,7 @@ from tutorial_impl.testing.supervisor import run_ranks
 __all__ = [
     "RankCrashed",
     "RankError",
+    "RankExited",
     "RankFailed",
     "RankResults",
     "RankSkipped",

@@ -7,6 +7,7 @@ can still be told apart. Everything here is plain formatting over ``{rank: outpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
@@ -53,6 +54,19 @@ class RankSkipped(RankError):
         super().__init__(f"rank {rank} skipped: {reason}", outputs)
         self.rank = rank
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """How a rank of ``run_ranks(..., may_exit={rank})`` ended without reporting a result.
+
+    It stands in that rank's place in the results: ``exitcode`` is the process's exit code,
+    negative for a signal (``-9`` for SIGKILL), and ``how`` says it in words.
+    """
+
+    rank: int
+    exitcode: int | None
+    how: str
 
 
 class RankResults(list):  # type: ignore[type-arg]

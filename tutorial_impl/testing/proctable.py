@@ -34,7 +34,11 @@ def record_self(directory: str | os.PathLike[str], name: str) -> None:
 def record(directory: str | os.PathLike[str], name: str, pid: int) -> None:
     """Write ``<directory>/<name>.pid`` for ``pid`` (a child this process started, say)."""
     start = _start_time(pid)
-    Path(directory, f"{name}.pid").write_text(f"{pid} {start}\n")
+    # Written aside, then renamed: a process polling the directory (a peer watching this
+    # one) never reads a half-written record.
+    tmp = Path(directory, f".{name}.pid.{os.getpid()}")
+    tmp.write_text(f"{pid} {start}\n")
+    os.replace(tmp, Path(directory, f"{name}.pid"))
 
 
 def recorded(directory: str | os.PathLike[str]) -> dict[str, tuple[int, str]]:

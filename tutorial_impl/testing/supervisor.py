@@ -26,7 +26,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -34,6 +34,7 @@ from typing import Any, TextIO
 
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.errors import (
+    RankExited,
     RankResults,
     outcome_error,
     prefixed,
@@ -149,6 +150,7 @@ def run_ranks(
     log_dir: str | os.PathLike[str] | None = None,
     stream: TextIO | None = None,
     stream_prefix: bool = True,
+    may_exit: Collection[int] = (),
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args, **fn_kwargs)`` on ``world_size`` fresh ranks.
 
@@ -160,6 +162,13 @@ def run_ranks(
 
     Returns the return values in rank order; raises ``RankFailed``, ``RankCrashed``,
     ``RankTimeout`` or ``RankSkipped``. ``stream`` relays the ranks' output while they run.
+
+    ``may_exit`` names ranks whose death is part of the test (a server that fails on
+    purpose): such a rank may end without reporting, by ``os._exit`` or a signal, and the
+    run goes on. Its entry in the results is then a ``RankExited`` (rank, exit code, how),
+    while the other ranks run to their own end, within the same deadline, and everything
+    is killed at the end as usual. A rank outside ``may_exit`` that dies still fails the
+    run at once, and a rank in it that raises still fails it too.
     """
     __tracebackhide__ = True
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -169,6 +178,7 @@ def run_ranks(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     _check_backend(backend)
+    expected_exits = _check_ranks(may_exit, world_size)
     fn_module, fn_qualname = _ranks.function_ref(fn)
     try:
         payload = pickle.dumps((args, fn_kwargs or {}))
@@ -204,7 +214,9 @@ def run_ranks(
             writer.close()  # only the rank holds the write end: EOF then means it is gone
             _live[process.pid] = process
             started.append(_Rank(rank, process, reader, Path(spec.log_path), Path(spec.stack_path)))
-        return _supervise(started, time.monotonic() + timeout, timeout, stream, stream_prefix)
+        return _supervise(
+            started, time.monotonic() + timeout, timeout, stream, stream_prefix, expected_exits
+        )
     finally:
         # Every rank that is still there is either done (it reported and now waits to be
         # killed) or no longer needed: kill them all, then collect their exit statuses.
@@ -234,8 +246,23 @@ def _check_backend(backend: str | None) -> None:
         )
 
 
+def _check_ranks(may_exit: Collection[int], world_size: int) -> frozenset[int]:
+    """``may_exit`` as a set, or a ValueError naming what is not a rank of this world."""
+    if isinstance(may_exit, (str, bytes)) or not isinstance(may_exit, Collection):
+        raise ValueError(f"may_exit must be a collection of ranks, got {may_exit!r}")
+    bad = [r for r in may_exit if type(r) is not int or not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"may_exit names {bad!r}, not ranks of a world of {world_size}")
+    return frozenset(may_exit)
+
+
 def _supervise(
-    ranks: list[_Rank], deadline: float, timeout: float, stream: TextIO | None, prefix: bool
+    ranks: list[_Rank],
+    deadline: float,
+    timeout: float,
+    stream: TextIO | None,
+    prefix: bool,
+    may_exit: frozenset[int] = frozenset(),
 ) -> RankResults:
     __tracebackhide__ = True
     pending = {r.rank: r for r in ranks}
@@ -261,8 +288,12 @@ def _supervise(
                 continue
             r.outcome = _receive(r)
             del pending[r.rank]
+            if r.outcome[0] == "crash" and r.rank in may_exit:
+                r.outcome = ("ok", RankExited(r.rank, *r.outcome[1]))  # part of the test
+                continue
             if r.outcome[0] == "error":
-                r = _crashed_peer(pending) or r
+                unexpected = {k: p for k, p in pending.items() if k not in may_exit}
+                r = _crashed_peer(unexpected) or r
             if r.outcome[0] != "ok":
                 for other in ranks:
                     _kill(other)  # fail fast: the others may wait for this rank forever
