@@ -14,9 +14,11 @@ collective and wait there for ranks that never come. Here every rank raises the 
 ``AssertionError``, which names the ranks that disagree with the majority and shows their
 values, and the harness reports it with the rank's traceback.
 
-Values may be tensors (compared on the CPU, shape and dtype included), numbers, or nested
-lists, tuples and dicts of them (compared with ``torch.testing.assert_close``), or any other
-picklable object (compared with ``==``).
+Values may be tensors (compared on the CPU, shape and dtype included), numbers, nested
+lists, tuples and dicts of them, or any other picklable object (compared with ``==``).
+Closeness is ``torch.testing.assert_close``'s, with its default tolerances per dtype, but
+computed here with plain tensor ops: ``assert_close`` itself imports torch's DTensor and
+sympy on first use, 1-2 s of CPU in every rank that calls it.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def assert_close_across_ranks(
     """Raise ``AssertionError`` on every rank unless ``value`` is close on all ranks.
 
     Closeness is ``torch.testing.assert_close``'s: ``|a - b| <= atol + rtol * |b|``, with
-    its dtype-based defaults when ``rtol`` and ``atol`` are not given (both or neither).
+    its defaults for the dtype when ``rtol`` and ``atol`` are not given (both or neither).
+    Integer and boolean tensors must be equal.
     """
     __tracebackhide__ = True
     if (rtol is None) != (atol is None):
@@ -90,21 +93,95 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _mismatch(a: Any, b: Any, rtol: Any, atol: Any) -> str | None:
-    """Why ``a`` and ``b`` differ (torch.testing's explanation), or None if they agree."""
+# torch.testing.assert_close's default (rtol, atol) per dtype; others: float32's.
+_DEFAULT_TOLERANCES = {
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float32": (1.3e-6, 1e-5),
+    "float64": (1e-7, 1e-7),
+    "complex64": (1.3e-6, 1e-5),
+    "complex128": (1e-7, 1e-7),
+}
+
+
+def _mismatch(a: Any, b: Any, rtol: Any, atol: Any, where: str = "") -> str | None:
+    """Why ``a`` differs from ``b`` (``where`` inside the value), or None if they agree."""
     import torch
 
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return _tensor_mismatch(a, b, rtol, atol, where)
+    if type(a) is not type(b):
+        return f"{where or 'value'}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, (int, float, complex)) and not isinstance(a, bool):
+        dtype = (
+            torch.complex128
+            if isinstance(a, complex)
+            else torch.float64
+            if isinstance(a, float)
+            else torch.int64
+        )
+        a, b = torch.tensor(a, dtype=dtype), torch.tensor(b, dtype=dtype)
+        return _tensor_mismatch(a, b, rtol, atol, where)
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where or 'value'}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            why = _mismatch(x, y, rtol, atol, f"{where}[{i}]")
+            if why:
+                return why
+        return None
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"{where or 'value'}: keys {sorted(map(repr, a))} != {sorted(map(repr, b))}"
+        for key in a:
+            why = _mismatch(a[key], b[key], rtol, atol, f"{where}[{key!r}]")
+            if why:
+                return why
+        return None
     try:
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
-    except AssertionError as exc:
-        return str(exc)
-    except (TypeError, ValueError):  # not tensors or numbers: plain equality
-        try:
-            equal = bool(a == b)
-        except Exception as exc:  # noqa: BLE001 - an __eq__ that raises is a difference too
-            return f"comparing them raised {exc!r}"
-        return None if equal else "not equal (==)"
-    return None
+        equal = bool(a == b)
+    except Exception as exc:  # noqa: BLE001 - an __eq__ that raises is a difference too
+        return f"{where or 'value'}: comparing raised {exc!r}"
+    return None if equal else f"{where or 'value'}: not equal (==)"
+
+
+def _tensor_mismatch(a: Any, b: Any, rtol: Any, atol: Any, where: str) -> str | None:
+    import torch
+
+    name = where or "tensor"
+    if a.shape != b.shape:
+        return f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    if a.dtype != b.dtype:
+        return f"{name}: dtype {a.dtype} != {b.dtype}"
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        if rtol is None:
+            rtol, atol = _DEFAULT_TOLERANCES.get(str(a.dtype).split(".")[-1], (1.3e-6, 1e-5))
+        ok = torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        ok = a == b
+    if bool(ok.all()):
+        return None
+    bad = int((~ok).sum())
+    diff = (
+        (a.to(torch.float64) - b.to(torch.float64)).abs() if not a.is_complex() else (a - b).abs()
+    )
+    diff = torch.where(ok, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
+    worst = int(diff.flatten().argmax())
+    index = _unravel(worst, tuple(a.shape))
+    return (
+        f"{name}: {bad} of {a.numel()} elements differ; greatest absolute difference "
+        f"{float(diff.flatten()[worst]):g} at index {index}"
+    )
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index of element ``flat`` of a row-major tensor of ``shape`` (``torch.unravel_index``
+    would import sympy: seconds in a fresh rank)."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def _classes(
