@@ -331,6 +331,15 @@ def test_a_nested_function_is_refused():
         run_ranks(inner)
 
 
+def test_a_function_of_an_interactive_session_is_refused_in_the_parent(monkeypatch):
+    """``python -i`` or a notebook: ``__main__`` has no file; say so."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    with pytest.raises(TypeError, match=r"defined in __main__ \(an interactive session\)"):
+        run_ranks(_in_main)
+
+
 def test_a_function_of_a_module_without_a_file_is_refused_in_the_parent():
     """A module made up on the spot exists only in this process: no rank could load it,
     so the call is refused here, before any rank starts, saying why."""

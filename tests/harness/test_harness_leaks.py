@@ -93,6 +93,40 @@ def test_no_rank_survives_its_run(tmp_path, ending):
     assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
 
 
+FAILS_IN_RANKS = """
+import os
+from tutorial_impl.testing import proctable
+
+if "RANK" in os.environ:  # in a rank, not in the parent that imported it first
+    proctable.record_self({pid_dir!r}, "rank" + os.environ["RANK"])
+    raise RuntimeError("this module cannot be imported in a rank")
+
+
+def fn(rank, world_size):
+    return rank
+"""
+
+
+def test_a_module_that_fails_to_import_in_the_ranks_leaves_nothing(tmp_path, monkeypatch):
+    """The ranks import the function's module themselves (its name leads to the same file
+    there); when that import raises, every rank fails with the module's traceback, and
+    none of them outlives the run."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    name = f"fails_in_ranks_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(FAILS_IN_RANKS.format(pid_dir=str(pid_dir)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    module = __import__(name)
+    try:
+        with pytest.raises(RankFailed, match="this module cannot be imported in a rank"):
+            run_ranks(module.fn, world_size=3, timeout=30)
+    finally:
+        sys.modules.pop(name, None)
+    assert set(proctable.recorded(pid_dir)) == {"rank0", "rank1", "rank2"}
+    assert proctable.wait_until_gone(pid_dir, GONE_WITHIN) == {}
+
+
 def skip_on_1(rank: int, world_size: int) -> None:
     if rank == 1:
         pytest.skip("rank 1 has no work here")
