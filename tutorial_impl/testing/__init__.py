@@ -1,16 +1,26 @@
 """The multi-rank test harness, in layers.
 
 ``rendezvous``  race-free stores and init methods (the parent owns the store)
+``lookup``      how a rank finds its function: by module name, or by file (test files too)
 ``ranks``       starting rank processes fast (forkserver) and the rank's own main
 ``forkserver_init`` / ``forkserver_ready``  run inside the forkserver only: no main-script
                 re-runs in ranks, rank groups killed when the server exits, heap frozen
-``supervisor``  ``run_ranks``: waiting with deadlines, fail-fast, stack dumps, no orphans
+``supervisor``  ``run_ranks``: waiting with deadlines, fail-fast, no orphans
+``forensics``   the ranks' Python stacks, at the deadline and when one rank fails
+``coverage``    coverage measured inside ranks when the parent measures coverage
 ``errors``      what ``run_ranks`` returns and raises, and the text of its failure reports
-``plugin``      pytest glue: markers, options, the ``run_ranks`` fixture, collection skips
+``assertions``  ``assert_equal_across_ranks`` / ``assert_close_across_ranks``, inside ranks
+``matrix``      ``@pytest.mark.world_size(1, 2, 4)``: one test per world size
+``plugin``      pytest glue: options, markers, hooks, fixtures (a ``pytest11`` entry point)
 ``proctable``   "is that process really gone?" asked of the kernel, for leak tests
-``selftest_ranks``  rank functions the harness's own tests use (one per way a rank ends)
+
+Importing this package does not import torch; running ranks does.
 """
 
+from tutorial_impl.testing.assertions import (
+    assert_close_across_ranks,
+    assert_equal_across_ranks,
+)
 from tutorial_impl.testing.errors import (
     RankCrashed,
     RankError,
@@ -30,5 +40,7 @@ __all__ = [
     "RankResults",
     "RankSkipped",
     "RankTimeout",
+    "assert_close_across_ranks",
+    "assert_equal_across_ranks",
     "run_ranks",
 ]

@@ -22,21 +22,44 @@ class RankError(Exception):
 
 
 class RankFailed(RankError):
-    """A rank raised an exception; ``rank`` and ``traceback`` say which and where."""
+    """A rank raised an exception; ``rank`` and ``traceback`` say which and where.
 
-    def __init__(self, rank: int, tb: str, message: str, outputs: dict[int, str]) -> None:
+    ``stacks`` maps every other rank that was still running to its Python stacks at that
+    moment (see ``forensics``).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        tb: str,
+        message: str,
+        outputs: dict[int, str],
+        stacks: dict[int, str] | None = None,
+    ) -> None:
         super().__init__(message, outputs)
         self.rank = rank
         self.traceback = tb
+        self.stacks = stacks or {}
 
 
 class RankCrashed(RankError):
-    """A rank process ended (signal, ``os._exit``) without reporting a result."""
+    """A rank process ended (signal, ``os._exit``) without reporting a result.
 
-    def __init__(self, rank: int, exitcode: int | None, message: str, outputs: dict[int, str]):
+    ``stacks``: the other ranks still running then, as for ``RankFailed``.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int | None,
+        message: str,
+        outputs: dict[int, str],
+        stacks: dict[int, str] | None = None,
+    ) -> None:
         super().__init__(message, outputs)
         self.rank = rank
         self.exitcode = exitcode
+        self.stacks = stacks or {}
 
 
 class RankTimeout(RankError):
@@ -93,15 +116,31 @@ def outputs_section(outputs: dict[int, str]) -> str:
     return "\n\n----- output of the ranks (stdout and stderr) -----\n" + "\n".join(parts)
 
 
+def stacks_section(stacks: dict[int, str]) -> str:
+    """Each rank's stack dump under its own heading, in rank order."""
+    return "\n\n".join(
+        f"----- Python stacks of rank {rank} -----\n"
+        + (text.rstrip() or "(no answer: the rank was still starting, or had just died)")
+        for rank, text in sorted(stacks.items())
+    )
+
+
+def _others_section(failed: int, stacks: dict[int, str]) -> str:
+    if not stacks:
+        return ""
+    names = ", ".join(str(r) for r in sorted(stacks))
+    return (
+        f"\n\n===== where the other running rank(s) {names} were when rank {failed} failed "
+        "=====\n" + stacks_section(stacks)
+    )
+
+
 def timeout_error(
     pending: list[int], timeout: float, stacks: dict[int, str], outputs: dict[int, str]
 ) -> RankTimeout:
     """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps."""
     names = ", ".join(str(r) for r in sorted(pending))
-    body = "\n\n".join(
-        f"----- Python stacks of rank {rank} -----\n{text.rstrip()}"
-        for rank, text in sorted(stacks.items())
-    )
+    body = stacks_section(stacks)
     return RankTimeout(
         stacks,
         f"rank(s) {names} still running after the harness deadline of {timeout:g} s "
@@ -113,17 +152,30 @@ def timeout_error(
 
 
 def outcome_error(
-    rank: int, kind: str, detail: Any, fatal_stack: str, outputs: dict[int, str]
+    rank: int,
+    kind: str,
+    detail: Any,
+    fatal_stack: str,
+    outputs: dict[int, str],
+    stacks: dict[int, str] | None = None,
 ) -> RankError:
-    """The exception for one rank's bad outcome: ``skip``, ``error`` or ``crash``."""
+    """The exception for one rank's bad outcome: ``skip``, ``error`` or ``crash``.
+
+    The failing rank comes first (its traceback, or how it died), then ``stacks``: where
+    each other running rank was at that moment, then what every rank printed.
+    """
+    stacks = stacks or {}
     if kind == "skip":
         return RankSkipped(rank, detail, outputs)
+    others = _others_section(rank, stacks)
     if kind == "error":
-        message = f"rank {rank} raised:\n\n{detail.rstrip()}" + outputs_section(outputs)
-        return RankFailed(rank, detail, message, outputs)
+        message = f"rank {rank} raised:\n\n{detail.rstrip()}" + others + outputs_section(outputs)
+        return RankFailed(rank, detail, message, outputs, stacks)
     code, how = detail
     extra = ""
     if fatal_stack.strip():
         extra = f"\n\n----- fatal-signal stack of rank {rank} -----\n{fatal_stack}"
-    message = f"rank {rank} {how} before returning a result" + extra + outputs_section(outputs)
-    return RankCrashed(rank, code, message, outputs)
+    message = (
+        f"rank {rank} {how} before returning a result" + extra + others + outputs_section(outputs)
+    )
+    return RankCrashed(rank, code, message, outputs, stacks)

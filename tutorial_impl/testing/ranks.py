@@ -11,14 +11,15 @@ Why not plain ``fork`` of the test process itself? A pytest(-xdist) process has 
 lock that some other thread held, deadlocking the child. It may also have initialised CUDA,
 which cannot survive a fork. The forkserver is neither threaded nor touches CUDA.
 
-Everything in this module below ``rank_main`` runs *in the rank*.
+Everything in this module below ``rank_main`` runs *in the rank*. Nothing here imports torch
+at import time (the pytest plugin imports this module, and a plugin must not cost every pytest
+run two seconds); the forkserver preloads torch, so inside a rank those imports are free.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
-import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -26,14 +27,12 @@ import pickle
 import signal
 import sys
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing.lookup import FunctionRef, resolve
 from tutorial_impl.testing.rendezvous import init_method_url
 
 # Modules every rank needs; imported once in the forkserver, so a forked rank starts warm.
@@ -64,9 +63,13 @@ def context() -> Any:
     global _context
     if _context is None:
         ctx = mp.get_context("forkserver")
+        # Ranks measure coverage when we do (see ``coverage``); then import it once, here.
+        measuring = ["coverage"] if _coverage.parent_settings() is not None else []
         # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
         # ``forkserver_ready`` goes last: it freezes everything the others imported.
-        ctx.set_forkserver_preload([*_preload, "tutorial_impl.testing.forkserver_ready"])
+        ctx.set_forkserver_preload(
+            [*_preload, *measuring, "tutorial_impl.testing.forkserver_ready"]
+        )
         _context = ctx
     return _context
 
@@ -77,8 +80,7 @@ class RankSpec:
 
     rank: int
     world_size: int
-    fn_module: str
-    fn_qualname: str
+    function: FunctionRef
     payload: bytes  # pickle of (args, kwargs): unpickled inside the rank, errors reported
     env: dict[str, str]
     log_path: str
@@ -88,47 +90,13 @@ class RankSpec:
     tmp_dir: str | None = None
     timeout: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
-    # The parent's environment at the call (the forkserver's dates from its start, so a
-    # variable a test set since then would otherwise be missing in its ranks).
+    # The parent's environment, import path and working directory at the call (the
+    # forkserver's date from its start: a variable a test set since then, or the directory
+    # of a test file pytest put on sys.path since then, would otherwise be missing).
     parent_env: dict[str, str] | None = None
-
-
-def function_ref(fn: Callable[..., Any]) -> tuple[str, str]:
-    """Check that ``fn`` can be found by name in a fresh rank, and return that name.
-
-    Lambdas, nested functions and functions of ``__main__`` cannot: the rank is a different
-    process that only has importable modules. We say so here, in the parent, before any rank
-    starts, instead of letting every rank die while unpickling.
-    """
-    if not callable(fn):
-        raise TypeError(f"rank function must be callable, got {fn!r}")
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", None)
-    if not module or not qualname or "<" in qualname:
-        raise TypeError(
-            f"rank function {fn!r} is not a module-level function: ranks look functions up by "
-            "name in an importable module (e.g. tutorial_impl/...); lambdas and nested "
-            "functions cannot be found there"
-        )
-    if module == "__main__":
-        raise TypeError(
-            f"rank function {qualname} is defined in __main__, which a forked rank does not "
-            "have; move it into an importable module"
-        )
-    return module, qualname
-
-
-def resolve(module: str, qualname: str) -> Callable[..., Any]:
-    try:
-        obj: Any = importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(
-            f"rank cannot import the module of its function {module}.{qualname}: {exc}. "
-            "Rank functions must live in an importable module (tutorial_impl/..., not a test file)"
-        ) from exc
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+    parent_path: list[str] | None = None
+    parent_cwd: str | None = None
+    coverage: dict[str, Any] | None = None  # the parent's coverage settings, if measuring
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,12 +160,32 @@ def uses_nccl(backend: str | None) -> bool:
     return any(part.rsplit(":", 1)[-1].strip().lower() == "nccl" for part in backend.split(","))
 
 
+def gpu_shortage(backend: str | None, world_size: int, gpus: int) -> str | None:
+    """Why ``world_size`` ranks cannot each have a GPU of their own, or None if they can.
+
+    NCCL needs one GPU per rank; two ranks on one GPU would not fail but silently share it
+    (NCCL then refuses some collectives, and timings mean nothing), so the harness refuses.
+    """
+    if not uses_nccl(backend) or world_size <= gpus:
+        return None
+    return (
+        f"backend {backend!r} needs one GPU per rank: world_size {world_size} but "
+        f"{gpus} GPU(s) visible; lower the world size or run on a machine with more GPUs"
+    )
+
+
 def init_process_group(spec: RankSpec) -> None:
     """Join the process group of the test with the requested backend and init method."""
+    import torch
+    import torch.distributed as dist
+
     assert spec.backend is not None
     if uses_nccl(spec.backend):
-        # One GPU per rank, chosen before NCCL initialises.
-        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+        # One GPU per rank, chosen before NCCL initialises; never two ranks on one GPU.
+        shortage = gpu_shortage(spec.backend, spec.world_size, torch.cuda.device_count())
+        if shortage:
+            raise RuntimeError(shortage)
+        torch.cuda.set_device(spec.rank)
     dist.init_process_group(
         backend=spec.backend,
         init_method=init_method_url(spec.init_method, spec.tmp_dir),
@@ -221,10 +209,21 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
         os.environ.clear()
         os.environ.update(spec.parent_env)
     os.environ.update(spec.env)
+    if spec.parent_path is not None:
+        sys.path[:] = spec.parent_path
+    if spec.parent_cwd is not None:
+        try:
+            os.chdir(spec.parent_cwd)
+        except OSError:
+            pass  # the parent's directory is gone; the forkserver's will do
+    import torch
+
     torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
 
+    cov = None
     try:
-        fn = resolve(spec.fn_module, spec.fn_qualname)
+        cov = _coverage.start_in_rank(spec.coverage)
+        fn = resolve(spec.function)
         args, kwargs = pickle.loads(spec.payload)
         if spec.backend is not None:
             init_process_group(spec)
@@ -240,6 +239,7 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
             message = pickle.dumps(("skip", str(getattr(exc, "msg", exc))))
         else:
             message = pickle.dumps(("error", traceback.format_exc()))
+    _coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
     try:
         sys.stdout.flush()
         sys.stderr.flush()

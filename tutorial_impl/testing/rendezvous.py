@@ -21,8 +21,7 @@ import itertools
 import os
 from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
+from typing import Any
 
 INIT_METHODS = ("env", "tcp", "file")
 
@@ -37,8 +36,10 @@ class AgentStore:
     """
 
     def __init__(self, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
+        import torch.distributed as dist  # here, not at import: the pytest plugin imports us
+
         self.host = host
-        self._store: dist.TCPStore | None = dist.TCPStore(
+        self._store: Any = dist.TCPStore(
             host,
             0,  # port 0: the kernel assigns a free port while binding; no probe, no race
             is_master=True,

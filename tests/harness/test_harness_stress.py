@@ -12,12 +12,20 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tutorial_impl.testing import run_ranks
-from tutorial_impl.testing import selftest_ranks as sr
 
 GROUPS_PER_CASE = 67
 THREADS = 2  # groups of one case alive at the same time, on top of xdist's parallelism
+
+
+def group_sum(rank: int, world_size: int, base: int) -> int:
+    """Every rank contributes ``base + rank``; the sum tells which group a rank joined."""
+    t = torch.tensor([base + rank], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
 
 
 @pytest.mark.slow
@@ -30,7 +38,7 @@ def test_many_concurrent_groups_all_rendezvous(tmp_path, init_method):
 
     def one_group(i: int) -> list[int]:
         return run_ranks(
-            sr.all_reduce_value,
+            group_sum,
             i * 1000,
             world_size=world_size,
             init_method=init_method,

@@ -1,33 +1,59 @@
 """The harness on its happy path: every rank runs, joins its group, and reports back.
 
 Each test starts real rank processes and checks what *every* rank returned, so a rank that
-silently did nothing (or a group that silently had fewer members) cannot pass.
+silently did nothing (or a group that silently had fewer members) cannot pass. The rank
+functions are defined here, above the tests that run them: ranks find them in this file.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
+from datetime import timedelta
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tutorial_impl.testing import RankResults, run_ranks
-from tutorial_impl.testing import selftest_ranks as sr
+from tutorial_impl.testing.rendezvous import init_method_url
 
 pytest_plugins = ["pytester"]
+
+
+def all_reduce_rank(rank: int, world_size: int) -> float:
+    """The smallest useful group: every rank contributes rank + 1; returns the sum."""
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_every_rank_returns_its_all_reduce(run_ranks, world_size):
     """Rank r contributes r + 1, so after all_reduce every rank must hold 1 + 2 + ... + n."""
-    results = run_ranks(sr.all_reduce_rank, world_size=world_size)
+    results = run_ranks(all_reduce_rank, world_size=world_size)
     expected = world_size * (world_size + 1) / 2  # closed form, not computed by the ranks
     assert results == [expected] * world_size
+
+
+def report_env(rank: int, world_size: int) -> dict[str, object]:
+    """What the rank sees of its world: group state, env vars, threads."""
+    return {
+        "rank": dist.get_rank() if dist.is_initialized() else None,
+        "world_size": dist.get_world_size() if dist.is_initialized() else None,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "env_rank": os.environ.get("RANK"),
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+        "frozen_objects": gc.get_freeze_count(),
+    }
 
 
 @pytest.mark.world_size(4)
 def test_each_rank_sees_its_place_in_the_world(run_ranks):
     """The world_size marker sets the group size; every rank joined it with gloo, 1 thread."""
-    results = run_ranks(sr.report_env)
+    results = run_ranks(report_env)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]  # dist.get_rank() inside each rank
     assert [r["env_rank"] for r in results] == ["0", "1", "2", "3"]  # RANK, as torchrun sets
     assert {r["world_size"] for r in results} == {4}
@@ -39,38 +65,88 @@ def test_each_rank_sees_its_place_in_the_world(run_ranks):
     assert min(r["frozen_objects"] for r in results) > 100_000
 
 
+def all_reduce_value(rank: int, world_size: int, base: int) -> int:
+    """Every rank contributes ``base + rank``; the sum tells the parent which group ran."""
+    t = torch.tensor([base + rank], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 @pytest.mark.parametrize("init_method", ["env", "tcp", "file"])
 def test_every_init_method_rendezvouses(run_ranks, init_method):
     """env:// and tcp:// meet on the parent's port-0 TCPStore; file:// on a fresh file."""
-    results = run_ranks(sr.all_reduce_value, 10, init_method=init_method, world_size=3)
+    results = run_ranks(all_reduce_value, 10, init_method=init_method, world_size=3)
     assert results == [10 + 11 + 12] * 3
+
+
+def echo(rank: int, world_size: int, *args: object, **kwargs: object) -> tuple:
+    """Return what the rank received, to prove arguments travel to every rank intact."""
+    print(f"rank {rank} got {len(args)} args")
+    return rank, world_size, args, kwargs
 
 
 def test_arguments_and_output_reach_every_rank():
     """Positional args, keyword args (fn_kwargs) and extra env arrive in every rank intact;
     what a rank prints comes back in ``results.outputs``, in rank order."""
     payload = {"nested": [1, 2.5, "three"]}
-    results = run_ranks(sr.echo, payload, 7, world_size=2, backend="gloo", fn_kwargs={"flag": True})
+    results = run_ranks(echo, payload, 7, world_size=2, backend="gloo", fn_kwargs={"flag": True})
     assert isinstance(results, RankResults)
     assert results == [(r, 2, (payload, 7), {"flag": True}) for r in range(2)]
     assert results.outputs == ["rank 0 got 2 args\n", "rank 1 got 2 args\n"]
+
+
+def getenv(rank: int, world_size: int, name: str) -> str | None:
+    return os.environ.get(name)
 
 
 def test_ranks_see_the_environment_of_the_call(run_ranks, monkeypatch):
     """A variable the test sets now (after the forkserver started with an older copy of
     the environment) reaches the ranks, and ``env=`` adds more for this call only."""
     monkeypatch.setenv("HARNESS_PROBE", "set by the test")
-    assert run_ranks(sr.getenv, "HARNESS_PROBE") == ["set by the test"] * 2
-    assert run_ranks(sr.getenv, "EXTRA", env={"EXTRA": "per call"}) == ["per call"] * 2
+    assert run_ranks(getenv, "HARNESS_PROBE") == ["set by the test"] * 2
+    assert run_ranks(getenv, "EXTRA", env={"EXTRA": "per call"}) == ["per call"] * 2
     monkeypatch.delenv("HARNESS_PROBE")
-    assert run_ranks(sr.getenv, "HARNESS_PROBE") == [None, None]  # and removals too
+    assert run_ranks(getenv, "HARNESS_PROBE") == [None, None]  # and removals too
+
+
+def where_am_i(rank: int, world_size: int) -> tuple[str, str]:
+    return os.getcwd(), sys.path[0]
+
+
+def test_ranks_start_in_the_directory_and_import_path_of_the_call(run_ranks, monkeypatch, tmp_path):
+    """Like the environment, the working directory and sys.path are the caller's at the
+    call, not the forkserver's (which date from its start)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "on-the-path"))
+    assert run_ranks(where_am_i) == [(str(tmp_path), str(tmp_path / "on-the-path"))] * 2
+
+
+def init_itself(rank: int, world_size: int, how: str) -> dict[str, object]:
+    """``backend=None``: no group yet; join one through the rendezvous env, as under torchrun."""
+    had_group = dist.is_initialized()
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method_url(how),
+        rank=int(os.environ["RANK"]),  # tcp:// wants them spelled out; the harness set both
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=30),
+    )
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {
+        "had_group": had_group,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "sum": t.item(),
+        "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
+    }
 
 
 @pytest.mark.parametrize("how", ["env", "tcp"])
 def test_backend_none_leaves_the_group_to_the_function(run_ranks, how):
     """backend=None: no group exists when the function starts; it can join one itself
     through the rendezvous environment (the parent's store, as under torchrun)."""
-    results = run_ranks(sr.init_itself, how, backend=None, world_size=3)
+    results = run_ranks(init_itself, how, backend=None, world_size=3)
     for rank, r in enumerate(results):
         assert r["had_group"] is False  # the harness did not initialise anything
         assert (r["rank"], r["world_size"], r["sum"]) == (rank, 3, 6.0)
@@ -78,8 +154,9 @@ def test_backend_none_leaves_the_group_to_the_function(run_ranks, how):
 
 
 INIT_METHOD_SPY = """
-import pytest
-from tutorial_impl.testing import plugin, selftest_ranks as sr
+import torch
+import torch.distributed as dist
+from tutorial_impl.testing import plugin
 
 seen = []
 real = plugin.run_ranks
@@ -88,9 +165,14 @@ def spy(fn, *args, **options):
     seen.append(options["init_method"])
     return real(fn, *args, **options)
 
+def rank_sum(rank, world_size):
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return t.item()
+
 def test_uses_the_option(run_ranks, monkeypatch):
     monkeypatch.setattr(plugin, "run_ranks", spy)
-    assert run_ranks(sr.all_reduce_rank) == [3.0, 3.0]
+    assert run_ranks(rank_sum) == [3.0, 3.0]
     assert seen == [{expected!r}]
 """
 
@@ -98,7 +180,6 @@ def test_uses_the_option(run_ranks, monkeypatch):
 @pytest.mark.parametrize("option", [None, "tcp", "file"])
 def test_init_method_option_reaches_the_fixture(pytester, option):
     """``--init-method`` changes how every test's ranks rendezvous (default env)."""
-    pytester.makeconftest('pytest_plugins = ["tutorial_impl.testing.plugin"]')
     pytester.makepyfile(INIT_METHOD_SPY.format(expected=option or "env"))
     args = ["-p", "no:cacheprovider"] + ([f"--init-method={option}"] if option else [])
     pytester.runpytest(*args).assert_outcomes(passed=1)
@@ -126,5 +207,5 @@ def test_ranks_do_not_re_run_the_main_script(run_ranks, tmp_path, monkeypatch):
     fake_main.__file__ = str(script)  # what `python script.py` gives its __main__
     fake_main.__spec__ = None
     monkeypatch.setitem(sys.modules, "__main__", fake_main)
-    assert run_ranks(sr.all_reduce_rank) == [3.0, 3.0]
+    assert run_ranks(all_reduce_rank) == [3.0, 3.0]
     assert not marker.exists()

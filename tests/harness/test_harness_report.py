@@ -1,8 +1,9 @@
 """What a user of the harness sees: pytest run on a throwaway test file, report inspected.
 
 ``pytester`` writes a small test suite into a temporary directory and runs pytest on it
-in this process; we then read the terminal report as a user would. The throwaway tests
-take their rank functions from ``selftest_ranks``: a test file is not importable by ranks.
+in this process; we then read the terminal report as a user would. The plugin comes from
+the installed package's entry point (no conftest), and each throwaway test file defines its
+own rank functions, as a user's would.
 """
 
 from __future__ import annotations
@@ -13,55 +14,96 @@ from tutorial_impl.testing import proctable
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = 'pytest_plugins = ["tutorial_impl.testing.plugin"]\n'
-
 USER_TESTS = """
+import os, time
 import pytest
-from tutorial_impl.testing import selftest_ranks as sr
+import torch
+import torch.distributed as dist
+
+def rank_sum(rank, world_size, pid_dir=None):
+    if pid_dir:
+        from tutorial_impl.testing import proctable
+        proctable.record_self(pid_dir, f"rank{rank}")
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return t.item()
 
 def test_passes(run_ranks):
-    assert run_ranks(sr.all_reduce_rank) == [3.0, 3.0]
+    assert run_ranks(rank_sum) == [3.0, 3.0]
+
+def fail_on(rank, world_size, bad):
+    print(f"rank {rank} is about to {'fail' if rank == bad else 'wait'}")
+    dist.barrier()
+    if rank == bad:
+        raise ValueError(f"boom from rank {rank}")
+    dist.barrier()
 
 def test_one_rank_raises(run_ranks):
-    run_ranks(sr.fail_on, 1)
+    run_ranks(fail_on, 1)
+
+def hang_on(rank, world_size, stuck):
+    while rank == stuck:
+        time.sleep(0.05)
+    dist.barrier()
 
 @pytest.mark.rank_timeout(2)
 def test_hangs(run_ranks):
-    run_ranks(sr.hang_on, 0)
+    run_ranks(hang_on, 0)
+
+def exit_on(rank, world_size, bad, code):
+    if rank == bad:
+        os._exit(code)
+    dist.barrier()
 
 def test_crashes(run_ranks):
-    run_ranks(sr.exit_on, 0, 5)
+    run_ranks(exit_on, 0, 5)
+
+def skip_on(rank, world_size, skipping):
+    if rank == skipping:
+        pytest.skip("this rank has no work here")
+    dist.barrier()
 
 def test_rank_skips(run_ranks):
-    run_ranks(sr.skip_on, 1)
+    run_ranks(skip_on, 1)
+
+def compare(rank, world_size):
+    got = [1, 2, 3]
+    assert got == [1, 2, 3 + rank]
+
+def test_plain_assert_in_a_rank(run_ranks):
+    run_ranks(compare)
 """
 
 
 def test_what_a_user_sees_in_the_report(pytester):
     """One pytest run over USER_TESTS; the report must let a user diagnose each test
     without re-running anything."""
-    pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_user=USER_TESTS)
     result = pytester.runpytest("-p", "no:cacheprovider", "-rfs")
     text = result.stdout.str()
 
     # A pass passes, a raise/hang/crash fails, and a rank's pytest.skip is a skip.
-    result.assert_outcomes(passed=1, failed=3, skipped=1)
+    result.assert_outcomes(passed=1, failed=4, skipped=1)
     for name in ("test_one_rank_raises", "test_hangs", "test_crashes"):
         assert f"FAILED test_user.py::{name}" in text
 
-    # The failure names the rank, shows its traceback and every rank's output, prefixed.
+    # The failure names the rank, shows its traceback and every rank's output, prefixed;
+    # and where the other rank was (in the barrier, called from fail_on) when it failed.
     assert "RankFailed: rank 1 raised:" in text
     assert "in fail_on" in text and "ValueError: boom from rank 1" in text
+    assert "where the other running rank(s) 0 were when rank 1 failed" in text
     assert "[rank 0] rank 0 is about to wait" in text
     assert "[rank 1] rank 1 is about to fail" in text
+
+    # A plain assert in a rank function of the test file keeps pytest's explanation.
+    assert "assert [1, 2, 3] == [1, 2, 4]" in text
 
     # The hang shows the deadline, how to raise it, and where each rank was stuck.
     assert "RankTimeout: rank(s) 0, 1 still running after the harness deadline of 2 s" in text
     assert "@pytest.mark.rank_timeout(SECONDS)" in text
     assert "----- Python stacks of rank 0 -----" in text
     assert "----- Python stacks of rank 1 -----" in text
-    assert "in _sleep_forever" in text  # rank 0, the one that never arrived
+    assert "in hang_on" in text  # rank 0, the one that never arrived
     assert "in barrier" in text  # rank 1, waiting for it
 
     # The crash names the rank and its exit code.
@@ -74,28 +116,31 @@ def test_what_a_user_sees_in_the_report(pytester):
 
 CANNOT_RUN_HERE = """
 import pytest
-from tutorial_impl.testing import selftest_ranks as sr
+from tutorial_impl.testing import proctable
 
 PIDS = {pid_dir!r}
 
+def record(rank, world_size):
+    proctable.record_self(PIDS, f"rank{{rank}}")
+
 @pytest.mark.gpu
 def test_gpu(run_ranks):
-    run_ranks(sr.all_reduce_rank, PIDS)
+    run_ranks(record)
 
 @pytest.mark.gpu(8)
 def test_eight_gpus(run_ranks):
-    run_ranks(sr.all_reduce_rank, PIDS)
+    run_ranks(record)
 
 @pytest.mark.backend("nccl")
 def test_nccl(run_ranks):
-    run_ranks(sr.all_reduce_rank, PIDS)
+    run_ranks(record)
 
 @pytest.mark.backend("mpi")
 def test_mpi(run_ranks):
-    run_ranks(sr.all_reduce_rank, PIDS)
+    run_ranks(record)
 
 def test_gloo_runs(run_ranks):
-    run_ranks(sr.all_reduce_rank, PIDS, world_size=1)
+    run_ranks(record, world_size=1)
 """
 
 
@@ -108,7 +153,6 @@ def test_tests_that_cannot_run_here_are_skipped_before_any_rank_starts(pytester,
     recording itself works."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    pytester.makeconftest(CONFTEST)
     pytester.makepyfile(CANNOT_RUN_HERE.format(pid_dir=str(pid_dir)))
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(passed=1, skipped=4)
@@ -125,7 +169,6 @@ def test_tests_that_cannot_run_here_are_skipped_before_any_rank_starts(pytester,
 
 BACKSTOP = """
 import pytest
-from tutorial_impl.testing import selftest_ranks as sr
 
 def test_default_deadline(run_ranks):
     pass
@@ -144,7 +187,6 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
     """pytest-timeout is only a backstop: a test whose harness deadline (500 s) is above
     the configured timeout (100 s) gets a timeout marker 30 s above its deadline, so the
     harness (stacks, clean kill) always fires first. Tests already below are left alone."""
-    pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\ntimeout = 100\nrank_timeout = 60\n")
     pytester.makepyfile(BACKSTOP)
     items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
@@ -161,8 +203,11 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
 
 DEADLINES = """
 import pytest
-from tutorial_impl.testing import plugin, selftest_ranks as sr
+from tutorial_impl.testing import plugin
 from tutorial_impl.testing import RankResults
+
+def echo(rank, world_size):
+    pass
 
 def spy(fn, *args, **options):
     # Record the deadline the fixture chose instead of starting ranks.
@@ -175,14 +220,14 @@ def _spy(monkeypatch):
     monkeypatch.setattr(plugin, "run_ranks", spy)
 
 def test_default(run_ranks):
-    assert run_ranks(sr.echo) == [{default}]
+    assert run_ranks(echo) == [{default}]
 
 @pytest.mark.rank_timeout(7)
 def test_marker(run_ranks):
-    assert run_ranks(sr.echo) == [7.0]
+    assert run_ranks(echo) == [7.0]
 
 def test_call(run_ranks):
-    assert run_ranks(sr.echo, timeout=3) == [3]
+    assert run_ranks(echo, timeout=3) == [3]
 """
 
 
@@ -191,7 +236,6 @@ def test_the_deadline_comes_from_call_marker_option_or_ini(pytester, option, def
     """Which harness deadline a test gets, most specific first: the call's ``timeout=``,
     then ``@pytest.mark.rank_timeout``, then ``--rank-timeout`` for the whole run, then the
     ``rank_timeout`` ini value (42 here). The hang tests above show a deadline at work."""
-    pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nrank_timeout = 42\n")
     pytester.makepyfile(DEADLINES.format(default=default))
     args = ["-p", "no:cacheprovider"] + ([f"--rank-timeout={option}"] if option else [])

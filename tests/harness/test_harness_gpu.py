@@ -7,8 +7,16 @@ never touches CUDA, so every rank may initialise it after the fork.
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from tutorial_impl.testing import selftest_ranks as sr
+
+def all_reduce_cuda(rank: int, world_size: int) -> tuple[float, int, str]:
+    """NCCL: each rank reduces a tensor on its own GPU (the harness chose it before init)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([float(rank + 1)], device=device)
+    dist.all_reduce(t)
+    return t.item(), device.index, dist.get_backend()
 
 
 @pytest.mark.gpu
@@ -16,7 +24,7 @@ from tutorial_impl.testing import selftest_ranks as sr
 @pytest.mark.world_size(1)
 def test_nccl_group_of_one(run_ranks):
     """Even one GPU proves the path: device chosen, NCCL group joined, CUDA all_reduce."""
-    assert run_ranks(sr.all_reduce_cuda) == [(1.0, 0, "nccl")]
+    assert run_ranks(all_reduce_cuda) == [(1.0, 0, "nccl")]
 
 
 @pytest.mark.gpu(2)
@@ -24,4 +32,4 @@ def test_nccl_group_of_one(run_ranks):
 @pytest.mark.world_size(2)
 def test_nccl_ranks_get_one_gpu_each(run_ranks):
     """Rank r runs on GPU r, and the sum over both GPUs reaches both ranks."""
-    assert run_ranks(sr.all_reduce_cuda) == [(3.0, 0, "nccl"), (3.0, 1, "nccl")]
+    assert run_ranks(all_reduce_cuda) == [(3.0, 0, "nccl"), (3.0, 1, "nccl")]

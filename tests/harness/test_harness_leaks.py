@@ -16,27 +16,61 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tutorial_impl.testing import (
     RankCrashed,
     RankFailed,
     RankSkipped,
     RankTimeout,
+    assert_equal_across_ranks,
     proctable,
     run_ranks,
 )
-from tutorial_impl.testing import selftest_ranks as sr
 
 GONE_WITHIN = 5.0  # seconds; the kill is immediate, this is slack for a loaded machine
 
-# (rank function, its extra args before pid_dir, what run_ranks must raise, deadline)
+
+def end_by(rank: int, world_size: int, ending: str, pid_dir: str) -> float:
+    """Every rank records itself, then rank 0 ends the run the way ``ending`` says while
+    the others wait for it in a collective (or, for "pass", all finish normally)."""
+    proctable.record_self(pid_dir, f"rank{rank}")
+    dist.barrier()  # every rank has recorded itself before any of them ends
+    if ending == "grandchild":  # every rank starts a child of its own, then hangs
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        proctable.record(pid_dir, f"grandchild{rank}", child.pid)
+        sleep_forever()
+    if ending == "disagree":  # every rank fails the same cross-rank assertion
+        assert_equal_across_ranks(rank)
+    if rank == 0:
+        if ending == "raise":
+            raise ValueError("rank 0 ends the run")
+        if ending == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ending == "os_exit":
+            os._exit(7)
+        if ending == "hang":
+            sleep_forever()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def sleep_forever() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+# what run_ranks must raise, and the deadline, for each way a run can end
 ENDINGS = {
-    "pass": (sr.all_reduce_rank, (), None, 30.0),
-    "raise": (sr.fail_on, (0,), RankFailed, 30.0),
-    "sigkill": (sr.kill_self_on, (1,), RankCrashed, 30.0),
-    "os_exit": (sr.exit_on, (0, 7), RankCrashed, 30.0),
-    "hang": (sr.hang_on, (0,), RankTimeout, 1.5),
-    "grandchild": (sr.spawn_child_and_hang, (), RankTimeout, 1.5),
+    "pass": (None, 30.0),
+    "raise": (RankFailed, 30.0),  # the others' stacks are taken first (forensics)
+    "disagree": (RankFailed, 30.0),
+    "sigkill": (RankCrashed, 30.0),
+    "os_exit": (RankCrashed, 30.0),
+    "hang": (RankTimeout, 1.5),
+    "grandchild": (RankTimeout, 1.5),
 }
 
 
@@ -44,26 +78,65 @@ ENDINGS = {
 def test_no_rank_survives_its_run(tmp_path, ending):
     """However the run ends, every process it recorded is gone from the process table
     shortly after ``run_ranks`` returns or raises, including a rank's own child."""
-    fn, args, error, deadline = ENDINGS[ending]
+    error, deadline = ENDINGS[ending]
     world_size = 3
     if error is None:
-        assert run_ranks(fn, *args, str(tmp_path), world_size=world_size) == [6.0] * 3
+        assert run_ranks(end_by, ending, str(tmp_path), world_size=world_size) == [6.0] * 3
     else:
         with pytest.raises(error):
-            run_ranks(fn, *args, str(tmp_path), world_size=world_size, timeout=deadline)
+            run_ranks(end_by, ending, str(tmp_path), world_size=world_size, timeout=deadline)
     records = proctable.recorded(tmp_path)
-    # The recording is real: every rank wrote its pid (the ones killed early may not have).
-    assert {f"rank{r}" for r in range(world_size)} <= set(records) or error is not None
-    assert records, "no rank recorded itself: the check below would prove nothing"
+    # The recording is real: every rank wrote its pid before any rank ended the run.
+    assert {f"rank{r}" for r in range(world_size)} <= set(records)
     if ending == "grandchild":
         assert {f"grandchild{r}" for r in range(world_size)} <= set(records)
     assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
 
 
+FAILS_IN_RANKS = """
+import os
+from tutorial_impl.testing import proctable
+
+if "RANK" in os.environ:  # in a rank, not in the parent that imported it first
+    proctable.record_self({pid_dir!r}, "rank" + os.environ["RANK"])
+    raise RuntimeError("this module cannot be imported in a rank")
+
+
+def fn(rank, world_size):
+    return rank
+"""
+
+
+def test_a_module_that_fails_to_import_in_the_ranks_leaves_nothing(tmp_path, monkeypatch):
+    """The ranks import the function's module themselves (its name leads to the same file
+    there); when that import raises, every rank fails with the module's traceback, and
+    none of them outlives the run."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    name = f"fails_in_ranks_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(FAILS_IN_RANKS.format(pid_dir=str(pid_dir)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    module = __import__(name)
+    try:
+        with pytest.raises(RankFailed, match="this module cannot be imported in a rank"):
+            run_ranks(module.fn, world_size=3, timeout=30)
+    finally:
+        sys.modules.pop(name, None)
+    assert set(proctable.recorded(pid_dir)) == {"rank0", "rank1", "rank2"}
+    assert proctable.wait_until_gone(pid_dir, GONE_WITHIN) == {}
+
+
+def skip_on_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        pytest.skip("rank 1 has no work here")
+    dist.barrier()
+
+
 def test_a_skip_leaves_nothing_behind(tmp_path):
     """A skip ends the run early too: the rank that did not skip must not be left waiting."""
     with pytest.raises(RankSkipped):
-        run_ranks(sr.skip_on, 1, world_size=2, log_dir=tmp_path / "logs")
+        run_ranks(skip_on_1, world_size=2, log_dir=tmp_path / "logs")
     # skip_on records nothing itself; the harness's log files tell which ranks existed,
     # and the forkserver's children are checked through /proc.
     assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == ["rank0.log", "rank1.log"]
@@ -93,12 +166,22 @@ def _forkserver_children_alive() -> list[int]:
         time.sleep(0.05)
 
 
-# A throwaway test run in a separate pytest process that we then interrupt or kill.
+# A throwaway test run in a separate pytest process that we then interrupt or kill. Each
+# rank records itself, its parent (the forkserver) and a child of its own, then hangs.
 HANGING_TEST = """
-from tutorial_impl.testing import selftest_ranks as sr
+import os, subprocess, sys, time
+from tutorial_impl.testing import proctable
+
+def family_then_hang(rank, world_size, pid_dir):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proctable.record(pid_dir, f"grandchild{{rank}}", child.pid)
+    proctable.record(pid_dir, "forkserver", os.getppid())
+    proctable.record_self(pid_dir, f"rank{{rank}}")  # last: then every record is written
+    while True:
+        time.sleep(0.05)
 
 def test_hangs(run_ranks):
-    run_ranks(sr.family_then_hang, {pid_dir!r}, world_size=2, timeout=120)
+    run_ranks(family_then_hang, {pid_dir!r}, world_size=2, timeout=120)
 """
 
 
@@ -111,7 +194,6 @@ def test_nothing_survives_an_interrupted_or_killed_pytest_run(tmp_path, how):
     PR_SET_PDEATHSIG. Either way every recorded process, forkserver included, is gone."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["tutorial_impl.testing.plugin"]\n')
     (tmp_path / "test_hangs.py").write_text(HANGING_TEST.format(pid_dir=str(pid_dir)))
     run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"],

@@ -1,0 +1,373 @@
+"""The harness as an installed pytest plugin, seen from a project that only installed it.
+
+A throwaway project (``pytester``) has no conftest: the plugin arrives through the package's
+``pytest11`` entry point. Its test file defines its rank functions itself and uses
+``run_ranks``, the world-size matrix and the cross-rank assertions. It must pass under
+pytest's default import mode, ``--import-mode=importlib`` and ``-n 2`` (xdist), and its
+failing twin must fail with reports that say what went wrong.
+
+The ``-n 2`` run is a subprocess (the costly part: every worker and its forkserver import
+torch), so it is done once and shared: the same run measures coverage (``--cov``) over
+copies of the repository's ring and collectives tests, whose code runs almost entirely
+inside ranks, and checks it is reported as covered.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tutorial_impl.testing import coverage as rank_coverage
+from tutorial_impl.testing import run_ranks
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = "tutorial_impl.testing.plugin"
+
+# A user's test file: rank functions above the tests that run them.
+USER_TESTS = """
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import assert_close_across_ranks, assert_equal_across_ranks
+
+
+def my_sum(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_my_sum(run_ranks):
+    assert run_ranks(my_sum) == [3.0, 3.0]
+
+
+@pytest.mark.world_size(1, 2, 4)
+def test_my_sum_at_every_size(run_ranks, world_size):
+    assert run_ranks(my_sum) == [world_size * (world_size + 1) / 2] * world_size
+
+
+class Point:  # defined in the test file, pickled to the ranks and back
+    def __init__(self, x):
+        self.x = x
+
+    def __eq__(self, other):
+        return isinstance(other, Point) and other.x == self.x
+
+
+def shifted(rank, world_size, point):
+    return Point(point.x + rank)
+
+
+def test_objects_of_the_test_file_travel_both_ways(run_ranks):
+    assert run_ranks(shifted, Point(10)) == [Point(10), Point(11)]
+
+
+def replicas_agree(rank, world_size):
+    torch.manual_seed(rank)
+    weight = torch.randn(4, 4)
+    dist.broadcast(weight, src=0)
+    assert_equal_across_ranks(weight)
+    assert_close_across_ranks(weight + rank * 1e-9, rtol=1e-6, atol=1e-6)
+    assert_equal_across_ranks({"step": 3, "optimizer": "adam"})
+
+
+@pytest.mark.world_size(2, 3)
+def test_replicas_agree(run_ranks):
+    run_ranks(replicas_agree)
+"""
+USER_PASSES = 7  # 1 + 3 sizes + 1 + 2 sizes
+
+# Its failing twin: each test fails in one way a user must be able to read off the report.
+FAILING_TESTS = """
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import assert_close_across_ranks, assert_equal_across_ranks
+
+
+def drift(rank, world_size):
+    t = torch.ones(3)
+    if rank == 2:
+        t[1] = 1.5
+    assert_close_across_ranks(t, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.world_size(4)
+def test_one_rank_drifts(run_ranks):
+    run_ranks(drift)
+
+
+def two_camps(rank, world_size):
+    assert_equal_across_ranks(f"checkpoint-{rank % 2}", name="checkpoint name")
+
+
+@pytest.mark.world_size(3)
+def test_ranks_disagree_on_an_object(run_ranks):
+    run_ranks(two_camps)
+
+
+def broken_at_two(rank, world_size):
+    assert world_size != 2
+
+
+@pytest.mark.world_size(1, 2)
+def test_one_size_of_the_matrix_fails(run_ranks):
+    run_ranks(broken_at_two)
+
+
+def test_lambda(run_ranks):
+    run_ranks(lambda rank, world_size: rank)
+
+
+def test_nested_function(run_ranks):
+    def inner(rank, world_size):
+        return rank
+
+    run_ranks(inner)
+"""
+
+
+def test_a_user_file_passes_in_default_and_importlib_import_modes(pytester):
+    """The guarantee: rank functions defined in a test file are found by the ranks.
+
+    Default (prepend) mode imports the file by a name its directory makes importable; in
+    importlib mode the name (``tests.test_user`` here, under dummy parent packages) leads
+    nowhere in another process, so ranks load the file itself under that name, and the
+    ``Point`` objects pickled in the parent still unpickle there and back."""
+    pytester.makepyfile(**{"tests/test_user": USER_TESTS})
+    for mode in ("prepend", "importlib"):
+        result = pytester.runpytest("-p", "no:cacheprovider", f"--import-mode={mode}")
+        result.assert_outcomes(passed=USER_PASSES)
+
+
+def test_a_failing_user_file_shows_what_went_wrong(pytester):
+    """Each failure names its cause: the disagreeing rank and its values, the failing size
+    of a matrix (the other size passes), and why a lambda or nested function cannot run."""
+    pytester.makepyfile(test_failing=FAILING_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(passed=1, failed=5)
+    text = result.stdout.str()
+    # The cross-rank assertion names rank 2 against the majority, with both values.
+    assert "value is not close (rtol=1e-05, atol=1e-05) across ranks: rank(s) 2 disagree " in text
+    assert "with rank(s) 0, 1, 3" in text
+    assert "rank(s) 2: tensor([1.0000, 1.5000, 1.0000])" in text
+    assert "rank(s) 0, 1, 3: tensor([1., 1., 1.])" in text
+    # ... for any object, under the name the test gave it.
+    assert "checkpoint name is not equal across ranks: rank(s) 1 disagree with rank(s) 0, 2" in text
+    assert "rank(s) 1: 'checkpoint-1'" in text
+    # One item per size: only size 2 fails.
+    assert "PASSED test_failing.py::test_one_size_of_the_matrix_fails[world_size1]" in text
+    assert "FAILED test_failing.py::test_one_size_of_the_matrix_fails[world_size2]" in text
+    # What cannot work is refused before any rank starts, saying why.
+    assert text.count("is not a module-level function") >= 2
+    assert "Define it at the top level of the test file" in text
+
+
+def _copy_tutorial_tests(destination: Path) -> list[str]:
+    """Copy the repository's ring and collectives tests (found wherever they live under
+    tests/) with any helper modules beside them, so they run in the throwaway project."""
+    copied = []
+    for name in ("test_06_ring.py", "test_03_collectives.py"):
+        found = sorted((REPO / "tests").rglob(name))
+        assert found, f"{name} not found under {REPO / 'tests'}"
+        for path in found[0].parent.glob("*.py"):
+            helper = not path.name.startswith(("test_", "conftest"))
+            if (helper or path == found[0]) and not (destination / path.name).exists():
+                shutil.copy(path, destination / path.name)
+        copied.append(name)
+    return copied
+
+
+def _percent(report: dict, module: str) -> float:
+    """Percent covered of ``tutorial_impl/.../<module>`` (not the benchmark of that name)."""
+    for name, entry in report["files"].items():
+        path = Path(name)
+        if path.name == module and "tutorial_impl" in path.parts and "bench" not in path.parts:
+            return entry["summary"]["percent_covered"]
+    raise AssertionError(f"{module} missing from the coverage report: {sorted(report['files'])}")
+
+
+@pytest.mark.slow
+def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester):
+    """One subprocess ``pytest -n 2 --cov=tutorial_impl`` in a project with no conftest:
+    the user's file passes under xdist, and ring.py / collectives.py, whose code runs in
+    ranks, are reported at what their tests really reach (ring.py: 17% with the parent's
+    coverage alone). Every rank's data file has been combined into the report."""
+    pytester.makepyfile(test_user=USER_TESTS)
+    tutorial_tests = _copy_tutorial_tests(pytester.path)
+    result = pytester.runpytest_subprocess(
+        "-n",
+        "2",
+        "-p",
+        "no:cacheprovider",
+        "--cov=tutorial_impl",
+        "--cov-report=json:coverage.json",
+        "--durations=5",
+        "test_user.py",
+        *tutorial_tests,
+        timeout=300,
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, result.stdout.str()
+    assert outcomes["passed"] >= USER_PASSES + 10
+    report = json.loads((pytester.path / "coverage.json").read_text())
+    assert _percent(report, "ring.py") > 90
+    assert _percent(report, "collectives.py") > 90
+    assert not list(pytester.path.glob(".coverage.*")), "rank data files left uncombined"
+
+
+def test_the_plugin_is_registered_once_with_a_conftest_line_too(pytester):
+    """The entry point registers the plugin under its module name, so a conftest naming
+    the module (as this repository's root conftest does) finds it and adds no second copy;
+    ``-p no:<name>`` turns it off."""
+    pytester.makeconftest(f"pytest_plugins = [{PLUGIN!r}]")
+    config = pytester.parseconfigure("-p", "no:cacheprovider")
+    plugin = sys.modules[PLUGIN]
+    assert [p for p in config.pluginmanager.get_plugins() if p is plugin] == [plugin]
+    assert config.pluginmanager.get_plugin(PLUGIN) is plugin
+    pytester.makepyfile("def test_x(run_ranks):\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", f"no:{PLUGIN}")
+    result.stdout.fnmatch_lines(["*fixture 'run_ranks' not found*"])
+
+
+def test_options_are_documented_in_pytest_help(pytester):
+    result = pytester.runpytest("--help")
+    result.stdout.fnmatch_lines(
+        [
+            "torch.distributed multi-rank harness:",
+            "*--rank-timeout=RANK_TIMEOUT*",
+            "*--init-method=*",
+            "*--require-gpu*fail, instead of skipping, every test marked gpu*",
+        ]
+    )
+
+
+def test_loading_the_plugin_does_not_import_torch():
+    """The plugin loads in every pytest run of the environment; torch (seconds) only
+    comes when a test needs it."""
+    code = f"import sys, {PLUGIN}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+GPU_TESTS = """
+import pytest
+
+@pytest.mark.gpu
+def test_gpu():
+    pass
+
+@pytest.mark.backend("nccl")
+def test_nccl():
+    pass
+
+@pytest.mark.backend("mpi")
+def test_mpi():
+    pass
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only machine")
+def test_require_gpu_turns_gpu_skips_into_failures(pytester):
+    """Without the option a GPU test this machine cannot run is skipped; with it, the
+    same test fails with the reason, so a GPU CI job cannot pass by skipping. It fails in
+    its setup, before any fixture runs, which pytest reports as an error. A non-GPU skip
+    (MPI missing) stays a skip."""
+    pytester.makepyfile(GPU_TESTS)
+    plain = pytester.runpytest("-p", "no:cacheprovider")
+    plain.assert_outcomes(skipped=3)
+    assert plain.ret == 0
+    required = pytester.runpytest("-p", "no:cacheprovider", "--require-gpu", "-rEs")
+    required.assert_outcomes(errors=2, skipped=1)
+    assert required.ret == pytest.ExitCode.TESTS_FAILED
+    text = required.stdout.str()
+    assert "--require-gpu: this GPU test cannot run here: needs CUDA and 1 GPU(s)" in text
+    assert text.count("--require-gpu: this GPU test cannot run here") == 2
+    required.stdout.fnmatch_lines(["ERROR *::test_gpu - *", "ERROR *::test_nccl - *"])
+
+
+MATRIX = """
+import pytest
+
+@pytest.mark.world_size(1, 2, 4)
+def test_sizes(run_ranks, world_size):
+    pass
+
+@pytest.mark.world_size(3)
+def test_single(world_size):
+    assert world_size == 3
+
+@pytest.mark.gpu
+@pytest.mark.backend("nccl")
+@pytest.mark.world_size(1, 2, 4)
+def test_gpus(run_ranks):
+    pass
+"""
+
+
+def test_the_matrix_makes_one_item_per_size_selectable_by_k_and_m(pytester, monkeypatch):
+    """Ids ``[world_sizeN]``, a ``world_size(n=N)`` marker per item, the single-size marker
+    unchanged, and a size that needs more GPUs than the machine has skipped at collection
+    time with the reason (a machine with 2 GPUs is pretended here)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    pytester.makepyfile(MATRIX)
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
+    assert [item.name for item in items] == [
+        "test_sizes[world_size1]",
+        "test_sizes[world_size2]",
+        "test_sizes[world_size4]",
+        "test_single",
+        "test_gpus[world_size1]",
+        "test_gpus[world_size2]",
+        "test_gpus[world_size4]",
+    ]
+    skips = {item.name: [m.kwargs["reason"] for m in item.iter_markers("skip")] for item in items}
+    assert skips["test_gpus[world_size4]"] == ["needs 4 GPUs, found 2"]
+    assert skips["test_gpus[world_size2]"] == skips["test_sizes[world_size4]"] == []
+    for option in (["-k", "world_size4"], ["-m", "world_size(n=4)"]):
+        chosen = pytester.runpytest("-p", "no:cacheprovider", "--collect-only", "-q", *option)
+        chosen.stdout.fnmatch_lines(
+            ["*::test_sizes[[]world_size4[]]", "*::test_gpus[[]world_size4[]]", "2/7 tests*"]
+        )
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("@pytest.mark.world_size(2, 0)\ndef test_x(run_ranks): pass", "positive integers"),
+        ("@pytest.mark.world_size(2, 2)\ndef test_x(run_ranks): pass", "only once"),
+        ("@pytest.mark.world_size(1, 2)\ndef test_x(): pass", "the test uses neither"),
+    ],
+)
+def test_a_bad_matrix_is_a_collection_error_that_says_why(pytester, source, message):
+    pytester.makepyfile(f"import pytest\n\n{source}\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*{message}*"])
+
+
+def coverage_in_the_rank(rank: int, world_size: int) -> tuple[bool, bool]:
+    """Whether this rank imported coverage, and whether it is measuring."""
+    coverage = sys.modules.get("coverage")
+    return coverage is not None, coverage is not None and coverage.Coverage.current() is not None
+
+
+def test_ranks_measure_coverage_exactly_when_the_parent_does():
+    """Measured: ranks start coverage (the subprocess test above checks the report).
+    Not measured: ranks do not even import coverage, so nothing is slower."""
+    measuring = rank_coverage.parent_settings() is not None
+    results = run_ranks(coverage_in_the_rank, world_size=2, backend=None, timeout=60)
+    assert results == [(measuring, measuring)] * 2
