@@ -115,10 +115,10 @@ def test_retry_refuses_bad_arguments(attempts, backoff, message):
         retry.retry(lambda: None, attempts=attempts, backoff=backoff)
 
 
-# --- The world ----------------------------------------------------------------------------
+# --- The world, and the rank functions only these tests use ------------------------------
 
 
-def _calls(service: str, *args: object, first_timeout: float = RPC_TIMEOUT):
+def counted_call(service: str, *args: object, first_timeout: float = RPC_TIMEOUT):
     """A retryable call to worker2 that counts its attempts. The first attempt waits for its
     reply ``first_timeout`` seconds, the others RPC_TIMEOUT."""
     attempts = []
@@ -157,7 +157,7 @@ def failures_lesson(rank: int, world_size: int, pid_dir: str) -> dict:
         slept: list[float] = []
         for attempts in (3, 2):
             rpc.rpc_sync("worker2", retry.fail_first, args=(2,))
-            call, made = _calls("flaky_add", 1.0, 2.0)
+            call, made = counted_call("flaky_add", 1.0, 2.0)
             try:
                 outcome = retry.retry(call, attempts, backoff=0.05, sleep=slept.append)
             except RuntimeError as exc:
@@ -169,7 +169,7 @@ def failures_lesson(rank: int, world_size: int, pid_dir: str) -> dict:
         # A reply lost after the work was done: retrying repeats the work.
         for service, args in (("increment", (1,)), ("put", ("lr", 0.1))):
             rpc.rpc_sync("worker2", retry.lose_next_reply)
-            call, made = _calls(service, *args, first_timeout=SHORT)
+            call, made = counted_call(service, *args, first_timeout=SHORT)
             outcome = retry.retry(call, attempts=3, backoff=0.05)
             rpc.rpc_sync("worker2", retry.release_lost_replies)
             report[service] = (outcome, len(made))
