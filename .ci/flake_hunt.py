@@ -12,10 +12,11 @@ machine on purpose and counts:
     python .ci/flake_hunt.py --runs 50 -- python -m tutorial_impl p2p    # any command
     tox -e flakes -- --preset torchrun-train --runs 100
 
-Each run is its own session (``setsid``), so afterwards every process still in that session
-is a leftover: it is reported as a leak, then killed. A run fails if it exits non-zero, runs
-past ``--timeout``, or leaks. The log of every failed run is kept under ``--log-dir`` and its
-last lines are printed. The exit status is 1 if any run failed, so CI can use it too.
+Each run carries a mark in its environment, which every process it starts inherits (also
+torchrun's workers, which leave the run's session), so afterwards every live process with
+that mark is a leftover: it is reported as a leak, then killed. A run fails if it exits
+non-zero, runs past ``--timeout``, or leaks. The log of every failed run is kept under
+``--log-dir`` and its last lines are printed. The exit status is 1 if any run failed, so CI can use it too.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
-
-from tutorial_impl.testing import proctable
 
 PRESETS = {
     "torchrun-train": "{py} -m torch.distributed.run --standalone --nproc_per_node=2 "
@@ -50,20 +50,39 @@ SIGNATURES = {
 BURN = "while True: pass"
 
 
-def session_members(sid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process of session ``sid`` (see proctable)."""
+MARK = "FLAKE_HUNT_RUN"  # in each run's environment, inherited by all it starts
+
+
+def marked(run_id: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose environment carries this run's mark.
+
+    Sessions are not enough: torchrun starts each worker in a session of its own, so a
+    worker orphaned by its agent would be invisible to a session check. The environment is
+    inherited by every descendant, whatever session or process group it moved to.
+    """
+    needle = f"{MARK}={run_id}".encode()
     found = []
-    for pid in proctable.session_members(sid):
+    for pid in proctable_pids():
         try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    continue  # dead, only not yet reaped
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")))
         except OSError:
-            continue  # gone meanwhile
+            continue  # gone meanwhile, or not ours to read
     return found
 
 
-def kill_session(sid: int) -> None:
-    for pid, _ in session_members(sid):
+def proctable_pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()]
+
+
+def kill_marked(run_id: str) -> None:
+    for pid, _ in marked(run_id):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -71,33 +90,33 @@ def kill_session(sid: int) -> None:
 
 
 def one_run(cmd: list[str], log: Path, timeout: float, env: dict[str, str]) -> dict:
+    run_id = uuid.uuid4().hex
     start = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, MARK: run_id}
         )
     try:
         code: int | None = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         code = None
     except KeyboardInterrupt:
-        kill_session(proc.pid)
+        kill_marked(run_id)
         proc.wait()
         raise
     wall = time.monotonic() - start
     if code is None:
-        kill_session(proc.pid)
+        kill_marked(run_id)
         proc.wait()
-        time.sleep(0.5)
     # Leftovers: a clean command has ended every process it started when it exits. Give
     # processes that are already dying (SIGKILLed, unmapping memory) a moment to go.
     leaked: list[tuple[int, str]] = []
     for _ in range(20):
-        leaked = session_members(proc.pid)
+        leaked = marked(run_id)
         if not leaked:
             break
         time.sleep(0.1)
-    kill_session(proc.pid)
+    kill_marked(run_id)
     text = log.read_text(errors="replace")
     seen = [why for sig, why in SIGNATURES.items() if sig in text]
     return {"code": code, "wall": wall, "leaked": leaked, "signatures": seen}
