@@ -16,7 +16,7 @@ Each run carries a mark in its environment, which every process it starts inheri
 torchrun's workers, which leave the run's session), so afterwards every live process with
 that mark is a leftover: it is reported as a leak, then killed. A run fails if it exits
 non-zero, runs past ``--timeout``, or leaks. The log of every failed run is kept under
-``--log-dir`` and its last lines are printed. The exit status is 1 if any run failed, so CI can use it too.
+``--log-dir`` and its last lines are printed. The exit status is 1 if any run failed.
 """
 
 from __future__ import annotations
