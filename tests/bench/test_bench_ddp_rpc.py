@@ -28,6 +28,7 @@ import torch
 
 from tutorial_impl.bench import ddp_rpc, ddp_rpc_workers, report, stats
 from tutorial_impl.rpc.hybrid_data import get_next_batch, trainer_generator
+from tutorial_impl.rpc.hybrid_model import mlp
 
 # ---------------------------------------------------------------------------------------
 # The arithmetic, against numpy
@@ -135,6 +136,23 @@ def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
         for d in offsets.diff().tolist()
     ]
     assert set(gaps) == {1, 2, 3}
+
+
+def test_the_mlp_is_the_originals():
+    """PyTorch's benchmark: Linear(512, 256), Linear(256, 128), ReLU, Linear(128, 64),
+    Linear(64, 32), Linear(32, 8); here the first layer takes P * dim (8 * 64 = 512)."""
+    layers = [
+        (type(m).__name__, getattr(m, "in_features", None), getattr(m, "out_features", None))
+        for m in mlp(8 * 64)
+    ]
+    assert layers == [
+        ("Linear", 512, 256),
+        ("Linear", 256, 128),
+        ("ReLU", None, None),
+        ("Linear", 128, 64),
+        ("Linear", 64, 32),
+        ("Linear", 32, 8),
+    ]
 
 
 # ---------------------------------------------------------------------------------------

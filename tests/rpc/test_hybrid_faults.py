@@ -69,7 +69,8 @@ def test_a_dead_parameter_server_fails_training_with_a_clear_error(run_ranks, tm
     ps, master = ps_rank(config, 0), master_rank(config)
     results = run_ranks(
         world_with_a_dying_server,
-        *(config, str(tmp_path)),
+        config,
+        str(tmp_path),
         world_size=config.world_size,
         backend=None,
         may_exit={ps},  # its death is the lesson: the harness lets the others run on
