@@ -1,111 +1,31 @@
-"""The DDP + RPC benchmark: its arithmetic, its batches, its command line, small runs end to end.
+"""The DDP + RPC benchmark: its batches and model, its command line, small runs end to end.
 
 What the benchmark claims (PyTorch's ``benchmark_ddp_rpc.py``): T trainers, P parameter servers
-and a master train the hybrid model; each trainer's epochs are timed, and a table gives the
-50th/75th/90th/95th percentile of the epoch times per trainer and for all of them, with a
-throughput next to each.
+and a master train the hybrid model (a table per server, an MLP on the trainers); each
+trainer's epochs are timed, and a table gives the 50th/75th/90th/95th percentile of the epoch
+times per trainer and for all of them, with a throughput next to each.
 
-What this module proves, in reading order: the percentiles and the throughput equal an
-independent reference (numpy), on inputs where the original's figure (``epoch/sec``, really
-the last epoch's samples over a percentile) would differ; the batches have the shape the
-options ask for, a stream per trainer; the command line refuses what cannot work before any
-worker starts, naming the option (a bad ``--json`` path included), and says what its clock
-counts; then real workers with small sizes produce the table and the JSON, with figures only
-workers that received every option could get right, and a run past ``--timeout`` fails with
-advice a command-line user can follow.
+What this module proves, in reading order: the batches have the shape the options ask for, a
+stream per trainer, and the MLP is the original's; the command line refuses what cannot work
+before any worker starts, naming the option (a bad ``--json`` path included), and says what
+its clock counts; then real workers with small sizes produce the table and the JSON, with
+figures only workers that received every option could get right, and a run past
+``--timeout`` fails with advice a command-line user can follow. The table's arithmetic is
+checked against numpy in ``test_bench_stats.py``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import time
 
-import numpy as np
 import pytest
 import torch
 
-from tutorial_impl.bench import ddp_rpc, ddp_rpc_workers, report, stats
+from tutorial_impl.bench import ddp_rpc, ddp_rpc_workers, report
 from tutorial_impl.rpc.hybrid_data import get_next_batch, trainer_generator
-
-# ---------------------------------------------------------------------------------------
-# The arithmetic, against numpy
-# ---------------------------------------------------------------------------------------
-
-SAMPLES = [
-    [0.5],  # one epoch: every percentile is that epoch
-    [0.3, 0.1],  # unsorted, even length
-    [0.377, 0.384, 0.390, 0.396, 0.376, 0.401, 0.380],  # odd length, seed-figure-like
-    [1.0, 1.0, 2.0, 2.0, 10.0],  # ties and an outlier
-    list(np.random.default_rng(0).exponential(0.4, size=100)),  # 100 epochs, skewed
-]
-
-
-@pytest.mark.parametrize("values", SAMPLES, ids=lambda v: f"n{len(v)}")
-@pytest.mark.parametrize("q", [0, *stats.PERCENTILES, 100])
-def test_percentile_matches_numpy_linear(values, q):
-    # numpy's default method, "linear", interpolates between the two closest ranks.
-    expected = float(np.percentile(values, q, method="linear"))
-    assert stats.percentile(values, q) == pytest.approx(expected, rel=1e-12, abs=1e-15)
-
-
-def test_percentile_refuses_what_has_no_answer():
-    with pytest.raises(ValueError, match="empty"):
-        stats.percentile([], 50)
-    with pytest.raises(ValueError, match=r"\[0, 100\]"):
-        stats.percentile([1.0], 101)
-
-
-# Two trainers whose last epoch is unlike the others: a last-epoch throughput would be off.
-PER_TRAINER = {
-    "Trainer0": ([0.40, 0.42, 0.41, 0.90], [120, 118, 125, 40]),
-    "Trainer1": ([0.39, 0.45, 0.43, 0.44], [119, 130, 121, 60]),
-}
-
-
-def test_throughput_counts_every_timed_epoch():
-    rows = {row.name: row for row in stats.summarize(PER_TRAINER)}
-    for name, (seconds, samples) in PER_TRAINER.items():
-        expected = np.sum(samples) / np.sum(seconds)
-        assert rows[name].samples_per_s == pytest.approx(expected)
-        # The original's figure (last epoch's samples over the p50 epoch time) differs here,
-        # so this check would catch that formula.
-        last_epoch_figure = samples[-1] / np.percentile(seconds, 50)
-        assert not math.isclose(rows[name].samples_per_s, last_epoch_figure, rel_tol=0.05)
-        for q in stats.PERCENTILES:
-            assert rows[name].percentiles()[f"p{q}"] == pytest.approx(np.percentile(seconds, q))
-
-
-def test_all_row_pools_epochs_and_sums_samples():
-    rows = stats.summarize(PER_TRAINER)
-    assert [row.name for row in rows] == ["Trainer0", "Trainer1", "All"]
-    everything = np.concatenate([s for s, _ in PER_TRAINER.values()])
-    all_row = rows[-1]
-    for q in stats.PERCENTILES:
-        assert all_row.percentiles()[f"p{q}"] == pytest.approx(np.percentile(everything, q))
-    # The job's throughput: every sample of every trainer, over the slowest trainer's time.
-    total = sum(np.sum(n) for _, n in PER_TRAINER.values())
-    slowest = max(np.sum(s) for s, _ in PER_TRAINER.values())
-    assert all_row.samples == total
-    assert all_row.samples_per_s == pytest.approx(total / slowest)
-
-
-def test_summarize_refuses_mismatched_measurements():
-    with pytest.raises(ValueError, match="Trainer0"):
-        stats.summarize({"Trainer0": ([0.1, 0.2], [10])})
-    with pytest.raises(ValueError, match="no trainer"):
-        stats.summarize({})
-
-
-def test_table_has_a_row_per_trainer_and_a_labelled_throughput():
-    table = stats.format_table(stats.summarize(PER_TRAINER))
-    lines = table.splitlines()
-    assert "samples/s" in lines[0] and "epoch/sec" not in table
-    assert lines[1].strip().startswith("Trainer0:") and lines[3].strip().startswith("All:")
-    # The p50 of Trainer1, as printed, is numpy's to three decimals.
-    assert f"{np.percentile(PER_TRAINER['Trainer1'][0], 50):7.3f}s" in lines[2]
-
+from tutorial_impl.rpc.hybrid_model import mlp
 
 # ---------------------------------------------------------------------------------------
 # The batches (the hybrid tutorial's generator, with the benchmark's options)
@@ -135,6 +55,23 @@ def test_batches_have_the_requested_shape_and_a_stream_per_trainer():
         for d in offsets.diff().tolist()
     ]
     assert set(gaps) == {1, 2, 3}
+
+
+def test_the_mlp_is_the_originals():
+    """PyTorch's benchmark: Linear(512, 256), Linear(256, 128), ReLU, Linear(128, 64),
+    Linear(64, 32), Linear(32, 8); here the first layer takes P * dim (8 * 64 = 512)."""
+    layers = [
+        (type(m).__name__, getattr(m, "in_features", None), getattr(m, "out_features", None))
+        for m in mlp(8 * 64)
+    ]
+    assert layers == [
+        ("Linear", 512, 256),
+        ("Linear", 256, 128),
+        ("ReLU", None, None),
+        ("Linear", 128, 64),
+        ("Linear", 64, 32),
+        ("Linear", 32, 8),
+    ]
 
 
 # ---------------------------------------------------------------------------------------
@@ -205,14 +142,14 @@ def test_small_runs_print_the_table_and_valid_json(
 
 @pytest.mark.slow
 def test_a_run_past_its_deadline_fails_cleanly(capsys):
-    # 1000 epochs cannot finish in 2 s: the harness must stop every worker at the deadline
+    # 1000 epochs cannot finish in 1 s: the harness must stop every worker at the deadline
     # and the CLI must say so and fail, rather than hang or print a half-empty table. The
     # advice names the command's own option, not the test suite's marker.
     tiny = ["--num-embeddings", "10", "--embedding-dim", "2", "--parameter-servers", "1"]
-    code = ddp_rpc.main([*tiny, "--trainers", "2", "--epochs", "1000", "--timeout", "2"])
+    code = ddp_rpc.main([*tiny, "--trainers", "2", "--epochs", "1000", "--timeout", "1"])
     err = capsys.readouterr().err
     assert code == 1
-    assert "benchmark failed: still running when the deadline of 2 s passed" in err
+    assert "benchmark failed: still running when the deadline of 1 s passed" in err
     assert "give the run more time with --timeout SECONDS" in err
     assert "rank_timeout" not in err and "--rank-timeout" not in err
     assert "Python stacks of rank" in err  # where each worker was still goes with it
@@ -231,13 +168,6 @@ def test_gpu_topology_is_shown_only_where_nvidia_smi_exists(tmp_path, monkeypatc
     # ...and a broken one is reported in a line, not raised.
     fake.write_text("#!/bin/sh\nexit 3\n")
     assert "nvidia-smi topo -m failed" in report.info_section()
-
-
-def test_plot_draws_one_box_per_trainer(tmp_path):
-    pytest.importorskip("matplotlib")  # optional: the benchmark runs without it
-    path = tmp_path / "epochs.png"
-    report.plot_epoch_times({n: s for n, (s, _) in PER_TRAINER.items()}, str(path), "t")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture
