@@ -143,6 +143,16 @@ def test_a_skip_leaves_nothing_behind(tmp_path):
     assert _forkserver_children_alive() == []
 
 
+def _wait_until_gone(pid_dir: Path, names: set[str], timeout: float) -> dict[str, int]:
+    """Like ``proctable.wait_until_gone``, for the records ``names`` only."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {name: pid for name, pid in proctable.alive(pid_dir).items() if name in names}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
 def _forkserver_children_alive() -> list[int]:
     """Children of this process's rank forkserver that are still alive (not zombies)."""
     from multiprocessing import forkserver
@@ -169,8 +179,10 @@ def _forkserver_children_alive() -> list[int]:
 # A throwaway test run in a separate pytest process that we then interrupt or kill. Each
 # rank records itself, its parent (the forkserver) and a child of its own, then hangs.
 HANGING_TEST = """
-import os, subprocess, sys, time
+import faulthandler, os, signal, subprocess, sys, time
 from tutorial_impl.testing import proctable
+
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # for the report, should this fail
 
 def family_then_hang(rank, world_size, pid_dir):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -185,6 +197,15 @@ def test_hangs(run_ranks):
 """
 
 
+# pytest, with Ctrl-C restored: a shell's background job (`cmd &` without job control, as in
+# many CI scripts) starts with SIGINT ignored, its children inherit that, and Python then
+# never turns a SIGINT into KeyboardInterrupt: the "interrupted" run would just go on.
+CTRL_C_ABLE_PYTEST = (
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
 def test_nothing_survives_an_interrupted_or_killed_pytest_run(tmp_path, how):
@@ -196,7 +217,16 @@ def test_nothing_survives_an_interrupted_or_killed_pytest_run(tmp_path, how):
     pid_dir.mkdir()
     (tmp_path / "test_hangs.py").write_text(HANGING_TEST.format(pid_dir=str(pid_dir)))
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"],
+        [
+            sys.executable,
+            "-c",
+            CTRL_C_ABLE_PYTEST,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+        ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -204,8 +234,8 @@ def test_nothing_survives_an_interrupted_or_killed_pytest_run(tmp_path, how):
         start_new_session=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
+    expected = {"rank0", "rank1", "grandchild0", "grandchild1", "forkserver"}
     try:
-        expected = {"rank0", "rank1", "grandchild0", "grandchild1", "forkserver"}
         deadline = time.monotonic() + 60
         while set(proctable.recorded(pid_dir)) < expected:  # ranks record themselves last
             assert run.poll() is None, run.stdout.read().decode()
@@ -213,14 +243,22 @@ def test_nothing_survives_an_interrupted_or_killed_pytest_run(tmp_path, how):
             time.sleep(0.1)
         assert set(proctable.alive(pid_dir)) == expected  # all running: the check can fail
         run.send_signal(getattr(signal, how))
-        # The forkserver leaves only once pytest has exited, which after Ctrl-C includes
-        # pytest writing its report: allow for that on a loaded machine.
-        assert proctable.wait_until_gone(pid_dir, 2 * GONE_WITHIN) == {}
-        output = run.communicate(timeout=30)[0].decode()
+        # First the ranks and their children: after Ctrl-C the harness's finally kills them
+        # at once, after SIGKILL the forkserver does as soon as it sees pytest gone.
+        left = _wait_until_gone(pid_dir, expected - {"forkserver"}, GONE_WITHIN)
+        if not left:
+            # Then the forkserver, once pytest has exited (after Ctrl-C pytest first writes
+            # its report; a loaded machine takes seconds to tear down an interpreter).
+            output = run.communicate(timeout=60)[0].decode()
+            left = proctable.wait_until_gone(pid_dir, GONE_WITHIN)
+        elif run.poll() is None:
+            run.send_signal(signal.SIGUSR2)  # where is pytest? (faulthandler, see HANGING_TEST)
+            time.sleep(1)
     finally:
         if run.poll() is None:
             run.kill()
-            run.wait()
+            output = run.communicate()[0].decode()
+    assert left == {}, f"still alive: {left}; output of the pytest run:\n{output}"
     if how == "SIGINT":
         assert "KeyboardInterrupt" in output  # pytest saw the Ctrl-C and reported it
     else:
