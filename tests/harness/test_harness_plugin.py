@@ -15,6 +15,7 @@ inside ranks, and checks it is reported as covered.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -372,3 +373,33 @@ def test_ranks_measure_coverage_exactly_when_the_parent_does():
     measuring = rank_coverage.parent_settings() is not None
     results = run_ranks(coverage_in_the_rank, world_size=2, backend=None, timeout=60)
     assert results == [(measuring, measuring)] * 2
+
+
+def _readme_blocks(section: str) -> dict[str, str]:
+    """The code blocks of a README section, keyed by the path in their first comment line."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index(f"## {section}\n")
+    end = readme.find("\n## ", start + 1)
+    blocks = re.findall(r"```\w*\n(.*?)```", readme[start:end], re.S)
+    named = {b.split("\n", 1)[0].lstrip("# ").strip(): b for b in blocks if b.startswith("# ")}
+    return {path: body for path, body in named.items() if path.endswith((".py", ".toml"))}
+
+
+def test_the_readme_examples_pass_as_written(pytester):
+    """The harness section's example and the complete project of "Testing your own
+    distributed code" (its library, its test file, its pytest configuration), run as
+    written: 3 + 3 tests, one per world size."""
+    files = _readme_blocks("Testing your own distributed code")
+    assert set(files) == {"pyproject.toml", "src/mylib/averaging.py", "tests/test_averaging.py"}
+    for path, body in files.items():
+        (pytester.path / path).parent.mkdir(parents=True, exist_ok=True)
+        (pytester.path / path).write_text(body)
+    (pytester.path / "src/mylib/__init__.py").write_text("")
+    readme = (REPO / "README.md").read_text()
+    harness = readme[readme.index("## Testing distributed code with the harness") :]
+    (pytester.path / "tests/test_blocking.py").write_text(
+        re.search(r"```python\n(.*?)```", harness, re.S).group(1)
+    )
+    pytester.syspathinsert(pytester.path / "src")
+    result = pytester.runpytest("-p", "no:cacheprovider", "tests")
+    result.assert_outcomes(passed=6)

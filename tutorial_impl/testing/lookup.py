@@ -87,9 +87,10 @@ def function_ref(fn: Callable[..., Any]) -> FunctionRef:
         )
     try:
         found = _attribute(module, qualname)
-    except AttributeError:
-        found = None
-    if found is not fn and found != fn:
+        same = found is fn or bool(found == fn)  # == for bound methods, made anew each access
+    except Exception:  # noqa: BLE001 - not found, or an __eq__ that cannot answer
+        same = False
+    if not same:
         raise TypeError(
             f"rank function {fn!r} is not what its module {module_name!r} holds under the "
             f"name {qualname!r} (redefined, or decorated without functools.wraps?); a rank "
@@ -117,9 +118,16 @@ def _same_file(module: types.ModuleType | None, file: str | None) -> bool:
         return False
     if file is None:
         return True  # nothing to compare with: the name is all the parent had
-    origin = getattr(module, "__file__", None)
+    return _same_path(getattr(module, "__file__", None), file)
+
+
+def _same_path(a: str | None, b: str) -> bool:
+    if a is None:
+        return False
+    if os.path.abspath(a) == b:  # also for paths that are no files (inside a zip archive)
+        return True
     try:
-        return origin is not None and os.path.samefile(origin, file)
+        return os.path.samefile(a, b)
     except OSError:
         return False
 
@@ -148,11 +156,7 @@ def _name_leads_to(name: str, file: str) -> bool:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
-    origin = spec.origin if spec is not None else None
-    try:
-        return origin is not None and os.path.samefile(origin, file)
-    except OSError:
-        return False
+    return _same_path(spec.origin if spec is not None else None, file)
 
 
 _rewritten: dict[tuple[str, int, int], bytes | None] = {}
