@@ -241,7 +241,8 @@ def _run_ranks(
     Defaults come from the test's markers and the command line; keyword options
     (``world_size``, ``backend``, ``init_method``, ``timeout``, ``fn_kwargs``, ``env``)
     override them for one call. ``backend=None`` starts the ranks without a process group,
-    for functions that set up their own (RPC, several groups).
+    for functions that set up their own (RPC, several groups). ``may_exit={rank, ...}`` names
+    ranks whose death is part of the test: theirs is recorded as a ``RankExited`` result.
 
     A rank that calls ``pytest.skip`` skips the test; any other failure fails it with that
     rank's traceback, where the other ranks were, and every rank's output. The logs live
