@@ -88,6 +88,81 @@ def test_every_rank_raises_the_same_error_naming_the_odd_rank(run_ranks, how):
     assert "2 of 2 elements differ; greatest absolute difference 6" in text
 
 
+# Which ranks disagree is decided by majority, not by comparing with rank 0: a comparison
+# with rank 0 alone would blame the three agreeing ranks whenever rank 0 is the odd one.
+# Each case: a name and the value of every rank of a world of 4.
+SPLITS = {
+    "rank 0 is the odd one": [7, 1, 1, 1],
+    "three-way split": [1, 1, 5, 9],
+}
+
+
+def verdicts_of_splits(rank: int, world_size: int) -> dict[str, str]:
+    """Every rank runs every case, so every rank must reach the same verdict in each."""
+    verdicts = {}
+    for case, values in SPLITS.items():
+        try:
+            assert_equal_across_ranks(values[rank], name=case)
+            verdicts[case] = "no error"
+        except AssertionError as exc:
+            verdicts[case] = str(exc)
+    return verdicts
+
+
+def test_the_majority_decides_who_disagrees(run_ranks):
+    verdicts = run_ranks(verdicts_of_splits, world_size=4)
+    assert all(v == verdicts[0] for v in verdicts), "every rank must reach the same verdict"
+    odd_zero = verdicts[0]["rank 0 is the odd one"].splitlines()
+    assert odd_zero[0].endswith("rank(s) 0 disagree with rank(s) 1, 2, 3")
+    assert "  rank(s) 1, 2, 3: 1" in odd_zero and "  rank(s) 0: 7" in odd_zero
+    # Three values: the largest class (ranks 0, 1) is the majority, and each of the other two
+    # values gets a line of its own (not lumped together because both differ from rank 0).
+    three = verdicts[0]["three-way split"].splitlines()
+    assert three[0].endswith("rank(s) 2, 3 disagree with rank(s) 0, 1")
+    assert "  rank(s) 2: 5" in three and "  rank(s) 3: 9" in three
+
+
+# The caller's tolerances must be the ones applied: each case is (name, value on rank 0,
+# value on the other ranks, check, whether it must pass). The differences sit on both sides
+# of each tolerance, so ignoring rtol/atol (and falling back to the dtype's defaults, or to
+# exact equality) turns at least one verdict around.
+TOLERANCE_CASES = [
+    # 1e-4 apart: not equal, not within 1e-6, but within 1e-3.
+    ("tiny, equal", 1.0, 1.0001, ("equal", None, None), False),
+    ("tiny, tight", 1.0, 1.0001, ("close", 1e-6, 0.0), False),
+    ("tiny, loose", 1.0, 1.0001, ("close", 1e-3, 0.0), True),
+    # 0.5 apart: far outside float32's defaults, inside a tolerance of 100%.
+    ("large, default", 1.0, 1.5, ("close", None, None), False),
+    ("large, loose", 1.0, 1.5, ("close", 1.0, 0.0), True),
+    # float64, 1e-9 apart: inside float64's default rtol (1e-7), outside a tighter one.
+    ("float64, default", 1.0, 1.0 + 1e-9, ("close", None, None), True),
+    ("float64, tight", 1.0, 1.0 + 1e-9, ("close", 1e-12, 0.0), False),
+]
+
+
+def verdicts_of_tolerances(rank: int, world_size: int) -> dict[str, bool]:
+    passed = {}
+    for name, on_zero, on_others, (how, rtol, atol), _ in TOLERANCE_CASES:
+        dtype = torch.float64 if name.startswith("float64") else torch.float32
+        value = torch.tensor([on_zero if rank == 0 else on_others], dtype=dtype)
+        try:
+            if how == "equal":
+                assert_equal_across_ranks(value, name=name)
+            else:
+                assert_close_across_ranks(value, rtol=rtol, atol=atol, name=name)
+            passed[name] = True
+        except AssertionError:
+            passed[name] = False
+    return passed
+
+
+def test_the_callers_tolerances_decide(run_ranks):
+    """Through real ranks on both sides of each tolerance (a unit test of the comparison
+    alone would not see a rank-side call that drops rtol/atol)."""
+    expected = {name: ok for name, *_, ok in TOLERANCE_CASES}
+    assert run_ranks(verdicts_of_tolerances) == [expected, expected]
+
+
 def needs_a_group(rank: int, world_size: int) -> None:
     assert_equal_across_ranks(rank)
 
