@@ -17,6 +17,9 @@ Read in this order:
    optimal, counted byte by byte: (N-1)K against 2(N-1)/N K from each rank.
 4. ``mismatched`` + its test: a rank with a different shape gets an error, not a hang.
 5. The demo, ``python -m tutorial_impl ring``.
+6. ``schedule`` + ``test_recorded_trace_is_the_rings_schedule``: the trace the pictures are
+   drawn from (``dist_tuto/ring_trace.py``), recorded from the real rings, is step for step the
+   schedule each algorithm prescribes, written here in closed form.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.dist_tuto import ring
+from tutorial_impl.dist_tuto import ring, ring_trace
 from tutorial_impl.dist_tuto.ring import SEGMENT_BYTES, allreduce, ring_allreduce
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32]
@@ -224,3 +227,73 @@ def test_demo_prints_the_tutorial_line(run_ranks):
         assert values["tutorial"] == values["ring"] == values["all_reduce"]
         assert values["all_reduce"] == [10.0, 12.0, 14.0, 16.0, 18.0]
         assert f"Rank  {rank}  has data  tensor(10.)" in out.splitlines()
+
+
+# --- 6. The ring step by step, recorded ---------------------------------------------------
+
+
+def schedule(ring_name: str, rank: int, n: int) -> list[tuple]:
+    """What rank ``rank`` of ``n`` must send, receive and hold at each step, in closed form.
+
+    A step is ``(send_to, sent, recv_from, received, holds)``, each message or buffer a tuple
+    of ``(chunk, ranks whose data it sums)``. Indices are modulo ``n``; ``ranks(a, b)`` is the
+    ranks ``a, a-1, ..., b`` going left round the ring.
+    """
+
+    def ranks(first: int, last: int) -> frozenset[int]:
+        return frozenset((first - j) % n for j in range((first - last) % n + 1))
+
+    left, right, everyone = (rank - 1) % n, (rank + 1) % n, frozenset(range(n))
+    steps = []
+    if ring_name == "tutorial":
+        # Whole tensors travel: at step s rank r passes on rank r-s's input and receives
+        # rank r-s-1's, adding it to everything it holds.
+        for s in range(n - 1):
+            sent = tuple((c, frozenset({(rank - s) % n})) for c in range(n))
+            received = tuple((c, frozenset({(rank - s - 1) % n})) for c in range(n))
+            holds = tuple((c, ranks(rank, rank - s - 1)) for c in range(n))
+            steps.append((right, sent, left, received, holds))
+        return steps
+    holds = {c: frozenset({rank}) for c in range(n)}
+    # Reduce-scatter: at step s rank r sends chunk r-s (holding ranks r..r-s) and receives
+    # chunk r-s-1 (ranks r-1..r-s-1), adding its own: after N-1 steps chunk r+1 is complete.
+    for s in range(n - 1):
+        c = (rank - s - 1) % n
+        holds[c] = ranks(rank, rank - s - 1)
+        sent = (((rank - s) % n, ranks(rank, rank - s)),)
+        received = ((c, ranks(rank - 1, rank - s - 1)),)
+        steps.append((right, sent, left, received, tuple(holds.items())))
+    # All-gather: at step s rank r passes on the complete chunk r+1-s and stores chunk r-s.
+    for s in range(n - 1):
+        holds[(rank - s) % n] = everyone
+        sent = (((rank + 1 - s) % n, everyone),)
+        received = (((rank - s) % n, everyone),)
+        steps.append((right, sent, left, received, tuple(holds.items())))
+    return steps
+
+
+def test_the_trace_encoding_reads_back_chunk_and_ranks():
+    """Every element says which chunk it is and whose inputs it sums, even after adding."""
+    three = ring_trace.encode(0, 2) + ring_trace.encode(1, 2) + ring_trace.encode(3, 2)
+    assert ring_trace.decode_value(three) == (2, frozenset({0, 1, 3}))
+    assert ring_trace.decode(ring_trace.ring_input(1, 3)) == tuple(
+        (c, frozenset({1})) for c in range(3)
+    )
+    with pytest.raises(ValueError, match="not a sum of encoded chunks"):
+        ring_trace.decode_value(3 << 8 | 0b11)  # two ranks, 3 is not 2 x a chunk number
+
+
+@pytest.mark.world_size(4)
+def test_recorded_trace_is_the_rings_schedule(run_ranks):
+    """Both rings, recorded while they really run on 4 ranks, follow their schedules exactly:
+    the tutorial's passes whole tensors and adds everything everywhere; the optimal one
+    passes one chunk a step, and after the reduce-scatter rank r alone holds chunk r+1
+    complete, which the all-gather then hands round."""
+    traces = run_ranks(ring_trace.trace_rings)
+    for rank, trace in enumerate(traces):
+        for name in ("tutorial", "optimal"):
+            got = [(s.send_to, s.sent, s.recv_from, s.received, s.holds) for s in trace[name]]
+            assert got == schedule(name, rank, 4), (name, rank)
+        # after reduce-scatter (step N-2) the optimal ring's rank r owns chunk r+1, complete
+        complete = [c for c, who in trace["optimal"][2].holds if len(who) == 4]
+        assert complete == [(rank + 1) % 4]
