@@ -32,6 +32,10 @@ SECTIONS: dict[str, tuple[str, str]] = {
         "RPC framework: rpc_sync/async/remote, RRef, dist autograd, optimizer, timeouts, ...",
     ),
     "hybrid": ("tutorial_impl.rpc.hybrid", "DDP + RPC: DDP trainers, a master, parameter servers"),
+    "pictures": (
+        "tutorial_impl.pictures",
+        "the images in docs/images: both rings step by step (traced), the DDP + RPC layout",
+    ),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "harness": ("tutorial_impl.bench.harness", "per-test overhead: harness vs mp.spawn"),
