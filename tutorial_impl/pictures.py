@@ -234,7 +234,12 @@ def draw_hybrid_layout(plt: Any, path: Path) -> None:
         both=True,
     )
     arrow(
-        (5.0, 8.0), (5.0, 2.35), "RPC: remote(): create\nthe EmbeddingBag", rpc_colour, (5.0, 3.1)
+        (5.0, 8.0),
+        (5.0, 2.35),
+        f'RPC: RemoteModule("{world.ps_name(0)}/cpu", ...)\nbuilds the table there\n'
+        "from the master's rows",
+        rpc_colour,
+        (5.0, 3.1),
     )
     ax.text(
         5.0,
