@@ -65,6 +65,7 @@ def test_tiny_run_writes_the_promised_json(tmp_path, capsys):
     for r in rows:
         assert r["world_size"] == 2 and r["repeats"] == 2
         assert 0 < r["min_ms"] <= r["median_ms"]
+        assert r["cpu_ms"] > 0  # every call costs some CPU, on every rank
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["median_ms"] / 1e6)
     gloo = {r["bytes"]: r["median_ms"] for r in rows if r["algorithm"] == "gloo"}
     for r in rows:
@@ -73,6 +74,7 @@ def test_tiny_run_writes_the_promised_json(tmp_path, capsys):
         if r["algorithm"] == "ring":
             unchecked = r["unchecked_median_ms"] / gloo[r["bytes"]]
             assert r["unchecked_ratio_to_gloo"] == pytest.approx(unchecked)
+            assert r["unchecked_cpu_ms"] > 0
         else:
             assert "unchecked_median_ms" not in r
     out = capsys.readouterr().out

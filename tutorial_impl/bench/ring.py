@@ -10,6 +10,11 @@ interleave the algorithms, so a burst of load on a shared machine hurts all thre
 print the median, the algorithmic bandwidth (bytes / time, as nccl-tests' "algbw") and the
 ratio to gloo measured in the same run.
 
+Beside the time, each call's CPU time (``time.process_time``: every thread of the rank, gloo's
+included), summed over the ranks: what the call cost the machine. On a machine with fewer
+cores than busy processes, time follows CPU; two algorithms that cost the same CPU finish,
+on average, together, and what decides between them is when each rank gets a core.
+
 What theory predicts: per rank the tutorial's ring sends (N-1)*K bytes, a bandwidth-optimal
 ring 2(N-1)/N * K, so for large K the tutorial ring should take N/2 times as long as the
 bandwidth-optimal one: no worse at N=2, twice as long at N=4. gloo's CPU allreduce is a ring too.
@@ -90,23 +95,28 @@ def bench_rank(rank: int, world_size: int, sizes: list[int], repeats: int) -> li
     """Time every algorithm at every size on this group; rank 0 returns the rows."""
     rows = []
     slowest = torch.zeros(1, dtype=torch.float64)
+    cpu = torch.zeros(1, dtype=torch.float64)
     for size in sizes:
         # Zeros keep the sums at zero however often we add (no overflow, no denormals).
         tensor = torch.zeros(size // 4, dtype=torch.float32)
         out = torch.empty_like(tensor)
         times: dict[str, list[float]] = {name: [] for name in _TIMED}
+        cpu_times: dict[str, list[float]] = {name: [] for name in _TIMED}
         for rep in range(repeats + 1):  # the first round warms up and is not counted
             shift = rep % len(_TIMED)
             order = _TIMED[shift:] + _TIMED[:shift]
             for name in order:
                 call = _one_call(name, tensor, out)
                 dist.barrier()
-                start = time.perf_counter()
+                cpu_start, start = time.process_time(), time.perf_counter()
                 call()
                 slowest[0] = time.perf_counter() - start
+                cpu[0] = time.process_time() - cpu_start
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                dist.all_reduce(cpu)  # the machine's cost: every rank's CPU, summed
                 if rep:
                     times[name].append(slowest.item() * 1e3)
+                    cpu_times[name].append(cpu.item() * 1e3)
         for name in ALGORITHMS:
             rows.append(
                 {
@@ -115,11 +125,13 @@ def bench_rank(rank: int, world_size: int, sizes: list[int], repeats: int) -> li
                     "algorithm": name,
                     "median_ms": statistics.median(times[name]),
                     "min_ms": min(times[name]),
+                    "cpu_ms": statistics.median(cpu_times[name]),
                     "repeats": repeats,
                 }
             )
             if name == "ring":
                 rows[-1]["unchecked_median_ms"] = statistics.median(times["unchecked"])
+                rows[-1]["unchecked_cpu_ms"] = statistics.median(cpu_times["unchecked"])
     return rows if rank == 0 else []
 
 
@@ -150,21 +162,24 @@ def tutorial_vs_ring(rows: list[dict]) -> list[tuple[int, int, float, float]]:
 def format_table(rows: list[dict]) -> str:
     lines = [
         f"{'world':>5} {'size':>8} {'algorithm':>9} {'median ms':>10} {'algbw GB/s':>10} "
-        f"{'x gloo':>7}   (ring without its layout check: ms, x gloo)"
+        f"{'x gloo':>7} {'CPU ms':>7}   (ring without its layout check: ms, x gloo, CPU ms)"
     ]
     for r in rows:
         line = (
             f"{r['world_size']:>5} {format_size(r['bytes']):>8} {r['algorithm']:>9} "
-            f"{r['median_ms']:>10.3f} {r['algbw_gbps']:>10.3f} {r['ratio_to_gloo']:>7.2f}"
+            f"{r['median_ms']:>10.3f} {r['algbw_gbps']:>10.3f} {r['ratio_to_gloo']:>7.2f} "
+            f"{r.get('cpu_ms', float('nan')):>7.2f}"
         )
         if "unchecked_median_ms" in r:
-            line += f"   ({r['unchecked_median_ms']:.3f}, {r['unchecked_ratio_to_gloo']:.2f})"
+            line += f"   ({r['unchecked_median_ms']:.3f}, {r['unchecked_ratio_to_gloo']:.2f}"
+            line += f", {r.get('unchecked_cpu_ms', float('nan')):.2f})"
         lines.append(line)
     lines.append(
         "\ntutorial ring / bandwidth-optimal ring. Expected from the bytes each rank sends: N/2."
         "\nThe tutorial ring also moves each step's whole tensor before adding it (no"
         "\npipelining) and clones the input three times a call; for small tensors both are"
         "\nbound by the 2(N-1) or N-1 message latencies, not by bytes."
+        "\nCPU ms: CPU time of a call, all ranks summed (gloo's threads included)."
     )
     for world, size, expected, measured in tutorial_vs_ring(rows):
         lines.append(
