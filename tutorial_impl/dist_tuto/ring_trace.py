@@ -129,9 +129,14 @@ class RecordingDist:
         while frame is not None:
             name = RUNNING_SUM.get(frame.f_code.co_name)
             if name is not None and frame.f_globals is vars(ring):
-                self.trace.holdings.append(decode(frame.f_locals[name]))
                 break
             frame = frame.f_back
+        if frame is None or name not in frame.f_locals:
+            # ring.py changed: a picture of stale holdings would be wrong without a word
+            raise RuntimeError(
+                f"ring_trace looks for the running sum in ring.py as {RUNNING_SUM}; not found"
+            )
+        self.trace.holdings.append(decode(frame.f_locals[name]))
         # An event waiting for "the next call" gets this one.
         while len(self.trace.next_call) < len(self.trace.events):
             self.trace.next_call.append(len(self.trace.holdings) - 1)
