@@ -173,7 +173,7 @@ def test_mpi_is_refused_clearly_when_missing():
         check_backend("mpi", 2)
 
 
-@pytest.mark.backend("mpi")
+@pytest.mark.dist_backend("mpi")
 @pytest.mark.world_size(1)
 def test_mpi_template(run_ranks):
     """The tutorial's MPI variant: ``init_process(0, 0, run, backend='mpi')``; MPI itself

@@ -96,8 +96,8 @@ def test_irecv_buffer_is_only_valid_after_wait(run_ranks):
         assert seen["value_after_wait"] == sender["sent"][rank]
 
 
-@pytest.mark.gpu(2)
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
 @pytest.mark.parametrize("fn", [p2p.run_blocking, p2p.run_nonblocking], ids=["send", "isend"])
 def test_p2p_on_nccl_with_cuda_tensors(run_ranks, fn):
     assert [t.tolist() for t in run_ranks(fn)] == [[1.0], [1.0]]

@@ -298,14 +298,14 @@ def test_cli_demo(capsys):
 # ---- the same on NCCL with CUDA tensors (skipped at collection time without 2 GPUs) ----
 
 
-@pytest.mark.gpu(2)
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
 def test_every_collective_on_nccl(run_ranks):
     check_tour(run_ranks(coll.tour, fn_kwargs={"verbose": False}), 2)
 
 
-@pytest.mark.gpu(2)
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
 def test_reduce_ops_on_nccl(run_ranks):
     """NCCL has PREMUL_SUM (floating types only) and AVG, but no bitwise ops."""
     results = run_ranks(reduce_every_op, [torch.float32])

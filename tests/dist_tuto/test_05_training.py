@@ -306,13 +306,13 @@ def test_cli_bad_input_is_a_clear_message(
 # --- the same on GPUs (NCCL); skipped at collection time without CUDA --------------------------
 
 
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_backend("nccl")
 @pytest.mark.parametrize(
     ("world_size", "use_ddp"),
     [
-        pytest.param(1, False, marks=[pytest.mark.gpu(1), pytest.mark.world_size(1)]),
-        pytest.param(2, False, marks=[pytest.mark.gpu(2), pytest.mark.world_size(2)]),
-        pytest.param(2, True, marks=[pytest.mark.gpu(2), pytest.mark.world_size(2)]),
+        pytest.param(1, False, marks=[pytest.mark.dist_gpu(1), pytest.mark.world_size(1)]),
+        pytest.param(2, False, marks=[pytest.mark.dist_gpu(2), pytest.mark.world_size(2)]),
+        pytest.param(2, True, marks=[pytest.mark.dist_gpu(2), pytest.mark.world_size(2)]),
     ],
     ids=["1-gpu", "2-gpus", "2-gpus-ddp"],
 )
@@ -330,8 +330,8 @@ def test_nccl_ranks_on_gpus_reach_the_cpu_reference(
         assert _max_diff(params, reference) <= 10 * PARITY_ATOL, f"rank {rank}"
 
 
-@pytest.mark.gpu(2)
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
 def test_cli_train_with_nccl(capsys: pytest.CaptureFixture[str]) -> None:
     """``train --backend nccl``: model and data on ``cuda:rank``, NCCL averages the gradients."""
     code = sgd.main(["--backend", "nccl", "--world-size", "2", "--epochs", "1", "--samples", "256"])

@@ -293,6 +293,8 @@ def _decorated(rank: int, world_size: int) -> None:
         ({"backend": "glooo"}, ValueError, "unknown backend 'glooo'"),
         ({"backend": "cpu:glo"}, ValueError, "unknown backend 'cpu:glo'"),
         ({"timeout": 0}, ValueError, "timeout must be positive"),
+        ({"timeout": "10"}, ValueError, "timeout must be positive: a number of seconds"),
+        ({"backend": "mpi", "world_size": 2}, ValueError, "each forked rank would be a world"),
         ({"fn": lambda rank, world_size: None}, TypeError, "not a module-level function"),
         ({"fn": _in_main}, TypeError, "defined in __main__"),
         ({"fn": functools.partial(one_rank_sum)}, TypeError, "not a module-level function"),

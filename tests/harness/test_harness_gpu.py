@@ -1,6 +1,6 @@
 """The harness's NCCL path, on real GPUs (skipped at collection time on a CPU machine).
 
-Run with ``pytest -m gpu`` on a CUDA machine (the gpu CI workflow does). The forkserver
+Run with ``pytest -m dist_gpu`` on a CUDA machine (the gpu CI workflow does). The forkserver
 never touches CUDA, so every rank may initialise it after the fork.
 """
 
@@ -19,16 +19,16 @@ def all_reduce_cuda(rank: int, world_size: int) -> tuple[float, int, str]:
     return t.item(), device.index, dist.get_backend()
 
 
-@pytest.mark.gpu
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_gpu
+@pytest.mark.dist_backend("nccl")
 @pytest.mark.world_size(1)
 def test_nccl_group_of_one(run_ranks):
     """Even one GPU proves the path: device chosen, NCCL group joined, CUDA all_reduce."""
     assert run_ranks(all_reduce_cuda) == [(1.0, 0, "nccl")]
 
 
-@pytest.mark.gpu(2)
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
 @pytest.mark.world_size(2)
 def test_nccl_ranks_get_one_gpu_each(run_ranks):
     """Rank r runs on GPU r, and the sum over both GPUs reaches both ranks."""

@@ -263,7 +263,7 @@ def test_options_are_documented_in_pytest_help(pytester):
             "torch.distributed multi-rank harness:",
             "*--rank-timeout=RANK_TIMEOUT*",
             "*--init-method=*",
-            "*--require-gpu*fail, instead of skipping, every test marked gpu*",
+            "*--require-gpu*fail, instead of skipping, every test marked dist_gpu*",
         ]
     )
 
@@ -278,15 +278,15 @@ def test_loading_the_plugin_does_not_import_torch():
 GPU_TESTS = """
 import pytest
 
-@pytest.mark.gpu
+@pytest.mark.dist_gpu
 def test_gpu():
     pass
 
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_backend("nccl")
 def test_nccl():
     pass
 
-@pytest.mark.backend("mpi")
+@pytest.mark.dist_backend("mpi")
 def test_mpi():
     pass
 """
@@ -323,8 +323,8 @@ def test_sizes(run_ranks, world_size):
 def test_single(world_size):
     assert world_size == 3
 
-@pytest.mark.gpu
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_gpu
+@pytest.mark.dist_backend("nccl")
 @pytest.mark.world_size(1, 2, 4)
 def test_gpus(run_ranks):
     pass

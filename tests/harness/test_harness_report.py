@@ -123,19 +123,20 @@ PIDS = {pid_dir!r}
 def record(rank, world_size):
     proctable.record_self(PIDS, f"rank{{rank}}")
 
-@pytest.mark.gpu
+@pytest.mark.dist_gpu
 def test_gpu(run_ranks):
     run_ranks(record)
 
-@pytest.mark.gpu(8)
+@pytest.mark.dist_gpu(8)
 def test_eight_gpus(run_ranks):
     run_ranks(record)
 
-@pytest.mark.backend("nccl")
+@pytest.mark.dist_backend("nccl")
 def test_nccl(run_ranks):
     run_ranks(record)
 
-@pytest.mark.backend("mpi")
+@pytest.mark.dist_backend("mpi")
+@pytest.mark.world_size(1)  # forked MPI ranks above 1 are refused: see test_harness_config
 def test_mpi(run_ranks):
     run_ranks(record)
 

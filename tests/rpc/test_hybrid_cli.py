@@ -100,11 +100,11 @@ def _gpu_run(run_ranks, trainers: int) -> None:
     assert not master["table"].equal(master["initial_table"])
 
 
-@pytest.mark.gpu(1)
+@pytest.mark.dist_gpu(1)
 def test_one_trainer_on_a_gpu(run_ranks):
     _gpu_run(run_ranks, trainers=1)
 
 
-@pytest.mark.gpu(2)
+@pytest.mark.dist_gpu(2)
 def test_each_trainer_on_its_own_gpu(run_ranks):
     _gpu_run(run_ranks, trainers=2)

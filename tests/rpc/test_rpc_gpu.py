@@ -1,4 +1,4 @@
-"""The reference's CUDA notes, on a GPU (every test is marked ``gpu``: skipped without CUDA).
+"""The reference's CUDA notes, on a GPU (every test is marked ``dist_gpu``: skipped without CUDA).
 
 The reference claims: TensorPipe sends CPU tensors by default; CUDA tensors need a *device
 map* in ``TensorPipeRpcBackendOptions`` (``device_maps=`` or ``set_device_map``) that says
@@ -60,13 +60,13 @@ def report(rpc_worlds) -> dict:
     return rpc_worlds.run(cuda_lesson, world_size=3, backend=None, timeout=60)[0]
 
 
-@pytest.mark.gpu(1)
+@pytest.mark.dist_gpu(1)
 def test_a_cuda_tensor_without_a_device_map_is_refused(report):
     assert "TensorPipe RPC backend only supports CPU tensors by default" in report["unmapped_error"]
     assert "set_device_map" in report["unmapped_error"]
 
 
-@pytest.mark.gpu(1)
+@pytest.mark.dist_gpu(1)
 def test_a_device_map_places_the_tensor_and_maps_the_reply_back(report):
     mapped = report["mapped"]
     assert mapped["arrived_on"] == "cuda:0"  # on worker1, as the map says
@@ -74,7 +74,7 @@ def test_a_device_map_places_the_tensor_and_maps_the_reply_back(report):
     assert torch.equal(mapped["reply"], torch.full((2,), 2.0))
 
 
-@pytest.mark.gpu(1)
+@pytest.mark.dist_gpu(1)
 def test_rrefs_and_dist_autograd_keep_cpu_tensors_and_move_to_the_gpu_locally(report):
     w = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
     ((w + 1.0) ** 2).sum().backward()  # the same loss, one process, plain autograd

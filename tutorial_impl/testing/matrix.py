@@ -41,16 +41,3 @@ def sizes(marker: Any) -> list[int] | None:
 def item_id(size: int) -> str:
     """The id of one entry of the matrix, as it appears in ``test_x[world_size2]``."""
     return f"world_size{size}"
-
-
-def world_size_of(item: Any) -> int:
-    """The world size an item runs with: its matrix entry, its marker, or the default 2."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and FIXTURE in callspec.params:
-        return int(callspec.params[FIXTURE])
-    marker = item.get_closest_marker("world_size")
-    if marker is None:
-        return DEFAULT_WORLD_SIZE
-    if marker.args:
-        return int(marker.args[0])
-    return int(marker.kwargs.get("n", DEFAULT_WORLD_SIZE))

@@ -25,20 +25,26 @@ What pytest calls, in the order it calls it:
     the world-size matrix: ``@pytest.mark.world_size(1, 2, 4)`` becomes one item per size
     (see ``matrix``).
 ``pytest_collection_modifyitems``
-    after collection, before any test runs: skips what this machine cannot run (no CUDA, too
-    few GPUs, no NCCL or MPI) with the reason, or marks it to fail under ``--require-gpu``;
-    and keeps pytest-timeout's backstop above each test's harness deadline.
-``pytest_runtest_setup``
-    fails the tests ``--require-gpu`` refused to skip, before their fixtures run.
+    after collection, before any test runs: reads and checks each harness test's markers
+    (``config``); skips what this machine cannot run (no CUDA, too few GPUs, no NCCL or MPI)
+    with the reason, or marks it to fail under ``--require-gpu``; and keeps pytest-timeout
+    from firing before the harness deadline.
+``pytest_runtest_setup`` / ``pytest_runtest_teardown``
+    fails a misconfigured test, or one ``--require-gpu`` refused to skip, before its
+    fixtures run; leases a GPU test's GPUs for its run (``backends.lease``).
 fixtures ``run_ranks`` and ``world_size``
     run a rank function on N processes; the size of this test's world.
 
-Markers: ``world_size(n)`` or ``world_size(n1, n2, ...)``, ``backend(name)``, ``gpu(n=1)``,
-``rank_timeout(seconds)``, ``slow``.
+Markers: ``world_size(n)`` or ``world_size(n1, n2, ...)``, ``dist_backend(name)``,
+``dist_gpu(n=1)``, ``rank_timeout(seconds)``; ``backend`` and ``gpu`` are deprecated aliases,
+honoured only on tests that use the harness. ``config`` reads and checks them all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,27 +52,38 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import matrix
+from tutorial_impl.testing import backends, matrix
+from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.errors import RankResults, RankSkipped
 from tutorial_impl.testing.rendezvous import INIT_METHODS, avoid_reverse_dns_stalls
-from tutorial_impl.testing.supervisor import DEFAULT_TIMEOUT, run_ranks
+from tutorial_impl.testing.supervisor import run_ranks
 
 MARKERS = {
     "world_size(n, ...)": "run the test's ranks with world size n (default 2); several sizes "
     "make one test per size, with ids [world_sizeN] and markers world_size(n=N)",
-    "backend(name)": "process-group backend for the ranks: gloo (default), nccl or mpi",
-    "gpu(n=1)": "needs CUDA and at least n GPUs; skipped at collection time otherwise "
-    "(a failure under --require-gpu)",
+    "dist_backend(name)": "process-group backend for the ranks: gloo (default), nccl, mpi, "
+    "a per-device form such as 'cpu:gloo,cuda:nccl', or None",
+    "dist_gpu(n=1)": "needs CUDA and n GPUs, leased for the test (no other test of this host "
+    "uses them meanwhile); skipped at collection time otherwise (a failure under "
+    "--require-gpu)",
     "rank_timeout(seconds)": "harness deadline for this test's ranks (stack dump, then kill)",
-    "slow": "slower end-to-end tests (torchrun, subprocess pytest runs)",
+    "backend(name)": "deprecated: dist_backend(name); honoured on tests using run_ranks only",
+    "gpu(n=1)": "deprecated: dist_gpu(n); honoured on tests using run_ranks only",
 }
-# pytest-timeout stays a backstop: it must never fire before the harness deadline does.
-BACKSTOP_MARGIN = 30.0
 # Imported once by the rank forkserver under pytest: a rank that runs a function of a test
 # file imports that file, and the file imports pytest (~0.3 s a rank otherwise).
 PYTEST_PRELOAD = ["pytest", __name__]
 _refused_skip = pytest.StashKey[str]()  # reason a --require-gpu test would have been skipped
+_bad_config = pytest.StashKey[str]()  # a marker the harness cannot honour: fails the test
+_settings = pytest.StashKey[_config.Settings]()  # what the test's ranks run with
+_deadline_cap = pytest.StashKey[float]()  # no run_ranks call may wait longer (pytest-timeout)
+_default_deadline = pytest.StashKey[float]()  # --rank-timeout, else rank_timeout ini, else 60
+_leases = pytest.StashKey[contextlib.ExitStack]()
+
+
+class HarnessDeprecationWarning(DeprecationWarning):
+    """A harness feature that still works and will go: the message says what replaces it."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,12 +107,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--require-gpu",
         action="store_true",
         default=False,
-        help="fail, instead of skipping, every test marked gpu or using the nccl backend "
+        help="fail, instead of skipping, every test marked dist_gpu or using the nccl backend "
         "that this machine cannot run (no CUDA, too few GPUs, no NCCL), with the reason: "
         "for GPU CI jobs, which must not pass by skipping every GPU test",
     )
     parser.addini(
-        "rank_timeout", "default harness deadline in seconds", default=str(DEFAULT_TIMEOUT)
+        "rank_timeout",
+        "default harness deadline in seconds",
+        default=str(_config.DEFAULT_DEADLINE),
     )
     parser.addini(
         "rank_preload",
@@ -106,9 +125,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers; tell the (not yet started) forkserver what to preload."""
+    """Register the markers; check the options; tell the forkserver what to preload.
+
+    A bad option or ini value raises ``pytest.UsageError``: pytest prints the message and
+    exits with status 4 before collecting anything, as for its own options.
+    """
     for name, help_text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
+    try:
+        deadline = _config.deadline_option(config.getoption("--rank-timeout"), "--rank-timeout")
+        if deadline is None:
+            deadline = _config.deadline_option(config.getini("rank_timeout"), "rank_timeout ini")
+    except _config.ConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[_default_deadline] = deadline or _config.DEFAULT_DEADLINE
     _ranks.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
     avoid_reverse_dns_stalls()  # before any store exists: see its docstring
 
@@ -134,83 +164,120 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(matrix.FIXTURE, params, indirect=True)
 
 
-def _marker_arg(item: pytest.Item, name: str, default: Any) -> Any:
-    marker = item.get_closest_marker(name)
-    if marker is None:
-        return default
-    if marker.args:
-        return marker.args[0]
-    return marker.kwargs.get("n", marker.kwargs.get("seconds", default))
+def _pytest_timeout(item: pytest.Item) -> float | None:
+    """The test's pytest-timeout, from any of its four sources, or None without the plugin.
 
-
-def _deadline(config: pytest.Config, item: pytest.Item) -> float:
-    per_run = config.getoption("--rank-timeout")
-    default = per_run if per_run is not None else float(config.getini("rank_timeout"))
-    return float(_marker_arg(item, "rank_timeout", default))
-
-
-def _wants_gpu(item: pytest.Item) -> bool:
-    return item.get_closest_marker("gpu") is not None or _ranks.uses_nccl(
-        _marker_arg(item, "backend", "gloo")
-    )
-
-
-def _why_not_here(item: pytest.Item) -> str | None:
-    """The reason this test cannot run on this machine, or None. Called before any rank."""
-    gpu = item.get_closest_marker("gpu")
-    backend = _marker_arg(item, "backend", "gloo")
-    if gpu is None and backend == "gloo":
+    pytest-timeout reads, in order: the closest ``timeout`` marker, ``--timeout``, the
+    ``PYTEST_TIMEOUT`` variable, the ``timeout`` ini value; its ``_get_item_settings`` does
+    exactly that, and is what it calls itself.
+    """
+    if not item.config.pluginmanager.hasplugin("timeout"):
         return None
-    import torch
-    import torch.distributed as dist
+    try:
+        import pytest_timeout
 
-    needed = int(_marker_arg(item, "gpu", 1)) if gpu is not None else 0
-    if _ranks.uses_nccl(backend):  # "nccl", or a per-device form such as "cpu:gloo,cuda:nccl"
-        needed = max(needed, matrix.world_size_of(item))  # one GPU per rank
-        if not dist.is_nccl_available():
-            return "NCCL is not available in this build of torch"
-    elif backend == "mpi":
-        if not dist.is_mpi_available():
-            return "MPI backend not available (torch was built without MPI)"
-    elif backend != "gloo":
-        return None  # an unknown backend is a test error, reported when the ranks start
-    if needed:
-        if not torch.cuda.is_available():
-            return f"needs CUDA and {needed} GPU(s); CUDA is not available"
-        if torch.cuda.device_count() < needed:
-            return f"needs {needed} GPUs, found {torch.cuda.device_count()}"
-    return None
+        return pytest_timeout._get_item_settings(item).timeout or None
+    except Exception:  # another version: its own error will name the problem
+        return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip (or, under --require-gpu, refuse) what cannot run here; keep the backstop up."""
+    """Read and check every harness test's markers once; skip what cannot run here.
+
+    Runs after collection, before any test. A marker the harness cannot honour is recorded
+    and fails that one test in ``pytest_runtest_setup`` (raising here would be an
+    INTERNALERROR that ends the whole session). A test this machine cannot run (no CUDA, too
+    few GPUs, no NCCL or MPI) is skipped with the reason, or refused under --require-gpu.
+    The harness, which reports stacks and kills ranks, must fire before pytest-timeout: a
+    session-wide pytest-timeout (``--timeout``, ``PYTEST_TIMEOUT``, ini) is raised above the
+    test's deadline, and a test's own ``timeout`` marker lowers the harness deadline under it.
+    """
     require_gpu = config.getoption("--require-gpu")
-    timeout_plugin = config.pluginmanager.hasplugin("timeout")
-    backstop = float(config.getini("timeout") or 0) if timeout_plugin else 0.0
+    init_method = config.getoption("--init-method") or _config.DEFAULT_INIT_METHOD
     for item in items:
-        reason = _why_not_here(item)
-        if reason and require_gpu and _wants_gpu(item):
+        if not _config.uses_the_harness(item) and not any(
+            item.get_closest_marker(name) for name in ("dist_backend", "dist_gpu")
+        ):
+            continue  # not ours: a foreign gpu or backend marker keeps its own meaning
+        for old in _config.deprecated_markers_on(item):
+            new = _config.DEPRECATED_MARKERS[old]
+            item.warn(
+                HarnessDeprecationWarning(
+                    f"@pytest.mark.{old} is deprecated: use @pytest.mark.{new}, the same "
+                    "marker under a name no other project's markers can collide with"
+                )
+            )
+        try:
+            settings = _config.read(item, config.stash[_default_deadline], init_method)
+            reason = backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
+        except _config.ConfigError as exc:
+            item.stash[_bad_config] = str(exc)
+            continue
+        if reason and require_gpu and settings.gpus:
             item.stash[_refused_skip] = reason  # failed in pytest_runtest_setup
             continue
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
             continue
-        # Keep pytest-timeout above the harness deadline, so the harness (which reports
-        # stacks and kills ranks) always fires first.
-        if timeout_plugin and "run_ranks" in getattr(item, "fixturenames", ()):
-            wanted = _deadline(config, item) + BACKSTOP_MARGIN
-            marker = item.get_closest_marker("timeout")
-            current = float(marker.args[0]) if marker and marker.args else backstop
-            if current and current < wanted:
-                item.add_marker(pytest.mark.timeout(wanted))
+        limit = _pytest_timeout(item)
+        if item.get_closest_marker("timeout") is not None:
+            # The test's own limit stands: the harness reports first, inside it.
+            cap = _config.under_backstop(float("inf"), limit)
+            item.stash[_deadline_cap] = cap
+            settings = dataclasses.replace(settings, deadline=min(settings.deadline, cap))
+        elif limit and _config.uses_the_harness(item):
+            # A session-wide limit is a backstop: keep it above this test's deadline.
+            wanted = settings.deadline + _config.BACKSTOP_MARGIN
+            if limit < wanted:
+                item.add_marker(pytest.mark.timeout(wanted), append=False)
+        item.stash[_settings] = settings
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Fail a GPU test that --require-gpu kept from being skipped, before its fixtures."""
+    """Fail a misconfigured test, or a GPU test --require-gpu kept from being skipped,
+    before its fixtures; lease the GPUs of a GPU test for its whole run (see ``backends``)."""
+    problem = item.stash.get(_bad_config, None)
+    if problem is not None:
+        pytest.fail(f"harness configuration: {problem}", pytrace=False)
     reason = item.stash.get(_refused_skip, None)
     if reason is not None:
         pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
+    settings = item.stash.get(_settings, None)
+    if settings is not None and settings.gpus:
+        _lease_gpus(item, settings)
+
+
+def _lease_gpus(item: pytest.Item, settings: _config.Settings) -> None:
+    """Hold ``settings.gpus`` GPUs until teardown; the test and its ranks see only those."""
+    stack = contextlib.ExitStack()
+    item.stash[_leases] = stack
+    devices = backends.visible_gpus()
+    leased = stack.enter_context(backends.lease(settings.gpus, devices, settings.deadline))
+    if leased is None:
+        stack.close()
+        pytest.skip(
+            f"needs {settings.gpus} GPU(s) of {len(devices)}, and other tests (other xdist "
+            f"workers) held them for {settings.deadline:g} s; run fewer workers (-n)"
+        )
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(leased)
+    stack.callback(_restore_env, "CUDA_VISIBLE_DEVICES", previous)
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Give back the GPUs a test leased, after its fixtures are torn down."""
+    stack = item.stash.get(_leases, None)
+    if stack is not None:
+        stack.close()
 
 
 RunRanks = Callable[..., RankResults]
@@ -225,14 +292,16 @@ def _world_size_matrix(request: pytest.FixtureRequest) -> int | None:
 @pytest.fixture
 def world_size(request: pytest.FixtureRequest, _world_size_matrix: int | None) -> int:
     """The number of ranks this test runs with: its world-size matrix entry, else its
-    ``world_size`` marker, else 2. For computing what every rank should have returned."""
-    return matrix.world_size_of(request.node)
+    ``world_size`` marker, else 2. For computing what every rank should have returned.
+
+    A test may also parametrize it, ``@pytest.mark.parametrize("world_size", [3, 5])``:
+    pytest then passes each value in place of this fixture, and ``run_ranks`` (which
+    depends on it) runs that many ranks."""
+    return _config.world_size_of(request.node)
 
 
 @pytest.fixture(name="run_ranks")
-def _run_ranks(
-    request: pytest.FixtureRequest, tmp_path: Path, _world_size_matrix: int | None
-) -> RunRanks:
+def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> RunRanks:
     """Run a rank function on N processes and return each rank's return value.
 
     ``run_ranks(fn, *args, **options)`` calls ``fn(rank, world_size, *args)`` in every rank,
@@ -249,15 +318,28 @@ def _run_ranks(
     in the test's ``tmp_path``.
     """
     item = request.node
-    config = request.config
+    settings = item.stash.get(_settings, None)
+    if settings is None:  # an item our collection hook did not see: read it now
+        try:
+            settings = _config.read(
+                item,
+                request.config.stash[_default_deadline],
+                request.config.getoption("--init-method") or _config.DEFAULT_INIT_METHOD,
+            )
+        except _config.ConfigError as exc:
+            pytest.fail(f"harness configuration: {exc}", pytrace=False)
+    cap = item.stash.get(_deadline_cap, float("inf"))
     calls = iter(range(1_000_000))
 
     def run(fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
         __tracebackhide__ = True
-        options.setdefault("world_size", matrix.world_size_of(item))
-        options.setdefault("backend", _marker_arg(item, "backend", "gloo"))
-        options.setdefault("init_method", config.getoption("--init-method") or "env")
-        options.setdefault("timeout", _deadline(config, item))
+        options.setdefault("world_size", world_size)
+        options.setdefault("backend", settings.backend)
+        options.setdefault("init_method", settings.init_method)
+        options.setdefault("timeout", settings.deadline)
+        # Never wait past pytest-timeout: the harness must report (stacks) before it fires.
+        if isinstance(options["timeout"], (int, float)) and options["timeout"] > cap:
+            options["timeout"] = cap
         options.setdefault("log_dir", tmp_path / f"ranks-{next(calls)}")
         try:
             results = run_ranks(fn, *args, **options)

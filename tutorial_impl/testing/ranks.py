@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 
 from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing.backends import gpu_shortage, uses_nccl  # noqa: F401 (old home)
 from tutorial_impl.testing.lookup import FunctionRef, resolve
 from tutorial_impl.testing.rendezvous import init_method_url
 
@@ -151,27 +152,6 @@ def _redirect_output(spec: RankSpec) -> None:
 def _is_skip(exc: BaseException) -> bool:
     # pytest.skip() raises _pytest.outcomes.Skipped; we avoid importing pytest here.
     return type(exc).__name__ in ("Skipped", "SkipTest")
-
-
-def uses_nccl(backend: str | None) -> bool:
-    """True for ``"nccl"`` and for per-device forms that name it (``"cpu:gloo,cuda:nccl"``)."""
-    if backend is None:
-        return False
-    return any(part.rsplit(":", 1)[-1].strip().lower() == "nccl" for part in backend.split(","))
-
-
-def gpu_shortage(backend: str | None, world_size: int, gpus: int) -> str | None:
-    """Why ``world_size`` ranks cannot each have a GPU of their own, or None if they can.
-
-    NCCL needs one GPU per rank; two ranks on one GPU would not fail but silently share it
-    (NCCL then refuses some collectives, and timings mean nothing), so the harness refuses.
-    """
-    if not uses_nccl(backend) or world_size <= gpus:
-        return None
-    return (
-        f"backend {backend!r} needs one GPU per rank: world_size {world_size} but "
-        f"{gpus} GPU(s) visible; lower the world size or run on a machine with more GPUs"
-    )
 
 
 def init_process_group(spec: RankSpec) -> None:

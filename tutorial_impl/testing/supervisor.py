@@ -34,9 +34,10 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TextIO
 
+from tutorial_impl.testing import backends, forensics
 from tutorial_impl.testing import coverage as _coverage
-from tutorial_impl.testing import forensics
 from tutorial_impl.testing import ranks as _ranks
+from tutorial_impl.testing.config import DEFAULT_DEADLINE, DEFAULT_INIT_METHOD, DEFAULT_WORLD_SIZE
 from tutorial_impl.testing.errors import (
     RankExited,
     RankResults,
@@ -47,7 +48,7 @@ from tutorial_impl.testing.errors import (
 from tutorial_impl.testing.lookup import function_ref
 from tutorial_impl.testing.rendezvous import INIT_METHODS, AgentStore
 
-DEFAULT_TIMEOUT = 60.0
+DEFAULT_TIMEOUT = DEFAULT_DEADLINE  # the old name, kept for importers
 # c10d's warning when it cannot name a peer for a log message (rendezvous.py explains why
 # that lookup may be refused); it says nothing about the test, so rank output omits it.
 _DNS_NOISE = "[c10d] The hostname of the client socket cannot be retrieved"
@@ -130,10 +131,10 @@ def _relay(ranks: list[_Rank], stream: TextIO, prefix: bool) -> None:
 def run_ranks(
     fn: Callable[..., Any],
     *args: Any,
-    world_size: int = 2,
+    world_size: int = DEFAULT_WORLD_SIZE,
     backend: str | None = "gloo",
-    init_method: str = "env",
-    timeout: float = DEFAULT_TIMEOUT,
+    init_method: str = DEFAULT_INIT_METHOD,
+    timeout: float = DEFAULT_DEADLINE,
     fn_kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
@@ -164,9 +165,12 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if init_method not in INIT_METHODS:
         raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-    _check_backend(backend)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be positive: a number of seconds, got {timeout!r}")
+    backends.check(backend)
+    refusal = backends.mpi_refusal(backend, world_size)
+    if refusal:
+        raise ValueError(refusal)
     expected_exits = _check_ranks(may_exit, world_size)
     _check_gpus(backend, world_size, env)
     ref = function_ref(fn)
@@ -221,24 +225,6 @@ def run_ranks(
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _check_backend(backend: str | None) -> None:
-    """Refuse a misspelt backend in the parent, instead of in every rank after it started."""
-    if backend is None:
-        return
-    import torch.distributed as dist
-
-    # "gloo", or per-device forms like "cpu:gloo,cuda:nccl"; backend_list includes
-    # third-party backends registered with dist.Backend.register_backend.
-    names = [part.rsplit(":", 1)[-1].strip().lower() for part in str(backend).split(",")]
-    unknown = [n for n in names if n not in dist.Backend.backend_list or n == "undefined"]
-    if unknown:
-        known = ", ".join(b for b in dist.Backend.backend_list if b != "undefined")
-        raise ValueError(
-            f"unknown backend {backend!r}; expected one of {known}, or None for ranks that "
-            "set up their own process groups"
-        )
-
-
 def _check_ranks(may_exit: Collection[int], world_size: int) -> frozenset[int]:
     """``may_exit`` as a set, or a ValueError naming what is not a rank of this world."""
     if isinstance(may_exit, (str, bytes)) or not isinstance(may_exit, Collection):
@@ -251,11 +237,11 @@ def _check_ranks(may_exit: Collection[int], world_size: int) -> frozenset[int]:
 
 def _check_gpus(backend: str | None, world_size: int, env: dict[str, str] | None) -> None:
     """Refuse, in the parent, more NCCL ranks than GPUs (ranks check again: see ranks.py)."""
-    if not _ranks.uses_nccl(backend) or "CUDA_VISIBLE_DEVICES" in (env or {}):
+    if not backends.uses_nccl(backend) or "CUDA_VISIBLE_DEVICES" in (env or {}):
         return  # the ranks see other GPUs than we do: they will judge for themselves
     import torch
 
-    shortage = _ranks.gpu_shortage(backend, world_size, torch.cuda.device_count())
+    shortage = backends.gpu_shortage(backend, world_size, torch.cuda.device_count())
     if shortage:
         raise ValueError(shortage)
 

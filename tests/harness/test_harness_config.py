@@ -1,0 +1,264 @@
+"""Misconfiguration never passes silently: each marker, option and argument is checked.
+
+A harness earns trust by refusing what it cannot honour. Every test here is a stranger's
+project (``pytester``: only the installed package, no conftest) making a mistake a stranger
+would make, and each mistake must give a clear message naming the marker, the argument and
+what is accepted: never an INTERNALERROR that kills the session, never an argument ignored.
+
+1. A ``world_size`` given by ``parametrize`` is honoured: ``run_ranks`` runs that many ranks.
+2. Bad marker arguments fail that one test, before any rank starts; the session goes on.
+3. Markers that cannot collide: the old generic names ``gpu``/``backend`` are honoured only
+   on harness tests (with a deprecation warning); a foreign project's ``gpu`` or ``slow``
+   marker keeps its own meaning.
+4. Bad options and ini values are usage errors (exit status 4) naming the option.
+5. pytest-timeout and the harness deadline: the harness always reports first.
+6. GPU leases: two concurrent tests never hold the same GPU (``backends.lease``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch  # noqa: F401  (imported once here: pytester's in-process runs cannot re-import it)
+
+from tutorial_impl.testing import backends, config
+
+pytest_plugins = ["pytester"]
+
+# --- 1. a parametrized world_size is the world size -----------------------------------------
+
+PARAMETRIZED = """
+import pytest
+
+def who(rank, world_size):
+    return (rank, world_size)
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_parametrized(run_ranks, world_size):
+    results = run_ranks(who)
+    assert list(results) == [(r, world_size) for r in range(world_size)]
+
+@pytest.mark.parametrize("world_size", [3])
+def test_parametrized_without_asking_for_the_fixture(run_ranks):
+    assert len(run_ranks(who)) == 3
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("world_size", [3])
+def test_given_twice(run_ranks, world_size):
+    run_ranks(who)
+"""
+
+
+def test_a_parametrized_world_size_runs_that_many_ranks(pytester):
+    """``parametrize("world_size", [3])`` runs 3 ranks (it once ran 2, and a test checking
+    only per-rank properties passed while proving nothing about 3). Giving the size both ways
+    is refused, naming both."""
+    pytester.makepyfile(PARAMETRIZED)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rfE")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*test_given_twice*world size is given twice*parametrize('world_size'*world_size(4)*"]
+    )
+
+
+# --- 2. bad marker arguments: that test fails, the session goes on ---------------------------
+
+MISUSES = """
+import pytest
+
+def nothing(rank, world_size):
+    pass
+
+@pytest.mark.dist_backend(name="nccl")
+def test_backend_keyword(run_ranks):
+    run_ranks(nothing)
+
+@pytest.mark.dist_backend("ncl")
+def test_backend_misspelt(run_ranks):
+    run_ranks(nothing)
+
+@pytest.mark.dist_gpu("a100")
+def test_gpu_model(run_ranks):
+    run_ranks(nothing)
+
+@pytest.mark.gpu("a100")  # the deprecated alias is checked as strictly on a harness test
+def test_old_gpu_model(run_ranks):
+    run_ranks(nothing)
+
+@pytest.mark.dist_backend("mpi")
+def test_forked_mpi(run_ranks):
+    run_ranks(nothing)
+
+@pytest.mark.rank_timeout(-1)
+def test_negative_deadline(run_ranks):
+    run_ranks(nothing)
+
+@pytest.mark.rank_timeout(10, secs=2)
+def test_deadline_keyword(run_ranks):
+    run_ranks(nothing)
+
+@pytest.mark.world_size(0)
+def test_no_ranks(run_ranks):
+    run_ranks(nothing)
+
+def test_the_session_goes_on(run_ranks):
+    run_ranks(nothing)
+"""
+
+EXPECTED = {
+    "test_backend_keyword": "dist_backend(name='nccl'): unknown keyword argument 'name'; "
+    "accepted: dist_backend(",
+    "test_backend_misspelt": "dist_backend('ncl'): unknown backend 'ncl'; expected one of",
+    "test_gpu_model": "dist_gpu('a100'): 'a100' is not a number of GPUs; accepted: dist_gpu(n)",
+    "test_old_gpu_model": "gpu('a100'): 'a100' is not a number of GPUs",
+    "test_forked_mpi": "backend 'mpi' at world size 2: MPI takes its ranks from the MPI launcher",
+    "test_negative_deadline": "rank_timeout(-1): -1; accepted: a positive number of seconds",
+    "test_deadline_keyword": "rank_timeout(10, secs=2): unknown keyword argument 'secs'",
+    "test_no_ranks": "world_size(0): 0 is not a world size; accepted: an int >= 1",
+}
+
+
+def test_bad_marker_arguments_fail_that_test_with_a_message_naming_them(pytester):
+    """Each misuse errors in its own setup (no rank started), saying what was written and
+    what is accepted, and the well-formed test beside them still runs and passes."""
+    pytester.makepyfile(MISUSES)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rE")
+    result.assert_outcomes(passed=1, errors=len(EXPECTED))
+    text = result.stdout.str()
+    assert "INTERNALERROR" not in text
+    for test, message in EXPECTED.items():
+        result.stdout.fnmatch_lines([f"*ERROR at setup of {test}*", "harness configuration: *"])
+        assert message in text, f"{test}: {message!r} not in the report"
+
+
+# --- 3. markers that cannot collide -------------------------------------------------------
+
+FOREIGN = """
+import pytest
+
+@pytest.mark.gpu  # this project's own marker: "runs on our render farm", say
+@pytest.mark.slow
+def test_their_own_gpu_marker():
+    pass
+
+def nothing(rank, world_size):
+    pass
+
+@pytest.mark.backend("gloo")  # the harness's old name, on a harness test
+def test_old_backend_name(run_ranks):
+    run_ranks(nothing)
+"""
+
+
+def test_a_foreign_projects_gpu_and_slow_markers_keep_their_meaning(pytester):
+    """The project registers its own ``gpu`` and ``slow``: its plain test runs (our GPU
+    check would have skipped it on this CPU machine), and ``slow`` is theirs alone. The old
+    name on a harness test still works, with a deprecation warning naming the new one."""
+    pytester.makeini(
+        "[pytest]\naddopts = --strict-markers\n"
+        "markers =\n    gpu: runs on our render farm\n    slow: takes a while\n"
+    )
+    pytester.makepyfile(FOREIGN)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["*HarnessDeprecationWarning: @pytest.mark.backend is deprecated: use *dist_backend*"]
+    )
+    markers = pytester.runpytest("-p", "no:cacheprovider", "--markers").stdout.str()
+    assert "@pytest.mark.dist_gpu(n=1)" in markers
+    assert "slower end-to-end" not in markers  # the plugin no longer registers a slow marker
+
+
+# --- 4. bad options ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        (["--rank-timeout=-5"], "--rank-timeout: -5.0; accepted: a positive number of seconds"),
+        ("ini", "rank_timeout ini: 'soon' is not a number of seconds"),
+    ],
+)
+def test_a_bad_option_is_a_usage_error_naming_it(pytester, how, message):
+    pytester.makepyfile("def test_x():\n    pass\n")
+    if how == "ini":
+        pytester.makeini("[pytest]\nrank_timeout = soon\n")
+        how = []
+    result = pytester.runpytest("-p", "no:cacheprovider", *how)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.stderr.str()
+
+
+# --- 5. pytest-timeout and the harness deadline ----------------------------------------------
+
+TIMEOUTS = """
+import pytest
+from tutorial_impl.testing import RankResults, plugin
+
+def nothing(rank, world_size):
+    pass
+
+def spy(fn, *args, **options):
+    # Record the deadline the fixture chose instead of starting ranks.
+    results = RankResults([options["timeout"]])
+    results.outputs = []
+    return results
+
+@pytest.fixture(autouse=True)
+def _spy(monkeypatch):
+    monkeypatch.setattr(plugin, "run_ranks", spy)
+
+@pytest.mark.timeout(8)
+@pytest.mark.rank_timeout(20)
+def test_own_limit_below_the_deadline(run_ranks):
+    assert run_ranks(nothing) == [6.0]
+    assert run_ranks(nothing, timeout=100) == [6.0]
+
+def test_session_limit(run_ranks):
+    assert run_ranks(nothing) == [60.0]
+"""
+
+
+def test_the_harness_reports_before_pytest_timeout_whatever_the_user_set(pytester, monkeypatch):
+    """A test's own ``timeout(8)`` stands, and its harness deadline (20 s asked, and 100 s
+    asked by one call) shrinks under it to 6 s, leaving a quarter of the limit to report the
+    ranks' stacks before pytest-timeout would fire. A session-wide limit (``PYTEST_TIMEOUT``
+    here; ``--timeout`` and the ini value alike) is a backstop: raised above the deadline."""
+    monkeypatch.setenv("PYTEST_TIMEOUT", "10")
+    pytester.makepyfile(TIMEOUTS)
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
+    backstop = {item.name: item.get_closest_marker("timeout").args[0] for item in items}
+    assert backstop == {"test_own_limit_below_the_deadline": 8, "test_session_limit": 90.0}
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+# --- 6. GPU leases ------------------------------------------------------------------------
+
+
+def test_two_tests_never_lease_the_same_gpu(tmp_path):
+    """Leases are flocks, one per device: a second test asking for GPUs gets only free ones,
+    waits while none are free and gives up at its deadline, and a released GPU is free again."""
+    devices = ["0", "1", "2", "3"]
+    with backends.lease(2, devices, timeout=1, directory=tmp_path) as first:
+        assert first == ["0", "1"]
+        with backends.lease(2, devices, timeout=1, directory=tmp_path) as second:
+            assert second == ["2", "3"]  # the other worker's test gets the other two
+        start = time.monotonic()
+        with backends.lease(3, devices, timeout=0.3, directory=tmp_path) as third:
+            assert third is None  # only 2 free: waited its deadline, then gave up
+        assert time.monotonic() - start >= 0.3
+    with backends.lease(4, devices, timeout=1, directory=tmp_path) as everything:
+        assert everything == devices  # released on leaving the block
+
+
+def test_the_defaults_live_in_one_place():
+    """The supervisor's and the CLI's defaults are config's (a second copy would drift)."""
+    from tutorial_impl.testing import supervisor
+
+    assert supervisor.DEFAULT_TIMEOUT == config.DEFAULT_DEADLINE
+    defaults = supervisor.run_ranks.__kwdefaults__
+    assert defaults["world_size"] == config.DEFAULT_WORLD_SIZE
+    assert defaults["backend"] == config.DEFAULT_BACKEND
+    assert defaults["init_method"] == config.DEFAULT_INIT_METHOD
+    assert defaults["timeout"] == config.DEFAULT_DEADLINE

@@ -1,0 +1,217 @@
+"""The harness's settings: the defaults in one place, and every marker and option checked once.
+
+A test's settings come from, in order: a ``run_ranks(...)`` keyword (one call), the test's
+markers, the command line, the ini file, and the defaults below. This module reads the
+markers and options of one test into a frozen ``Settings``, *checking each one where it is
+read*: a marker with an argument the harness does not understand is a ``ConfigError`` naming
+the marker, the argument and what is accepted. The plugin turns that into a failure of that
+one test before any rank starts (never an INTERNALERROR that ends the session, never a
+silently ignored argument); a bad command-line option or ini value is a ``pytest.UsageError``.
+
+The markers (``pytest --markers`` lists them):
+
+``world_size(n)`` / ``world_size(n1, n2, ...)``
+    the number of ranks; several sizes make one test per size (``matrix``). A test may
+    instead parametrize the ``world_size`` fixture, ``@pytest.mark.parametrize("world_size",
+    [3])``: ``run_ranks`` then runs that many ranks. Using both on one test is refused.
+``dist_backend(name)``
+    the process-group backend: ``"gloo"`` (default), ``"nccl"``, ``"mpi"``, a per-device form
+    such as ``"cpu:gloo,cuda:nccl"``, or ``None`` for ranks that build their own groups.
+``dist_gpu(n=1)``
+    the test needs n GPUs (skipped at collection otherwise). NCCL tests need one per rank.
+``rank_timeout(seconds)``
+    the harness deadline for this test's ranks.
+
+``backend`` and ``gpu`` are the deprecated old names of ``dist_backend`` and ``dist_gpu``:
+generic names that another project's own markers may use with another meaning, so the plugin
+honours them only on tests that use the harness (``run_ranks`` or ``world_size``), with a
+deprecation warning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tutorial_impl.testing import backends, matrix
+
+# The defaults, the only place they are written (the CLI and the plugin read them here).
+DEFAULT_DEADLINE = 60.0  # seconds a run_ranks call may take before stacks are taken
+DEFAULT_WORLD_SIZE = matrix.DEFAULT_WORLD_SIZE
+DEFAULT_BACKEND = "gloo"
+DEFAULT_INIT_METHOD = "env"
+# pytest-timeout must fire only after the harness has reported: kept this far above it.
+BACKSTOP_MARGIN = 30.0
+
+# Old marker names, still honoured on harness tests: new name for each.
+DEPRECATED_MARKERS = {"backend": "dist_backend", "gpu": "dist_gpu"}
+HARNESS_FIXTURES = ("run_ranks", "world_size")
+
+
+class ConfigError(ValueError):
+    """A marker, option or argument the harness cannot honour; the message says which."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one test runs with, checked. ``gpus`` counts the GPUs the test leases."""
+
+    world_size: int
+    backend: str | None
+    deadline: float
+    init_method: str
+    gpus: int
+    uses_harness: bool
+
+
+def _call(marker: Any) -> str:
+    """How the marker was written: ``@pytest.mark.backend(name='nccl')``."""
+    args = [repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()]
+    return f"@pytest.mark.{marker.name}({', '.join(args)})"
+
+
+def _one(marker: Any, keyword: str | None, accepted: str) -> Any:
+    """The single argument of a one-argument marker, positional or as ``keyword=``."""
+    unknown = sorted(set(marker.kwargs) - ({keyword} if keyword else set()))
+    if unknown:
+        raise ConfigError(
+            f"{_call(marker)}: unknown keyword argument {unknown[0]!r}; accepted: {accepted}"
+        )
+    given = list(marker.args) + list(marker.kwargs.values())
+    if len(given) != 1:
+        raise ConfigError(f"{_call(marker)}: expected one argument; accepted: {accepted}")
+    return given[0]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _positive_seconds(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _marker(item: Any, name: str, uses_harness: bool) -> Any:
+    """The closest ``name`` marker, or its deprecated alias on a harness test."""
+    marker = item.get_closest_marker(name)
+    for old, new in DEPRECATED_MARKERS.items():
+        if new == name and marker is None and uses_harness:
+            marker = item.get_closest_marker(old)
+    return marker
+
+
+def deprecated_markers_on(item: Any) -> list[str]:
+    """The deprecated marker names this harness test uses (for the warning)."""
+    if not uses_the_harness(item):
+        return []
+    return [old for old in DEPRECATED_MARKERS if item.get_closest_marker(old) is not None]
+
+
+def uses_the_harness(item: Any) -> bool:
+    return any(name in getattr(item, "fixturenames", ()) for name in HARNESS_FIXTURES)
+
+
+def world_size_of(item: Any) -> int:
+    """The world size: a parametrized ``world_size``, a matrix entry, the marker, or 2."""
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    marker = item.get_closest_marker("world_size")
+    if "world_size" in params:
+        size = params["world_size"]
+        if marker is not None or matrix.FIXTURE in params:
+            raise ConfigError(
+                f"{item.nodeid}: the world size is given twice, by parametrize('world_size', "
+                f"...) and by {_call(marker)}; use one of them"
+            )
+        if not _positive_int(size):
+            raise ConfigError(
+                f"parametrize('world_size', ...): {size!r} is not a world size; "
+                "accepted: positive integers"
+            )
+        return size
+    if matrix.FIXTURE in params:
+        return int(params[matrix.FIXTURE])
+    if marker is None:
+        return DEFAULT_WORLD_SIZE
+    size = _one(marker, "n", "world_size(n) or world_size(n1, n2, ...) with positive integers")
+    if not _positive_int(size):
+        raise ConfigError(f"{_call(marker)}: {size!r} is not a world size; accepted: an int >= 1")
+    return size
+
+
+def deadline_option(value: Any, source: str) -> float | None:
+    """``--rank-timeout`` or the ``rank_timeout`` ini value, checked (None: not given)."""
+    if value is None or value == "":
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {value!r} is not a number of seconds") from None
+    if not _positive_seconds(seconds):
+        raise ConfigError(f"{source}: {value!r}; accepted: a positive number of seconds")
+    return seconds
+
+
+def read(item: Any, default_deadline: float, init_method: str) -> Settings:
+    """Every harness marker of ``item``, checked, over the session's defaults."""
+    uses_harness = uses_the_harness(item)
+    world_size = world_size_of(item)
+
+    backend: str | None = DEFAULT_BACKEND
+    marker = _marker(item, "dist_backend", uses_harness)
+    if marker is not None:
+        backend = _one(marker, None, 'dist_backend("gloo" | "nccl" | "mpi" | "cpu:gloo,...")')
+        try:
+            backends.check(backend)
+        except ValueError as exc:
+            raise ConfigError(f"{_call(marker)}: {exc}") from None
+    refusal = backends.mpi_refusal(backend, world_size) if uses_harness else None
+    if refusal:
+        raise ConfigError(refusal)
+
+    gpus = 0
+    marker = _marker(item, "dist_gpu", uses_harness)
+    if marker is not None:
+        gpus = 1 if not marker.args and not marker.kwargs else _one(marker, "n", "dist_gpu(n=1)")
+        if not _positive_int(gpus):
+            raise ConfigError(
+                f"{_call(marker)}: {gpus!r} is not a number of GPUs; accepted: dist_gpu(n) "
+                "with an int n >= 1, or dist_gpu for one"
+            )
+
+    deadline = default_deadline
+    marker = item.get_closest_marker("rank_timeout")
+    if marker is not None:
+        deadline = _one(marker, "seconds", "rank_timeout(seconds) with a positive number")
+        if not _positive_seconds(deadline):
+            raise ConfigError(
+                f"{_call(marker)}: {deadline!r}; accepted: a positive number of seconds"
+            )
+    return Settings(
+        world_size=world_size,
+        backend=backend,
+        deadline=float(deadline),
+        init_method=init_method,
+        gpus=backends.gpus_needed(backend, world_size, gpus),
+        uses_harness=uses_harness,
+    )
+
+
+def under_backstop(deadline: float, backstop: float | None) -> float:
+    """The harness deadline, lowered if needed so the harness reports before pytest-timeout.
+
+    ``backstop`` is the limit a test's own ``@pytest.mark.timeout`` sets (None or 0 for
+    none). The user's limit stands; the harness takes its stacks early enough to report
+    first, leaving a quarter of the limit (at most ``BACKSTOP_MARGIN``) for the rest of the
+    test and the report. (A session-wide limit, ``--timeout``, ``PYTEST_TIMEOUT`` or the ini
+    value, is a backstop instead: the plugin raises it above the deadline of each test.)
+    """
+    if not backstop or backstop <= 0:
+        return deadline
+    return min(deadline, backstop - min(BACKSTOP_MARGIN, backstop / 4))
