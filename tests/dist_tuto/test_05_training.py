@@ -310,9 +310,10 @@ def test_cli_bad_input_is_a_clear_message(
 @pytest.mark.parametrize(
     ("world_size", "use_ddp"),
     [
-        pytest.param(1, False, marks=[pytest.mark.dist_gpu(1), pytest.mark.world_size(1)]),
-        pytest.param(2, False, marks=[pytest.mark.dist_gpu(2), pytest.mark.world_size(2)]),
-        pytest.param(2, True, marks=[pytest.mark.dist_gpu(2), pytest.mark.world_size(2)]),
+        # a parametrized world_size is the number of ranks run_ranks starts
+        pytest.param(1, False, marks=pytest.mark.dist_gpu(1)),
+        pytest.param(2, False, marks=pytest.mark.dist_gpu(2)),
+        pytest.param(2, True, marks=pytest.mark.dist_gpu(2)),
     ],
     ids=["1-gpu", "2-gpus", "2-gpus-ddp"],
 )
