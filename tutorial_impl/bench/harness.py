@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--repeats and --spawn-repeats must be at least 1")
     if any(w < 1 for w in args.world_sizes):
         raise SystemExit("--world-sizes must be positive")
-    # As under pytest (the plugin does the same): without it, a dropped DNS query for
+    # run_ranks's store does this itself; the spawn side's store and fresh interpreters need
+    # it too (they inherit the C environment): without it, a dropped DNS query for
     # TCPStore's log messages stalls a rendezvous 5 s now and then, on either side.
     avoid_reverse_dns_stalls()
     # Each spawned rank (a fresh interpreter, stderr shared with us) would otherwise print

@@ -56,7 +56,7 @@ from tutorial_impl.testing import backends, matrix
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.errors import RankResults, RankSkipped
-from tutorial_impl.testing.rendezvous import INIT_METHODS, avoid_reverse_dns_stalls
+from tutorial_impl.testing.rendezvous import INIT_METHODS
 from tutorial_impl.testing.supervisor import run_ranks
 
 MARKERS = {
@@ -140,7 +140,6 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_default_deadline] = deadline or _config.DEFAULT_DEADLINE
     _ranks.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
-    avoid_reverse_dns_stalls()  # before any store exists: see its docstring
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -17,8 +17,10 @@ parent's store. ``file://`` needs no port at all: a fresh file in the test's tmp
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ class AgentStore:
     def __init__(self, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
         import torch.distributed as dist  # here, not at import: the pytest plugin imports us
 
+        avoid_reverse_dns_stalls()  # before the store's first lookup: see its docstring
         self.host = host
         self._store: Any = dist.TCPStore(
             host,
@@ -61,6 +64,7 @@ class AgentStore:
             # having rank 0 start a second server on MASTER_PORT.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0",
+            **dns_env(),
         }
 
     def close(self) -> None:
@@ -74,8 +78,13 @@ class AgentStore:
         self.close()
 
 
+# What torch's TCPStore needs from glibc's resolver here (see ``avoid_reverse_dns_stalls``).
+DNS_WORKAROUND = {"RES_OPTIONS": "use-vc"}
+_dns_applied = False
+
+
 def avoid_reverse_dns_stalls() -> None:
-    """Send this process's DNS queries over TCP (``RES_OPTIONS=use-vc``) unless set already.
+    """Send the harness's DNS queries over TCP (``RES_OPTIONS=use-vc``) unless set already.
 
     torch's TCPStore looks up a host *name* for every peer address it connects or accepts,
     only to put it in log messages; for 127.0.0.1 (seen as ``::ffff:127.0.0.1``) that is a
@@ -84,9 +93,31 @@ def avoid_reverse_dns_stalls() -> None:
     took 5 s instead of ~40 ms, which dwarfs everything else the harness costs. Over TCP a
     query is either answered or refused at once (refused there: the lookup fails and c10d
     logs the numeric address instead, with one warning line per process that
-    ``supervisor`` drops from rank output). Ranks inherit the setting with the environment.
+    ``supervisor`` drops from rank output).
+
+    Scoped to the harness: ``AgentStore`` calls this when it first starts a store (pytest,
+    the CLI and a script alike), and the ranks get the variable in their environment
+    (``AgentStore.rank_env``). Installing the package changes nothing in a project that
+    never starts ranks, and even then its ``os.environ`` stays as it was: the setting goes
+    into the C environment only (``putenv``), where glibc reads it, and ``res_init`` makes
+    glibc re-read it in case this process has resolved a name before.
     """
-    os.environ.setdefault("RES_OPTIONS", "use-vc")
+    global _dns_applied
+    if _dns_applied or "RES_OPTIONS" in os.environ:
+        return  # a user's own setting wins
+    _dns_applied = True
+    for name, value in DNS_WORKAROUND.items():
+        os.putenv(name, value)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).__res_init()  # ``res_init`` is a macro for it in <resolv.h>
+        except (OSError, AttributeError):
+            pass  # not glibc: its resolver reads the environment when it starts, if at all
+
+
+def dns_env() -> dict[str, str]:
+    """The workaround for a rank's environment, unless the user chose their own setting."""
+    return {} if "RES_OPTIONS" in os.environ else dict(DNS_WORKAROUND)
 
 
 def init_method_url(kind: str, tmp_dir: str | os.PathLike[str] | None = None) -> str:
