@@ -8,8 +8,6 @@ ranks, and into the C environment of the process that runs them once it starts a
 
 from __future__ import annotations
 
-import pytest
-
 pytest_plugins = ["pytester"]
 
 # A stranger's project: only the installed package, no conftest.
