@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
+
+from tutorial_impl.testing import proctable
 
 PRESETS = {
     "torchrun-train": "{py} -m torch.distributed.run --standalone --nproc_per_node=2 "
@@ -53,42 +54,6 @@ BURN = "while True: pass"
 MARK = "FLAKE_HUNT_RUN"  # in each run's environment, inherited by all it starts
 
 
-def marked(run_id: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process whose environment carries this run's mark.
-
-    Sessions are not enough: torchrun starts each worker in a session of its own, so a
-    worker orphaned by its agent would be invisible to a session check. The environment is
-    inherited by every descendant, whatever session or process group it moved to.
-    """
-    needle = f"{MARK}={run_id}".encode()
-    found = []
-    for pid in proctable_pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    continue  # dead, only not yet reaped
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")))
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-    return found
-
-
-def proctable_pids() -> list[int]:
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()]
-
-
-def kill_marked(run_id: str) -> None:
-    for pid, _ in marked(run_id):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def one_run(cmd: list[str], log: Path, timeout: float, env: dict[str, str]) -> dict:
     run_id = uuid.uuid4().hex
     start = time.monotonic()
@@ -101,22 +66,17 @@ def one_run(cmd: list[str], log: Path, timeout: float, env: dict[str, str]) -> d
     except subprocess.TimeoutExpired:
         code = None
     except KeyboardInterrupt:
-        kill_marked(run_id)
+        proctable.kill_marked(MARK, run_id)
         proc.wait()
         raise
     wall = time.monotonic() - start
     if code is None:
-        kill_marked(run_id)
+        proctable.kill_marked(MARK, run_id)
         proc.wait()
     # Leftovers: a clean command has ended every process it started when it exits. Give
     # processes that are already dying (SIGKILLed, unmapping memory) a moment to go.
-    leaked: list[tuple[int, str]] = []
-    for _ in range(20):
-        leaked = marked(run_id)
-        if not leaked:
-            break
-        time.sleep(0.1)
-    kill_marked(run_id)
+    leaked = proctable.wait_until_unmarked(MARK, run_id, timeout=2.0)
+    proctable.kill_marked(MARK, run_id)
     text = log.read_text(errors="replace")
     seen = [why for sig, why in SIGNATURES.items() if sig in text]
     return {"code": code, "wall": wall, "leaked": leaked, "signatures": seen}

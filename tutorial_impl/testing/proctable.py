@@ -10,6 +10,7 @@ pid having been reused by an unrelated process in between.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -82,3 +83,48 @@ def session_members(sid: int) -> list[int]:
         if fields[0] not in ("Z", "X") and int(fields[3]) == sid:  # field 6: session id
             members.append(int(entry))
     return members
+
+
+def marked(name: str, value: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose environment holds ``name=value``.
+
+    Sessions are not enough to find what a command left behind: torchrun starts each worker
+    in a session of its own, so a worker orphaned by its agent is invisible to a session
+    check. The environment is inherited by every descendant, whatever session or process
+    group it moved to, so a mark put in a command's environment finds them all.
+    """
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            if _start_time(int(entry)) is None:
+                continue  # dead, only not yet reaped
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def kill_marked(name: str, value: str) -> None:
+    """SIGKILL every live process that carries the mark ``name=value`` (see ``marked``)."""
+    for pid, _ in marked(name, value):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_until_unmarked(name: str, value: str, timeout: float = 5.0) -> list[tuple[int, str]]:
+    """Poll until no process carries the mark or ``timeout`` passes; return the survivors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = marked(name, value)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
