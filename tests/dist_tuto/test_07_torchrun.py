@@ -1,4 +1,4 @@
-"""The training demo under ``torchrun``: one node with two workers, then two agents as two nodes.
+"""The training demo under ``torchrun``: two agents, one worker each, as two nodes.
 
 ``torchrun`` (``python -m torch.distributed.run``) is how the tutorial's ``run.py`` grows up:
 instead of our launcher forking ranks, an *agent* per machine starts the workers, and the
@@ -9,7 +9,9 @@ agent (TORCHELASTIC_RUN_ID and RANK are set) and runs just this worker's rank, s
 Ports, race-free under ``pytest -n auto``:
 
 * one node: ``--standalone`` makes the agent host the rendezvous store on port 0, so the
-  kernel picks a free port while binding; nothing to race for.
+  kernel picks a free port while binding; nothing to race for. That form runs in
+  ``tests/rpc/test_hybrid_cli.py`` (four workers, one agent); here one two-agent job proves
+  the rest, since each torchrun job costs seconds.
 * two agents: a c10d rendezvous needs one endpoint that *both* agents know in advance, and a
   port cannot be handed from one process to another while it stays bound. So we do not let an
   agent host it at all: the test process binds a ``TCPStore`` to port 0 (atomic, like the
@@ -17,8 +19,8 @@ Ports, race-free under ``pytest -n auto``:
   the "external rendezvous store" setup of a real cluster (etcd or a TCPStore on a login
   node). The store the *workers* use is then created by the rank-0 agent, again on port 0.
 
-Each torchrun process and each worker imports torch (about 2 s each here), so these tests
-train on 256 samples for one epoch: the point is the plumbing, not the learning.
+Each torchrun process and each worker imports torch (about 2 s each here), so the job
+trains on 256 samples for one epoch: the point is the plumbing, not the learning.
 
 How a worker ends is a lesson of its own, and it comes first. ``destroy_process_group``
 forgets the group, but gloo's threads stop only when the last reference to the group goes;
@@ -34,7 +36,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -45,6 +46,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+from tutorial_impl.testing import proctable
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -127,41 +130,29 @@ def test_a_torchrun_worker_ends_without_interpreter_finalization(tmp_path: Path)
     assert "the interpreter finalized" not in proc.stdout
 
 
-def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
-    """True once no process is left in process group ``pgid`` (the agent and its workers)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
+MARK = "TUTORIAL_TORCHRUN_JOB"  # in the agents' environment, inherited by every worker
 
 
 def _run_agents(commands: list[list[str]], log_dir: Path) -> list[str]:
     """Run the torchrun agents together; return their outputs. Kills everything on failure.
 
-    Each agent leads its own session (process group), so one ``killpg`` reaches its workers
-    too. The first agent to fail ends the wait (its peer would sit in the rendezvous until
-    its join timeout), and whatever happens (failure, deadline, Ctrl-C) the ``finally``
-    kills every group. Output goes to files, which cannot fill up and block like a pipe.
+    torchrun starts each worker in a session of its own, so neither the agent's session nor
+    its process group reaches the workers. The environment does: every process of this job
+    inherits a mark (``proctable.marked``), so after a clean exit "nothing left" is checked
+    against the whole process table, and whatever happens (failure, deadline, Ctrl-C) the
+    ``finally`` kills every process carrying the mark. The first agent to fail ends the wait
+    (its peer would sit in the rendezvous until its join timeout). Output goes to files,
+    which cannot fill up and block like a pipe.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    job = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MARK: job}
     logs = [log_dir / f"agent{i}.log" for i in range(len(commands))]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for cmd, log in zip(commands, logs, strict=True):
             with open(log, "wb") as out:
                 procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        cwd=REPO,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+                    subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
                 )
         deadline = time.monotonic() + DEADLINE
         while any(p.poll() is None for p in procs):
@@ -176,15 +167,13 @@ def _run_agents(commands: list[list[str]], log_dir: Path) -> list[str]:
         for proc, out in zip(procs, outputs, strict=True):
             if proc.returncode is None:
                 pytest.fail(f"torchrun still running after {DEADLINE:g} s: {proc.args}\n{out}")
-            # A clean exit must leave nothing behind: no worker outlives its agent.
-            assert _group_gone(proc.pid), f"processes left in the group of {proc.args}"
+        # A clean exit must leave nothing behind: no worker outlives its agent.
+        left = proctable.wait_until_unmarked(MARK, job, timeout=10.0)
+        assert not left, f"processes outlived their torchrun agents: {left}"
         return outputs
     finally:
+        proctable.kill_marked(MARK, job)
         for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # the agent and all its workers are gone already
             proc.wait(5)
 
 
@@ -200,16 +189,13 @@ def _check_training(output: str, world_size: int) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_single_node_two_workers(tmp_path: Path) -> None:
-    """``torchrun --standalone --nproc_per_node=2``: both workers train in lockstep."""
-    (out,) = _run_agents([[*TORCHRUN, "--standalone", "--nproc_per_node=2", *TRAIN]], tmp_path)
-    _check_training(out, world_size=2)
-    assert "2 ranks on cpu" in out  # rank 0 saw the world size torchrun gave it
-
-
-@pytest.mark.slow
 def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
-    """Two agents, one worker each, meet at a c10d rendezvous and train as ranks 0 and 1."""
+    """Two agents, one worker each, meet at a c10d rendezvous and train as ranks 0 and 1.
+
+    One job proves what a single-node run would too: the workers train in lockstep with
+    the world size torchrun gave them, and none outlives its agent. (The one-node form,
+    ``--standalone``, runs in ``tests/rpc/test_hybrid_cli.py``: four workers, one agent.)
+    """
     # The test owns the rendezvous store, bound to a port the kernel chose (see the module
     # docstring); the agents are clients, so no process has to guess a free port.
     store = dist.TCPStore(
@@ -235,5 +221,6 @@ def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     outputs = _run_agents([agent, agent], tmp_path)
     # Each agent's output holds its own worker's lines; together they form the 2-rank job.
     _check_training("\n".join(outputs), world_size=2)
+    assert "2 ranks on cpu" in "\n".join(outputs)  # rank 0 saw the world size torchrun set
     ranks = [sorted(int(r) for r, _ in EPOCH_LINE.findall(out)) for out in outputs]
     assert sorted(ranks) == [[0], [1]], "each agent should run exactly one of the two ranks"

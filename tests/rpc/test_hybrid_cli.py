@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,8 +24,10 @@ import pytest
 from tutorial_impl.rpc import hybrid
 from tutorial_impl.rpc.hybrid import HybridConfig, run_worker
 from tutorial_impl.rpc.hybrid_world import master_rank
+from tutorial_impl.testing import proctable
 
 REPO = Path(__file__).resolve().parents[2]
+MARK = "TUTORIAL_HYBRID_JOB"  # in the agent's environment, inherited by every worker
 LOSS_LINE = re.compile(r"^Trainer (\d+) - Epoch (\d+) - Loss: (\d+\.\d+)$", re.MULTILINE)
 
 
@@ -61,28 +63,29 @@ def test_cli_help_names_every_option(capsys):
 def test_same_code_under_torchrun(tmp_path):
     """``torchrun --nproc_per_node=4 -m tutorial_impl hybrid``: ranks 0, 1 train, 2 is the
     master, 3 the server, exactly the tutorial's layout. ``--standalone`` lets the agent
-    bind its store on a free port, so parallel test runs never collide."""
+    bind its store on a free port, so parallel test runs never collide. This is the suite's
+    one-node torchrun job (``test_07_torchrun`` runs the two-agent form), and no worker may
+    outlive its agent."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
     cmd += ["--monitor-interval=0.1", "-m", "tutorial_impl", "hybrid"]
     cmd += ["--epochs", "1", "--batches", "2", "--rpc-timeout", "30", "--timeout", "120"]
     log = tmp_path / "torchrun.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # torchrun starts each worker in a session of its own, so the agent's session cannot
+    # reach them; a mark in the environment, which every worker inherits, does.
+    job = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MARK: job}
     with open(log, "wb") as out:
-        # Its own session, so one killpg reaches the agent and all four workers.
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         code = proc.wait(timeout=170)
+        left = proctable.wait_until_unmarked(MARK, job, timeout=10.0) if code == 0 else []
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        proctable.kill_marked(MARK, job)
         proc.wait(5)
     output = log.read_text(errors="replace")
     assert code == 0, output
     _check_output(output, trainers=2, epochs=1)
+    assert not left, f"workers outlived their torchrun agent: {left}"
 
 
 def _gpu_run(run_ranks, trainers: int) -> None:
