@@ -3,10 +3,10 @@
 A throwaway project (``pytester``) has no conftest: the plugin arrives through the package's
 ``pytest11`` entry point. Its test file defines its rank functions itself and uses
 ``run_ranks``, the world-size matrix and the cross-rank assertions. It must pass under
-pytest's default import mode, ``--import-mode=importlib`` and ``-n 2`` (xdist), and its
+pytest's default import mode, ``--import-mode=importlib`` and xdist (``-n 1``), and its
 failing twin must fail with reports that say what went wrong.
 
-The ``-n 2`` run is a subprocess (the costly part: every worker and its forkserver import
+The xdist run is a subprocess (the costly part: every worker and its forkserver import
 torch), so it is done once and shared: the same run measures coverage (``--cov``) over
 copies of the repository's ring and collectives tests, whose code runs almost entirely
 inside ranks, and checks it is reported as covered.
@@ -201,7 +201,7 @@ def _percent(report: dict, module: str) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # ~15 s on a quiet 2-core machine; minutes when it is overloaded
 def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester):
-    """One subprocess ``pytest -n 2 --cov=tutorial_impl`` in a project with no conftest:
+    """One subprocess ``pytest -n 1 --cov=tutorial_impl`` in a project with no conftest:
     the user's file passes under xdist, and ring.py / collectives.py, whose code runs in
     ranks, are reported at what their tests really reach (ring.py: 17% with the parent's
     coverage alone). Every rank's data file has been combined into the report."""
@@ -221,9 +221,11 @@ def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester):
         f"{collectives}::test_check_op_refuses_what_no_backend_reduces",
         f"{collectives}::test_cli_demo",
     ]
+    # One xdist worker is xdist all the same (a controller, a worker process, reports sent
+    # back); a second would only import torch and start a forkserver once more.
     result = pytester.runpytest_subprocess(
         "-n",
-        "2",
+        "1",
         "-p",
         "no:cacheprovider",
         "--cov=tutorial_impl",
