@@ -265,3 +265,30 @@ def test_nothing_survives_an_interrupted_or_killed_pytest_run(tmp_path, how):
         assert run.returncode == -signal.SIGKILL
     # Prove the check above had something to find: the pids were real, distinct processes.
     assert len({pid for pid, _ in proctable.recorded(pid_dir).values()}) == 5
+
+
+def test_an_environment_mark_finds_a_process_that_left_its_session():
+    """What the torchrun tests rely on: a grandchild in a session of its own (as torchrun
+    starts its workers) is found by the mark it inherited, and only it; then it is killed."""
+    mark = f"h{os.getpid()}-{time.monotonic_ns()}"
+    starter = (
+        "import subprocess, sys;"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL);"
+        " print(p.pid)"
+    )
+    env = {**os.environ, "LEAK_MARK": mark}
+    out = subprocess.run(
+        [sys.executable, "-c", starter], env=env, capture_output=True, text=True, timeout=30
+    )
+    grandchild = int(out.stdout)
+    try:
+        assert [pid for pid, _ in proctable.marked("LEAK_MARK", mark)] == [grandchild]
+        assert proctable.marked("LEAK_MARK", mark + "-other") == []
+        proctable.kill_marked("LEAK_MARK", mark)
+        assert proctable.wait_until_unmarked("LEAK_MARK", mark, GONE_WITHIN) == []
+    finally:
+        try:
+            os.kill(grandchild, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
