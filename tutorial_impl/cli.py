@@ -92,17 +92,13 @@ def run_local(fn: Callable[..., Any], *args: Any, world_size: int, timeout: floa
 
 
 def failure_report(exc: RankError, seconds: float, flag: str) -> str:
-    """A failed run's report for someone at the command line.
-
-    The harness words a deadline for pytest users (a marker, ``--rank-timeout``); here the
-    deadline came from the command's own option, so the headline names that instead.
-    """
+    """A failed run's report for someone at the command line: the exception's own report,
+    and for a deadline, which of the command's options set it (``flag``)."""
     if not isinstance(exc, RankTimeout):
         return str(exc)
-    details = str(exc).partition("\n")[2]
     return (
         f"still running when the deadline of {seconds:g} s passed (it follows {flag}; "
-        f"give the run more time with {flag} SECONDS)\n{details}"
+        f"give the run more time with {flag} SECONDS)\n{exc}"
     )
 
 

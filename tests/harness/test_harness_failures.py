@@ -74,7 +74,8 @@ def test_a_raising_rank_fails_the_run_with_its_traceback(tmp_path):
     assert "in fail_on" in err.traceback  # the frame where it happened
     assert "ValueError: boom from rank 1" in err.traceback
     message = str(err)
-    assert message.startswith("rank 1 raised:")
+    assert message.startswith("rank 1 raised ValueError: boom from rank 1\n")  # the cause first
+    assert (err.exc_type, err.exc_message) == ("ValueError", "boom from rank 1")
     assert "[rank 0] rank 0 is about to wait" in message  # the *other* rank's output too
     assert "[rank 1] rank 1 is about to fail" in message
     assert err.outputs[0] == "rank 0 is about to wait\n"
@@ -98,8 +99,8 @@ def test_a_failure_report_shows_where_the_other_ranks_were(tmp_path, world_size)
         assert err.stacks[rank].rstrip().endswith("in rank_main")  # harness frames cut below
     message = str(err)
     order = [
-        "rank 1 raised:",
-        "ValueError: boom from rank 1",
+        "rank 1 raised ValueError: boom from rank 1",
+        "Traceback (most recent call last)",
         f"where the other running rank(s) {', '.join(map(str, others))} were when rank 1 failed",
         "----- Python stacks of rank 0 -----",
         "----- output of the ranks",

@@ -41,14 +41,20 @@ def fail_on(rank, world_size, bad):
 def test_one_rank_raises(run_ranks):
     run_ranks(fail_on, 1)
 
-def hang_on(rank, world_size, stuck):
-    while rank == stuck:
-        time.sleep(0.05)
-    dist.barrier()
+def hang_on(rank, world_size):
+    t = torch.ones(1)
+    if rank == 0:
+        dist.all_reduce(t)
+    elif rank == 1:
+        dist.broadcast(t, src=0)
+    else:
+        while True:
+            time.sleep(0.05)
 
 @pytest.mark.rank_timeout(2)
+@pytest.mark.world_size(3)
 def test_hangs(run_ranks):
-    run_ranks(hang_on, 0)
+    run_ranks(hang_on)
 
 def exit_on(rank, world_size, bad, code):
     if rank == bad:
@@ -72,46 +78,82 @@ def compare(rank, world_size):
 
 def test_plain_assert_in_a_rank(run_ranks):
     run_ranks(compare)
+
+def xfail_on(rank, world_size):
+    if rank == 1:
+        pytest.xfail("known bug on rank 1")
+
+def test_rank_xfails(run_ranks):
+    run_ranks(xfail_on)
+
+def unpicklable(rank, world_size):
+    return (lambda: rank) if rank == 1 else rank
+
+def test_unpicklable_result(run_ranks):
+    run_ranks(unpicklable)
 """
 
 
 def test_what_a_user_sees_in_the_report(pytester):
     """One pytest run over USER_TESTS; the report must let a user diagnose each test
-    without re-running anything."""
+    without re-running anything, and its first line for each failure is the cause."""
     pytester.makepyfile(test_user=USER_TESTS)
-    result = pytester.runpytest("-p", "no:cacheprovider", "-rfs")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rfsx", "--junitxml=junit.xml")
     text = result.stdout.str()
 
-    # A pass passes, a raise/hang/crash fails, and a rank's pytest.skip is a skip.
-    result.assert_outcomes(passed=1, failed=4, skipped=1)
-    for name in ("test_one_rank_raises", "test_hangs", "test_crashes"):
-        assert f"FAILED test_user.py::{name}" in text
+    # A pass passes, a raise/hang/crash fails, a rank's pytest.skip is a skip and its
+    # pytest.xfail an expected failure.
+    result.assert_outcomes(passed=1, failed=5, skipped=1, xfailed=1)
 
-    # The failure names the rank, shows its traceback and every rank's output, prefixed;
-    # and where the other rank was (in the barrier, called from fail_on) when it failed.
-    assert "RankFailed: rank 1 raised:" in text
-    assert "in fail_on" in text and "ValueError: boom from rank 1" in text
-    assert "where the other running rank(s) 0 were when rank 1 failed" in text
-    assert "[rank 0] rank 0 is about to wait" in text
+    # The short summary (-ra, CI logs) leads with the cause, not the exception's class path.
+    result.stdout.fnmatch_lines(
+        [
+            # (pytester's terminal is 80 columns wide: pytest cuts each line there)
+            "FAILED test_user.py::test_one_rank_raises - rank 1 raised ValueError: boom*",
+            "FAILED test_user.py::test_hangs - rank(s) 0, 1, 2 still running after*",
+            "FAILED test_user.py::test_crashes - rank 0 exited with code 5*",
+            "FAILED test_user.py::test_plain_assert_in_a_rank - rank 1 raised Assertion*",
+            "FAILED test_user.py::test_unpicklable_result - rank 1 raised *",
+            "XFAIL test_user.py::test_rank_xfails - rank 1: known bug on rank 1",
+        ]
+    )
+
+    # The failure shows the rank's traceback; where the other rank was (in the barrier,
+    # called from fail_on) and what every rank printed are sections of their own.
+    assert "RankFailed: rank 1 raised ValueError: boom from rank 1" in text
+    assert "in fail_on" in text
+    assert "Python stacks of rank 0" in text
+    assert "output of rank 0" in text and "[rank 0] rank 0 is about to wait" in text
     assert "[rank 1] rank 1 is about to fail" in text
 
     # A plain assert in a rank function of the test file keeps pytest's explanation.
     assert "assert [1, 2, 3] == [1, 2, 4]" in text
 
-    # The hang shows the deadline, how to raise it, and where each rank was stuck.
-    assert "RankTimeout: rank(s) 0, 1 still running after the harness deadline of 2 s" in text
+    # The hang's first line says where each rank's own code was, and that the ranks are
+    # in different collectives, with the option that finds that in seconds.
+    hang = next(line for line in text.splitlines() if "RankTimeout: rank(s)" in line)
+    assert "rank 0 in all_reduce at test_user.py:" in hang
+    assert "rank 1 in broadcast at test_user.py:" in hang
+    assert "rank 2 at test_user.py:" in hang and "in hang_on" in hang
+    assert "the ranks are in different collectives (rerun with --check-collectives" in hang
     assert "@pytest.mark.rank_timeout(SECONDS)" in text
-    assert "----- Python stacks of rank 0 -----" in text
-    assert "----- Python stacks of rank 1 -----" in text
-    assert "in hang_on" in text  # rank 0, the one that never arrived
-    assert "in barrier" in text  # rank 1, waiting for it
+    assert "Python stacks of rank 2" in text and "in hang_on" in text
 
-    # The crash names the rank and its exit code.
-    assert "RankCrashed: rank 0 exited with code 5" in text
+    # A result the parent cannot receive names the rank.
+    assert "RankFailed: rank 1 raised " in text
+    assert ": returned a value that cannot be pickled: " in text
 
     # The skip shows which rank skipped and why.
     assert "SKIPPED [1] test_user.py" in text
     assert "rank 1: this rank has no work here" in text
+
+    # junit XML, what CI systems render: the cause as the failure's message.
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'message="rank 1 raised ValueError: boom from rank 1"' in junit
+
+    # --tb=no: one line per failure, and it is still the cause.
+    quiet = pytester.runpytest("-p", "no:cacheprovider", "--tb=no", "-k", "one_rank_raises")
+    quiet.stdout.fnmatch_lines(["FAILED *test_one_rank_raises - rank 1 raised ValueError: boom*"])
 
 
 CANNOT_RUN_HERE = """

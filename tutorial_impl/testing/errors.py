@@ -1,8 +1,17 @@
 """What ``run_ranks`` returns and raises, and the text of its reports.
 
-A failure report is built for a reader who was not there: which rank, what it raised (its own
-traceback), and what every rank printed, each line prefixed ``[rank N]`` so interleaved output
-can still be told apart. Everything here is plain formatting over ``{rank: output}``.
+A failure report is built for a reader who was not there, and its **first line is the
+cause**: ``rank 1 raised ValueError: boom on one``, ``rank 1 was killed by signal SIGKILL``,
+or, for a hang, where each unfinished rank's own code was: ``rank 0 in all_reduce at
+test_x.py:12, rank 1 in broadcast at test_x.py:14: the ranks are in different collectives``.
+That line is what pytest's short summary (``-ra``), ``--tb=no``, junit XML and CI summaries
+show. Then come the failing rank's traceback, where every other running rank was
+(``stacks``), and what every rank printed (``outputs``), each line prefixed ``[rank N]`` so
+interleaved output can still be told apart. Under pytest the stacks and outputs go to
+report sections of their own instead (``report.py``).
+
+Every exception here has structured fields (``rank``, ``exc_type``, ``pending``, ...), one
+constructor style, and survives pickling (a test may pass it between processes).
 """
 
 from __future__ import annotations
@@ -10,23 +19,63 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tutorial_impl.testing import outcome as _o
+
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
+# The advice a hang between different collectives gets (``--check-collectives`` is the option
+# that turns on torch's collective fingerprint checks; see the README).
+CHECK_COLLECTIVES = (
+    "rerun with --check-collectives (or @pytest.mark.check_collectives) to have torch "
+    "compare every collective across ranks and fail at the first mismatch"
+)
+
+
+def _rebuild(cls: type, args: tuple, state: dict[str, Any]) -> RankError:
+    error = Exception.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class RankError(Exception):
-    """Base of everything ``run_ranks`` raises about its ranks."""
+    """Base of everything ``run_ranks`` raises about its ranks.
 
-    def __init__(self, message: str, outputs: dict[int, str]) -> None:
+    ``str(error)`` is the whole report; ``headline`` its first line, the cause. ``outputs``
+    maps each rank to what it printed, ``stacks`` each other running rank to its Python
+    stacks at the moment of the failure. ``sections=False`` (the pytest plugin sets it)
+    leaves stacks and outputs out of ``str(error)``, for report sections of their own.
+    """
+
+    def __init__(
+        self, message: str, outputs: dict[int, str], stacks: dict[int, str] | None = None
+    ) -> None:
         super().__init__(message)
+        self.message = message
         self.outputs = outputs
+        self.stacks = stacks or {}
+        self.in_message = True  # stacks and outputs in str(error)
+
+    @property
+    def headline(self) -> str:
+        return self.message.partition("\n")[0]
+
+    def __str__(self) -> str:
+        if not self.in_message:
+            return self.message
+        return self.message + self._stacks_text() + outputs_section(self.outputs)
+
+    def _stacks_text(self) -> str:
+        return ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles as cls(*args), which these constructors do not take.
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class RankFailed(RankError):
-    """A rank raised an exception; ``rank`` and ``traceback`` say which and where.
-
-    ``stacks`` maps every other rank that was still running to its Python stacks at that
-    moment (see ``forensics``).
-    """
+    """A rank raised an exception: ``rank``, ``exc_type`` and ``exc_message`` say which and
+    what, ``traceback`` where; ``stacks`` maps every other rank still running to its
+    Python stacks at that moment (see ``forensics``)."""
 
     def __init__(
         self,
@@ -35,17 +84,23 @@ class RankFailed(RankError):
         message: str,
         outputs: dict[int, str],
         stacks: dict[int, str] | None = None,
+        exc_type: str = "",
+        exc_message: str = "",
     ) -> None:
-        super().__init__(message, outputs)
+        super().__init__(message, outputs, stacks)
         self.rank = rank
         self.traceback = tb
-        self.stacks = stacks or {}
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+
+    def _stacks_text(self) -> str:
+        return _others_section(self.rank, self.stacks)
 
 
 class RankCrashed(RankError):
     """A rank process ended (signal, ``os._exit``) without reporting a result.
 
-    ``stacks``: the other ranks still running then, as for ``RankFailed``.
+    ``exitcode`` is negative for a signal; ``stacks``: the other ranks still running then.
     """
 
     def __init__(
@@ -56,18 +111,34 @@ class RankCrashed(RankError):
         outputs: dict[int, str],
         stacks: dict[int, str] | None = None,
     ) -> None:
-        super().__init__(message, outputs)
+        super().__init__(message, outputs, stacks)
         self.rank = rank
         self.exitcode = exitcode
-        self.stacks = stacks or {}
+
+    def _stacks_text(self) -> str:
+        return _others_section(self.rank, self.stacks)
 
 
 class RankTimeout(RankError):
-    """The deadline passed; ``stacks`` maps each rank still alive to its Python stacks."""
+    """The deadline (``timeout`` seconds) passed: ``pending`` ranks had not finished,
+    ``where`` maps each to its innermost line of user code, ``stacks`` to its Python stacks."""
 
-    def __init__(self, stacks: dict[int, str], message: str, outputs: dict[int, str]) -> None:
-        super().__init__(message, outputs)
-        self.stacks = stacks
+    def __init__(
+        self,
+        stacks: dict[int, str],
+        message: str,
+        outputs: dict[int, str],
+        pending: list[int] | None = None,
+        where: dict[int, str] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(message, outputs, stacks)
+        self.pending = sorted(pending if pending is not None else stacks)
+        self.where = where or {}
+        self.timeout = timeout
+
+    def _stacks_text(self) -> str:
+        return "\n\n" + stacks_section(self.stacks) if self.stacks else ""
 
 
 class RankSkipped(RankError):
@@ -75,6 +146,15 @@ class RankSkipped(RankError):
 
     def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
         super().__init__(f"rank {rank} skipped: {reason}", outputs)
+        self.rank = rank
+        self.reason = reason
+
+
+class RankXFailed(RankError):
+    """A rank called ``pytest.xfail``; the pytest plugin turns this into an expected failure."""
+
+    def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
+        super().__init__(f"rank {rank} xfailed: {reason}", outputs)
         self.rank = rank
         self.reason = reason
 
@@ -116,11 +196,14 @@ def outputs_section(outputs: dict[int, str]) -> str:
     return "\n\n----- output of the ranks (stdout and stderr) -----\n" + "\n".join(parts)
 
 
+def stack_text(text: str) -> str:
+    return text.rstrip() or "(no answer: the rank was still starting, or had just died)"
+
+
 def stacks_section(stacks: dict[int, str]) -> str:
     """Each rank's stack dump under its own heading, in rank order."""
     return "\n\n".join(
-        f"----- Python stacks of rank {rank} -----\n"
-        + (text.rstrip() or "(no answer: the rank was still starting, or had just died)")
+        f"----- Python stacks of rank {rank} -----\n" + stack_text(text)
         for rank, text in sorted(stacks.items())
     )
 
@@ -135,47 +218,59 @@ def _others_section(failed: int, stacks: dict[int, str]) -> str:
     )
 
 
+def hang_headline(pending: list[int], timeout: float, where: dict[int, str]) -> str:
+    """``rank(s) 0, 1 still running after the harness deadline of 5 s: rank 0 in all_reduce
+    at t.py:9, rank 1 in broadcast at t.py:11: the ranks are in different collectives (...)``."""
+    names = ", ".join(str(r) for r in sorted(pending))
+    line = f"rank(s) {names} still running after the harness deadline of {timeout:g} s"
+    places = [f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r)]
+    if places:
+        line += ": " + ", ".join(places)
+    calls = {where[r].split()[1] for r in pending if where.get(r, "").startswith("in ")}
+    if len(calls) > 1:
+        line += f": the ranks are in different collectives ({CHECK_COLLECTIVES})"
+    return line
+
+
 def timeout_error(
-    pending: list[int], timeout: float, stacks: dict[int, str], outputs: dict[int, str]
+    pending: list[int],
+    timeout: float,
+    stacks: dict[int, str],
+    outputs: dict[int, str],
+    where: dict[int, str] | None = None,
 ) -> RankTimeout:
     """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps."""
-    names = ", ".join(str(r) for r in sorted(pending))
-    body = stacks_section(stacks)
-    return RankTimeout(
-        stacks,
-        f"rank(s) {names} still running after the harness deadline of {timeout:g} s "
-        "(raise it with @pytest.mark.rank_timeout(SECONDS) or --rank-timeout)\n\n"
-        + body
-        + outputs_section(outputs),
-        outputs,
-    )
+    where = where or {}
+    message = hang_headline(pending, timeout, where)
+    return RankTimeout(stacks, message, outputs, list(pending), where, timeout)
 
 
-def outcome_error(
+def error_for(
     rank: int,
-    kind: str,
-    detail: Any,
+    result: _o.Outcome,
     fatal_stack: str,
     outputs: dict[int, str],
     stacks: dict[int, str] | None = None,
 ) -> RankError:
-    """The exception for one rank's bad outcome: ``skip``, ``error`` or ``crash``.
+    """The exception for one rank's bad outcome; the one place they are built.
 
-    The failing rank comes first (its traceback, or how it died), then ``stacks``: where
-    each other running rank was at that moment, then what every rank printed.
+    The failing rank comes first (the cause in one line, then its traceback or how it died),
+    then ``stacks``: where each other running rank was at that moment, then what every rank
+    printed.
     """
-    stacks = stacks or {}
-    if kind == "skip":
-        return RankSkipped(rank, detail, outputs)
-    others = _others_section(rank, stacks)
-    if kind == "error":
-        message = f"rank {rank} raised:\n\n{detail.rstrip()}" + others + outputs_section(outputs)
-        return RankFailed(rank, detail, message, outputs, stacks)
-    code, how = detail
-    extra = ""
-    if fatal_stack.strip():
-        extra = f"\n\n----- fatal-signal stack of rank {rank} -----\n{fatal_stack}"
-    message = (
-        f"rank {rank} {how} before returning a result" + extra + others + outputs_section(outputs)
-    )
-    return RankCrashed(rank, code, message, outputs, stacks)
+    if isinstance(result, _o.Skipped):
+        return RankSkipped(rank, result.reason, outputs)
+    if isinstance(result, _o.XFailed):
+        return RankXFailed(rank, result.reason, outputs)
+    if isinstance(result, _o.Raised):
+        message = f"rank {rank} raised {result.summary}\n\n{result.traceback.rstrip()}"
+        return RankFailed(
+            rank, result.traceback, message, outputs, stacks, result.exc_type, result.message
+        )
+    if isinstance(result, (_o.Exited, _o.Killed)):
+        extra = ""
+        if fatal_stack.strip():
+            extra = f"\n\n----- fatal-signal stack of rank {rank} -----\n{fatal_stack}"
+        message = f"rank {rank} {result.how} before returning a result" + extra
+        return RankCrashed(rank, result.exitcode, message, outputs, stacks)
+    raise TypeError(f"rank {rank}: {result!r} is not a failure")

@@ -19,7 +19,9 @@ Asking costs one signal per rank and a short wait for the files to stop growing:
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sysconfig
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -94,3 +96,37 @@ def _read(path: Path) -> str:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+# --- reading a dump: where was the rank's own code? -------------------------------------------
+
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+# Library frames: a user's question is "which of *my* lines", so these are looked through.
+_LIBRARY = ("/site-packages/", "/dist-packages/", "/tutorial_impl/testing/", "<frozen ")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_WRAPPERS = {"wrapper", "inner", "_fn", "decorate_context", "_wrapped_call_impl", "_call_impl"}
+
+
+def _is_user(path: str) -> bool:
+    return not path.startswith(_STDLIB) and not any(part in path for part in _LIBRARY)
+
+
+def where(dump: str) -> str:
+    """The rank's innermost line of user code and the library call it sits in.
+
+    ``"in all_reduce at test_x.py:12"`` for a rank blocked in a collective called from line
+    12 of the user's file; ``"at test_x.py:30 in wait_here"`` when the innermost frame is the
+    user's own (a C call like ``time.sleep`` leaves no frame of its own). Read from the main
+    thread, the one that ends in the harness's ``rank_main``; "" when nothing matches.
+    """
+    threads = [block for block in dump.split("\n\n") if _ENTRY in block] or [dump]
+    frames = [m.groupdict() for m in map(_FRAME.match, threads[0].splitlines()) if m]
+    for i, frame in enumerate(frames):  # most recent call first
+        if not _is_user(frame["path"]):
+            continue
+        location = f"{os.path.basename(frame['path'])}:{frame['line']}"
+        called = [f["func"] for f in reversed(frames[:i]) if f["func"] not in _WRAPPERS]
+        if called:
+            return f"in {called[0]} at {location}"
+        return f"at {location} in {frame['func']}"
+    return ""

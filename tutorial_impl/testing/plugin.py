@@ -52,10 +52,10 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, matrix
+from tutorial_impl.testing import backends, matrix, report
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import ranks as _ranks
-from tutorial_impl.testing.errors import RankResults, RankSkipped
+from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
 from tutorial_impl.testing.rendezvous import INIT_METHODS
 from tutorial_impl.testing.supervisor import run_ranks
 
@@ -344,6 +344,11 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
             results = run_ranks(fn, *args, **options)
         except RankSkipped as skip:
             pytest.skip(f"rank {skip.rank}: {skip.reason}")
+        except RankXFailed as xfail:
+            pytest.xfail(f"rank {xfail.rank}: {xfail.reason}")
+        except RankError as error:
+            error.in_message = False  # stacks and outputs go to report sections instead
+            raise
         # Show what the ranks printed in pytest's "Captured stdout" section.
         for rank, text in enumerate(results.outputs):
             if text.strip():
@@ -351,3 +356,12 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         return results
 
     return run
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Lead a failed multi-rank test's report with its cause; details in sections (``report``)."""
+    rep = yield
+    if call.excinfo is not None:
+        report.rewrite(rep, call.excinfo.value)
+    return rep

@@ -26,12 +26,12 @@ import os
 import pickle
 import signal
 import sys
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing import outcome as _outcome
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl  # noqa: F401 (old home)
 from tutorial_impl.testing.lookup import FunctionRef, resolve
 from tutorial_impl.testing.rendezvous import init_method_url
@@ -149,11 +149,6 @@ def _redirect_output(spec: RankSpec) -> None:
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
 
-def _is_skip(exc: BaseException) -> bool:
-    # pytest.skip() raises _pytest.outcomes.Skipped; we avoid importing pytest here.
-    return type(exc).__name__ in ("Skipped", "SkipTest")
-
-
 def init_process_group(spec: RankSpec) -> None:
     """Join the process group of the test with the requested backend and init method."""
     import torch
@@ -209,16 +204,13 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
             init_process_group(spec)
         value = fn(spec.rank, spec.world_size, *args, **kwargs)
         try:
-            message = pickle.dumps(("ok", value))
+            message = pickle.dumps(_outcome.Returned(value))
         except Exception as exc:  # noqa: BLE001
             message = pickle.dumps(
-                ("error", f"rank {spec.rank} returned a value that cannot be pickled: {exc!r}")
+                _outcome.unpicklable("returned a value that cannot be pickled", exc)
             )
     except BaseException as exc:  # noqa: BLE001 - everything must be reported, even exit()
-        if _is_skip(exc):
-            message = pickle.dumps(("skip", str(getattr(exc, "msg", exc))))
-        else:
-            message = pickle.dumps(("error", traceback.format_exc()))
+        message = pickle.dumps(_outcome.from_exception(exc))
     _coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
     try:
         sys.stdout.flush()

@@ -36,12 +36,13 @@ from typing import Any, TextIO
 
 from tutorial_impl.testing import backends, forensics
 from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.config import DEFAULT_DEADLINE, DEFAULT_INIT_METHOD, DEFAULT_WORLD_SIZE
 from tutorial_impl.testing.errors import (
     RankExited,
     RankResults,
-    outcome_error,
+    error_for,
     prefixed,
     timeout_error,
 )
@@ -62,7 +63,7 @@ class _Rank:
     conn: Connection
     log_path: Path
     stack_path: Path
-    outcome: tuple[str, Any] | None = None
+    outcome: _o.Outcome | None = None
     streamed: int = field(default=0)
 
     @property
@@ -267,7 +268,10 @@ def _supervise(
             stacks = forensics.dump_stacks(alive)
             for r in ranks:
                 _kill(r)
-            raise timeout_error(list(pending), timeout, stacks, _outputs(ranks))
+            where = {rank: forensics.where(text) for rank, text in stacks.items()}
+            for rank in pending:
+                ranks[rank].outcome = _o.TimedOut(where.get(rank, ""))
+            raise timeout_error(list(pending), timeout, stacks, _outputs(ranks), where)
         handles = [h for r in pending.values() for h in (r.conn, r.process.sentinel)]
         ready = wait(handles, timeout=min(remaining, 0.1) if stream else remaining)
         if stream is not None:
@@ -278,15 +282,17 @@ def _supervise(
                 continue
             r.outcome = _receive(r)
             del pending[r.rank]
-            if r.outcome[0] == "crash" and r.rank in may_exit:
-                r.outcome = ("ok", RankExited(r.rank, *r.outcome[1]))  # part of the test
+            if isinstance(r.outcome, _o.Died) and r.rank in may_exit:
+                # part of the test: the rank's place in the results says how it ended
+                r.outcome = _o.Returned(RankExited(r.rank, r.outcome.exitcode, r.outcome.how))
                 continue
-            if r.outcome[0] == "error":
+            if isinstance(r.outcome, _o.Raised):
                 unexpected = {k: p for k, p in pending.items() if k not in may_exit}
                 r = _crashed_peer(unexpected) or r
-            if r.outcome[0] != "ok":
+            if not isinstance(r.outcome, _o.Returned):
                 # Where were the others? Asked before they are killed (not for a skip).
-                stacks = {} if r.outcome[0] == "skip" else _where_the_others_were(pending, r)
+                quiet = isinstance(r.outcome, (_o.Skipped, _o.XFailed))
+                stacks = {} if quiet else _where_the_others_were(pending, r)
                 for other in ranks:
                     _kill(other)  # fail fast: the others may wait for this rank forever
                 if stream is not None:
@@ -294,7 +300,7 @@ def _supervise(
                 _raise_for(r, ranks, stacks)
     if stream is not None:
         _relay(ranks, stream, prefix)
-    results = RankResults(r.outcome[1] for r in ranks)  # type: ignore[index]
+    results = RankResults(r.outcome.value for r in ranks)  # type: ignore[union-attr]
     results.outputs = [r.output() for r in ranks]
     return results
 
@@ -322,27 +328,25 @@ def _crashed_peer(pending: dict[int, _Rank], grace: float = 0.2) -> _Rank | None
     for handle in wait(list(sentinels), timeout=grace) if sentinels else ():
         peer = sentinels[handle]
         peer.outcome = _receive(peer)
-        if peer.outcome[0] == "crash":
+        if isinstance(peer.outcome, _o.Died):
             return peer
     return None
 
 
-def _receive(r: _Rank) -> tuple[str, Any]:
-    """The rank's one message, or a description of how it died without sending one."""
+def _receive(r: _Rank) -> _o.Outcome:
+    """The rank's one message, or how it died without sending one."""
     if r.conn.poll():
         try:
-            return pickle.loads(r.conn.recv_bytes())
+            data = r.conn.recv_bytes()
         except (EOFError, OSError):
-            pass
+            data = None
+        if data is not None:
+            try:
+                return pickle.loads(data)
+            except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
+                return _o.unpicklable("its result could not be unpickled in the parent", exc)
     r.process.join(1.0)
-    code = r.process.exitcode
-    if code is not None and code < 0:
-        how = f"was killed by signal {signal.Signals(-code).name}"
-    elif code is None:
-        how = "closed its result pipe but is still running"
-    else:
-        how = f"exited with code {code} (os._exit or a crash)"
-    return ("crash", (code, how))
+    return _o.died(r.process.exitcode)
 
 
 def _outputs(ranks: list[_Rank]) -> dict[int, str]:
@@ -351,6 +355,5 @@ def _outputs(ranks: list[_Rank]) -> dict[int, str]:
 
 def _raise_for(r: _Rank, ranks: list[_Rank], stacks: dict[int, str]) -> None:
     __tracebackhide__ = True
-    kind, detail = r.outcome  # type: ignore[misc]
     fatal_stack = r.stack_path.read_text(errors="replace") if r.stack_path.exists() else ""
-    raise outcome_error(r.rank, kind, detail, fatal_stack, _outputs(ranks), stacks)
+    raise error_for(r.rank, r.outcome, fatal_stack, _outputs(ranks), stacks)

@@ -1,0 +1,147 @@
+"""A rank's outcome, typed, and the exceptions built from it in one place.
+
+1. Every way a rank can end is a small dataclass (``outcome``); ``errors.error_for`` turns
+   each failure into its exception, whose first line is the cause.
+2. The exceptions keep structured fields and survive pickling.
+3. A hang's headline says where each rank's own code was (``forensics.where``), and when the
+   ranks sit in different collectives it says so.
+4. Through real ranks: a result the parent cannot unpickle is a ``RankFailed`` naming the
+   rank, not a raw error from the harness's internals.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from tutorial_impl.testing import errors, forensics, outcome, run_ranks
+from tutorial_impl.testing.errors import RankCrashed, RankFailed, RankSkipped, RankXFailed
+
+# --- 1. outcomes and the exceptions built from them ------------------------------------------
+
+
+def _raised() -> outcome.Raised:
+    try:
+        raise ValueError("boom on one\nsecond line")
+    except ValueError as exc:
+        result = outcome.from_exception(exc)
+    assert isinstance(result, outcome.Raised)
+    return result
+
+
+def test_each_failure_becomes_its_exception_with_the_cause_first():
+    outputs = {0: "zero\n", 1: "one\n"}
+    failed = errors.error_for(1, _raised(), "", outputs, {0: "stack of 0"})
+    assert isinstance(failed, RankFailed)
+    assert failed.headline == "rank 1 raised ValueError: boom on one"
+    assert (failed.rank, failed.exc_type) == (1, "ValueError")
+    assert failed.exc_message == "boom on one\nsecond line"
+    assert "Traceback (most recent call last)" in failed.traceback
+
+    killed = errors.error_for(0, outcome.died(-9), "", outputs)
+    assert isinstance(killed, RankCrashed) and killed.exitcode == -9
+    assert killed.headline == "rank 0 was killed by signal SIGKILL before returning a result"
+    exited = errors.error_for(0, outcome.died(3), "", outputs)
+    assert exited.headline.startswith("rank 0 exited with code 3")
+
+    assert isinstance(errors.error_for(1, outcome.Skipped("no GPU"), "", {}), RankSkipped)
+    assert isinstance(errors.error_for(1, outcome.XFailed("bug 12"), "", {}), RankXFailed)
+    with pytest.raises(TypeError, match="not a failure"):
+        errors.error_for(0, outcome.Returned(3), "", {})
+
+
+def test_pytest_skip_and_xfail_in_a_rank_are_told_apart_by_name():
+    for call, kind in ((pytest.skip, outcome.Skipped), (pytest.xfail, outcome.XFailed)):
+        try:
+            call("why")
+        except BaseException as exc:  # noqa: BLE001 - skip/xfail are BaseExceptions
+            assert outcome.from_exception(exc) == kind("why")
+
+
+def test_the_whole_text_outside_pytest_and_sections_inside():
+    """``str(error)`` is the whole report for a script or the CLI; under pytest the plugin
+    sets ``in_message = False`` and the stacks and outputs become report sections."""
+    error = errors.error_for(1, _raised(), "", {0: "zero\n"}, {0: "stack of 0"})
+    assert "[rank 0] zero" in str(error) and "stack of 0" in str(error)
+    error.in_message = False
+    assert "[rank 0] zero" not in str(error) and "stack of 0" not in str(error)
+
+
+# --- 2. structured fields that survive pickling ---------------------------------------------
+
+
+def test_every_exception_survives_pickling_with_its_fields():
+    built = [
+        errors.error_for(1, _raised(), "", {1: "out"}, {0: "stack"}),
+        errors.error_for(0, outcome.died(-9), "fatal", {}),
+        errors.error_for(2, outcome.Skipped("s"), "", {}),
+        errors.error_for(2, outcome.XFailed("x"), "", {}),
+        errors.timeout_error([0, 1], 5.0, {0: "a", 1: "b"}, {}, {0: "in all_reduce at t.py:3"}),
+    ]
+    for error in built:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error)
+        assert str(copy) == str(error)
+        assert vars(copy) == vars(error)
+
+
+# --- 3. the hang headline -----------------------------------------------------------------
+
+DUMP = """Thread 0x00007f (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007e (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2 in {op}
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 8 in wrapper
+  File "/home/me/project/test_sum.py", line {line} in {fn}
+  File "/venv/lib/python3.11/site-packages/tutorial_impl/testing/ranks.py", line 9 in rank_main
+"""
+
+
+def test_where_reads_the_innermost_user_line_and_the_call_it_sits_in():
+    """Library frames (torch, the harness, decorators' ``wrapper``) are looked through."""
+    dump = DUMP.format(op="all_reduce", line=12, fn="step")
+    assert forensics.where(dump) == "in all_reduce at test_sum.py:12"
+    own = 'Current thread 0x1 (most recent call first):\n  File "/p/t.py", line 5 in spin\n'
+    own += '  File "/x/tutorial_impl/testing/ranks.py", line 9 in rank_main\n'
+    assert forensics.where(own) == "at t.py:5 in spin"
+    assert forensics.where("") == ""
+
+
+def test_a_hang_in_different_collectives_says_so():
+    where = {0: "in all_reduce at t.py:3", 1: "in broadcast at t.py:5"}
+    line = errors.hang_headline([0, 1], 5, where)
+    assert line.startswith("rank(s) 0, 1 still running after the harness deadline of 5 s: ")
+    assert "rank 0 in all_reduce at t.py:3, rank 1 in broadcast at t.py:5" in line
+    assert "the ranks are in different collectives (" + errors.CHECK_COLLECTIVES in line
+    same = errors.hang_headline([0, 1], 5, {0: where[0], 1: "in all_reduce at t.py:3"})
+    assert "different collectives" not in same
+
+
+# --- 4. a result the parent cannot unpickle ---------------------------------------------------
+
+
+def _refuse() -> None:
+    raise TypeError("this object cannot be rebuilt here")
+
+
+class Boomerang:
+    """Pickles in the rank; unpickling it (in the parent) raises."""
+
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def return_boomerang_on_rank_1(rank, world_size):
+    return Boomerang() if rank == 1 else rank
+
+
+def test_a_result_the_parent_cannot_unpickle_names_the_rank():
+    with pytest.raises(RankFailed) as info:
+        run_ranks(return_boomerang_on_rank_1, world_size=2, timeout=30)
+    assert info.value.rank == 1
+    assert info.value.headline == (
+        "rank 1 raised TypeError: its result could not be unpickled in the parent: "
+        "this object cannot be rebuilt here"
+    )
