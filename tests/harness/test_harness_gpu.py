@@ -33,3 +33,19 @@ def test_nccl_group_of_one(run_ranks):
 def test_nccl_ranks_get_one_gpu_each(run_ranks):
     """Rank r runs on GPU r, and the sum over both GPUs reaches both ranks."""
     assert run_ranks(all_reduce_cuda) == [(3.0, 0, "nccl"), (3.0, 1, "nccl")]
+
+
+def cuda_tensors(rank: int, world_size: int) -> dict[str, object]:
+    t = torch.full((2,), float(rank), device="cuda")
+    return {"tensor": t, "nested": [t * 2, (t + 1,)]}
+
+
+@pytest.mark.dist_gpu
+@pytest.mark.dist_backend("nccl")
+@pytest.mark.world_size(1)
+def test_returned_cuda_tensors_arrive_on_the_cpu(run_ranks):
+    """The rank's GPU is its own: every returned tensor, however nested, comes back on CPU."""
+    (result,) = run_ranks(cuda_tensors)
+    tensors = [result["tensor"], result["nested"][0], result["nested"][1][0]]
+    assert [t.device.type for t in tensors] == ["cpu"] * 3
+    assert [t.tolist() for t in tensors] == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -149,6 +150,32 @@ def _redirect_output(spec: RankSpec) -> None:
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
 
+class _CpuPickler(pickle.Pickler):
+    """Pickles every tensor as its CPU copy, however deeply it is nested in the result.
+
+    A rank's GPU is its own (and gone once the rank is killed): unpickling a CUDA tensor in
+    the parent would put it on the parent's GPU, or fail on a machine the parent sees no
+    GPU of. So returned tensors arrive on the CPU, whatever device they were on.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps_on_cpu(obj: Any) -> bytes:
+    import torch
+
+    if not torch.cuda.is_initialized():  # no GPU tensor can exist: the fast plain pickle
+        return pickle.dumps(obj)
+    buffer = io.BytesIO()
+    _CpuPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
 def init_process_group(spec: RankSpec) -> None:
     """Join the process group of the test with the requested backend and init method."""
     import torch
@@ -204,7 +231,7 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
             init_process_group(spec)
         value = fn(spec.rank, spec.world_size, *args, **kwargs)
         try:
-            message = pickle.dumps(_outcome.Returned(value))
+            message = _dumps_on_cpu(_outcome.Returned(value))
         except Exception as exc:  # noqa: BLE001
             message = pickle.dumps(
                 _outcome.unpicklable("returned a value that cannot be pickled", exc)
