@@ -8,6 +8,12 @@ ranks, and into the C environment of the process that runs them once it starts a
 
 from __future__ import annotations
 
+# Imported here, in the outer pytest: pytester's in-process runs drop every module they
+# imported afterwards, and torch cannot be imported twice in one process.
+import torch.distributed  # noqa: F401
+
+from tutorial_impl.testing import proctable
+
 pytest_plugins = ["pytester"]
 
 # A stranger's project: only the installed package, no conftest.
@@ -45,3 +51,144 @@ def test_the_dns_workaround_reaches_the_ranks_and_nothing_else(pytester, monkeyp
     pytester.makepyfile(DNS_TESTS)
     result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
     result.assert_outcomes(passed=3)
+
+
+# Variables torch reads at import (torchenv.py), and the collective checking they enable.
+COLLECTIVE_TESTS = """
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import RankFailed
+
+
+def mismatched(rank, world_size):
+    t = torch.ones(1)
+    if rank == 0:
+        dist.all_reduce(t)  # rank 1 never joins this one...
+    else:
+        dist.broadcast(t, src=0)  # ...nor rank 0 this one: without checking, a hang
+
+
+def debug_level(rank, world_size):
+    return dist.get_debug_level().name
+
+
+@pytest.mark.check_collectives
+def test_marked(run_ranks):
+    run_ranks(mismatched)
+
+
+def test_set_in_the_parent_after_the_forkserver_imported_torch(run_ranks, monkeypatch):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    run_ranks(mismatched)
+
+
+def test_unmarked(run_ranks):
+    run_ranks(mismatched)
+
+
+def test_each_run_gets_the_level_it_asks_for(run_ranks):
+    assert run_ranks(debug_level, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}) == ["INFO"] * 2
+    assert run_ranks(debug_level) == ["OFF"] * 2
+
+
+def test_a_variable_read_only_at_import_is_refused(run_ranks):
+    with pytest.raises(RankFailed, match="TORCH_CPP_LOG_LEVEL='INFO' cannot take effect"):
+        run_ranks(debug_level, env={"TORCH_CPP_LOG_LEVEL": "INFO"})
+"""
+
+
+def test_mismatched_collectives_fail_in_seconds_naming_both(pytester, monkeypatch):
+    """A 10 s deadline: a mismatch that were not caught would be reported as a timeout."""
+    for name in ("TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    pytester.makepyfile(COLLECTIVE_TESTS)
+    plain = ("-p", "no:cacheprovider", "-p", "no:randomly", "--rank-timeout", "10")
+    result = pytester.runpytest(*plain, "-k", "not unmarked")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["FAILED *::test_marked*", "FAILED *::test_set_in_the_parent*"])
+    text = result.stdout.str()
+    assert text.count("Detected mismatch between collectives") >= 2
+    assert "ALLREDUCE" in text and "BROADCAST" in text
+    assert "deadline" not in text.lower() and "timed out" not in text.lower()
+    # The option does for every test what the marker does for one.
+    checked = pytester.runpytest(*plain, "--check-collectives", "-k", "unmarked")
+    checked.assert_outcomes(failed=1)
+    assert "Detected mismatch between collectives" in checked.stdout.str()
+
+
+# multiprocessing's own forkserver started first, by the test (torchenv-free, in a fresh
+# pytest: the rank forkserver of this process started long ago).
+POOL_FIRST_TESTS = """
+import gc
+import multiprocessing as mp
+import os
+import sys
+from multiprocessing import forkserver
+
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import proctable
+
+
+def facts(rank, world_size, pid_dir):
+    import preloaded_probe  # rank_preload: the rank's parent imported it, not the rank
+
+    proctable.record(pid_dir, f"forkserver{rank}", os.getppid())
+    proctable.record_self(pid_dir, f"rank{rank}")
+    return {
+        "server": os.getppid(),
+        "preloaded_in": preloaded_probe.IMPORTED_IN,
+        "death_chain": "tutorial_impl.testing.forkserver_init" in sys.modules,
+        "frozen": gc.get_freeze_count() > 0,
+    }
+
+
+def test_a_pool_starts_the_global_forkserver_before_any_rank(run_ranks, tmp_path):
+    with mp.get_context("forkserver").Pool(1) as pool:
+        assert pool.map(abs, [-3]) == [3]
+    global_server = forkserver._forkserver._forkserver_pid
+    assert global_server is not None  # multiprocessing's own server is up now
+    for got in run_ranks(facts, os.environ["PID_DIR"]):
+        assert got["server"] != global_server  # the ranks come from the harness's own...
+        assert got["preloaded_in"] == got["server"]  # ...which did the preloads,
+        assert got["death_chain"] and got["frozen"]  # the death chain and gc.freeze
+
+
+def mismatched(rank, world_size):
+    t = torch.ones(1)
+    if rank == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=0)
+
+
+def test_unmarked(run_ranks):
+    run_ranks(mismatched)
+"""
+
+
+def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
+    pytester, tmp_path, monkeypatch
+):
+    """A fresh pytest (the only costly run here) whose first test starts multiprocessing's
+    forkserver with a Pool; it also runs with --check-collectives, for the option's sake."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    monkeypatch.setenv("PID_DIR", str(pid_dir))
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    pytester.makepyfile(test_pool_first=POOL_FIRST_TESTS)
+    pytester.makepyfile(preloaded_probe="import os\n\nIMPORTED_IN = os.getpid()\n")
+    pytester.makeini("[pytest]\nrank_preload = preloaded_probe\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "--rank-timeout", "10",
+        "--check-collectives", timeout=300,
+    )  # fmt: skip
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["FAILED *::test_unmarked*"])
+    assert "Detected mismatch between collectives" in result.stdout.str()
+    # pytest has exited: its ranks and their forkserver with it.
+    assert set(proctable.recorded(pid_dir)) == {"rank0", "rank1", "forkserver0", "forkserver1"}
+    assert proctable.wait_until_gone(pid_dir, 10.0) == {}

@@ -15,7 +15,8 @@ imports no torch (two seconds) until a test needs it: the machinery it drives (`
 What pytest calls, in the order it calls it:
 
 ``pytest_addoption``
-    the command-line options (``--rank-timeout``, ``--init-method``, ``--require-gpu``) and
+    the command-line options (``--rank-timeout``, ``--init-method``, ``--require-gpu``,
+    ``--check-collectives``) and
     ini values (``rank_timeout``, ``rank_preload``), shown under "torch.distributed
     multi-rank harness" in ``pytest --help``.
 ``pytest_configure``
@@ -36,8 +37,9 @@ fixtures ``run_ranks`` and ``world_size``
     run a rank function on N processes; the size of this test's world.
 
 Markers: ``world_size(n)`` or ``world_size(n1, n2, ...)``, ``dist_backend(name)``,
-``dist_gpu(n=1)``, ``rank_timeout(seconds)``; ``backend`` and ``gpu`` are deprecated aliases,
-honoured only on tests that use the harness. ``config`` reads and checks them all.
+``dist_gpu(n=1)``, ``rank_timeout(seconds)``, ``check_collectives``; ``backend`` and ``gpu``
+are deprecated aliases, honoured only on tests that use the harness. ``config`` reads and
+checks them all.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
 from tutorial_impl.testing.rendezvous import INIT_METHODS
 from tutorial_impl.testing.supervisor import run_ranks
+from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
 
 MARKERS = {
     "world_size(n, ...)": "run the test's ranks with world size n (default 2); several sizes "
@@ -70,6 +73,9 @@ MARKERS = {
     "rank_timeout(seconds)": "harness deadline for this test's ranks (stack dump, then kill)",
     "backend(name)": "deprecated: dist_backend(name); honoured on tests using run_ranks only",
     "gpu(n=1)": "deprecated: dist_gpu(n); honoured on tests using run_ranks only",
+    "check_collectives": "check before every collective that all ranks call the same one "
+    "(TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks): a mismatch fails in seconds, not at the "
+    "deadline",
 }
 # Imported once by the rank forkserver under pytest: a rank that runs a function of a test
 # file imports that file, and the file imports pytest (~0.3 s a rank otherwise).
@@ -110,6 +116,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail, instead of skipping, every test marked dist_gpu or using the nccl backend "
         "that this machine cannot run (no CUDA, too few GPUs, no NCCL), with the reason: "
         "for GPU CI jobs, which must not pass by skipping every GPU test",
+    )
+    group.addoption(
+        "--check-collectives",
+        action="store_true",
+        default=False,
+        help="check before every collective of every multi-rank test that all ranks call the "
+        "same one with the same shapes (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks in "
+        "different collectives then fail in seconds, naming both, instead of hanging until "
+        "the deadline. Costs a few times a small collective; the check_collectives marker "
+        "turns it on for one test",
     )
     parser.addini(
         "rank_timeout",
@@ -329,6 +345,9 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
             pytest.fail(f"harness configuration: {exc}", pytrace=False)
     cap = item.stash.get(_deadline_cap, float("inf"))
     calls = iter(range(1_000_000))
+    checking_collectives = request.config.getoption("--check-collectives") or bool(
+        item.get_closest_marker("check_collectives")
+    )
 
     def run(fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
         __tracebackhide__ = True
@@ -340,6 +359,8 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         if isinstance(options["timeout"], (int, float)) and options["timeout"] > cap:
             options["timeout"] = cap
         options.setdefault("log_dir", tmp_path / f"ranks-{next(calls)}")
+        if checking_collectives:  # the caller's own env= entries win
+            options["env"] = {**CHECK_COLLECTIVES, **(options.get("env") or {})}
         try:
             results = run_ranks(fn, *args, **options)
         except RankSkipped as skip:

@@ -27,12 +27,16 @@ import os
 import pickle
 import signal
 import sys
+import types
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing import forkserver as _mp_forkserver
+from multiprocessing import popen_forkserver as _mp_popen_forkserver
 from typing import Any
 
 from tutorial_impl.testing import coverage as _coverage
-from tutorial_impl.testing import outcome as _outcome
+import traceback
+import types
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl  # noqa: F401 (old home)
 from tutorial_impl.testing.lookup import FunctionRef, resolve
 from tutorial_impl.testing.rendezvous import init_method_url
@@ -47,6 +51,8 @@ DEFAULT_PRELOAD = [
     __name__,
 ]
 _preload: list[str] = list(DEFAULT_PRELOAD)
+# Variables torch reads only at import, which a rank cannot re-apply (see ``torchenv``).
+IMPORT_ONLY = _torchenv.IMPORT_ONLY
 _context: Any = None
 
 
@@ -60,19 +66,66 @@ def add_preload(modules: list[str]) -> None:
             _preload.append(name)
 
 
+class _OwnForkServer:
+    """What ``popen_forkserver`` calls the ``forkserver`` module, with *our* server in it.
+
+    multiprocessing has one forkserver per process, a module-level singleton, and whoever
+    starts it first decides what it preloads. A test that used a ``Pool`` or a ``DataLoader``
+    with the forkserver context (the default start method from Python 3.14) before its first
+    rank would get ranks from that server: without the preloads, without the death chain of
+    ``forkserver_init`` and without ``gc.freeze``. So the harness runs a ``ForkServer`` of
+    its own, a second instance of multiprocessing's class, and its processes connect to that
+    one; everything else (``read_signed``...) is the module's own.
+    """
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("connect_to_new_process", "ensure_running", "get_inherited_fds"):
+            return getattr(self._server, name)
+        return getattr(_mp_forkserver, name)
+
+
+def _own_popen(server: Any) -> type:
+    """``popen_forkserver.Popen``, its ``_launch`` reading ``forkserver`` as our server."""
+    base = _mp_popen_forkserver.Popen
+    launch = base._launch
+    names = {**launch.__globals__, "forkserver": _OwnForkServer(server)}
+    own_launch = types.FunctionType(launch.__code__, names, launch.__name__, launch.__defaults__)
+    return type("RankPopen", (base,), {"_launch": own_launch, "__module__": __name__})
+
+
+_rank_popen: Any = None
+
+
+class RankProcess(mp.context.ForkServerProcess):
+    """A process started by the harness's own forkserver (``context``)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _rank_popen(process_obj)
+
+
+class _RankContext(mp.context.ForkServerContext):
+    Process = RankProcess
+
+
 def context() -> Any:
-    """The multiprocessing context ranks are started with (a forkserver, started lazily)."""
+    """The multiprocessing context ranks are started with: our own forkserver, lazily."""
     global _context
     if _context is None:
-        ctx = mp.get_context("forkserver")
+        server = _mp_forkserver.ForkServer()
         # Ranks measure coverage when we do (see ``coverage``); then import it once, here.
         measuring = ["coverage"] if _coverage.parent_settings() is not None else []
         # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
         # ``forkserver_ready`` goes last: it freezes everything the others imported.
-        ctx.set_forkserver_preload(
+        server.set_forkserver_preload(
             [*_preload, *measuring, "tutorial_impl.testing.forkserver_ready"]
         )
-        _context = ctx
+        global _rank_popen
+        _rank_popen = _own_popen(server)
+        _context = _RankContext()
     return _context
 
 
@@ -114,9 +167,8 @@ def release_forkserver() -> None:
     are gone. A hanging rank would then keep the server alive after pytest was killed, and
     the server keep the rank alive (see ``_die_with_parent``): an orphan forever.
     """
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
+    # Inside the server's children, the module's singleton is the one the server filled in.
+    server = getattr(_mp_forkserver, "_forkserver", None)
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         os.close(fd)
@@ -207,6 +259,7 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stacks, all_threads=True)  # segfaults, aborts
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the deadline
+    imported_with = dict(os.environ)  # the forkserver's: what torch saw at import
     if spec.parent_env is not None:
         os.environ.clear()
         os.environ.update(spec.parent_env)
@@ -227,6 +280,7 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
         cov = _coverage.start_in_rank(spec.coverage)
         fn = resolve(spec.function)
         args, kwargs = pickle.loads(spec.payload)
+        _torchenv.apply_in_rank(imported_with)  # before any group: see torchenv
         if spec.backend is not None:
             init_process_group(spec)
         value = fn(spec.rank, spec.world_size, *args, **kwargs)

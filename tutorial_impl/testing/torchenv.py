@@ -1,0 +1,55 @@
+"""Environment variables torch reads once, at import: making them work in ranks anyway.
+
+A rank is forked from the harness's forkserver, which imported torch when it started. A
+variable that torch reads only while it is being imported was read *then*, with the
+forkserver's environment: setting it later in the parent, or passing it through
+``run_ranks(env=...)``, would change ``os.environ`` in the rank and nothing else. Silently
+ignored settings are the worst kind, so every such variable is either re-applied in the
+rank, before its process group is made, or refused with an error that says what to do.
+
+* ``TORCH_DISTRIBUTED_DEBUG`` (``OFF``, ``INFO``, ``DETAIL``): re-applied through
+  ``torch.distributed.set_debug_level_from_env()``. ``DETAIL`` is what makes
+  ``init_process_group`` wrap the group in torch's ``ProcessGroupWrapper``, which checks
+  before every collective that all ranks call the same one with the same shapes: a test
+  where rank 0 calls ``all_reduce`` and rank 1 ``broadcast`` then fails in about a second
+  with "Detected mismatch between collectives ... ALLREDUCE ... BROADCAST" instead of
+  hanging until its deadline. The pytest option ``--check-collectives`` and the marker
+  ``check_collectives`` turn that on (``CHECK_COLLECTIVES``); it costs a few times the
+  price of a small collective (``python -m tutorial_impl bench harness`` measures it).
+* ``IMPORT_ONLY`` (``TORCH_CPP_LOG_LEVEL``: c10's C++ logging level, set up when torch's
+  extension loads, with no way to change it afterwards): refused when a rank would see a
+  value other than the one torch was imported with. Set it in the environment before the
+  first rank of the process starts (before running pytest, or at the top of a script).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# What --check-collectives and the check_collectives marker add to the ranks' environment.
+CHECK_COLLECTIVES = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+# Read by torch only at import, and no API re-applies them: refused when they would differ.
+IMPORT_ONLY = ("TORCH_CPP_LOG_LEVEL",)
+
+
+def apply_in_rank(imported_with: Mapping[str, str]) -> None:
+    """Make the rank's ``os.environ`` true for torch; ``imported_with`` is the environment
+    torch was imported with (the forkserver's, which the rank inherited at fork).
+
+    Called in the rank after its environment is set and before any process group exists.
+    """
+    for name in IMPORT_ONLY:
+        wanted, had = os.environ.get(name), imported_with.get(name)
+        if wanted != had:
+            raise ValueError(
+                f"{name}={wanted!r} cannot take effect in a rank: torch reads it only at "
+                f"import, and the harness's forkserver imported torch with {name}={had!r}. "
+                f"Set {name} in the environment before the first rank of this process starts "
+                "(before running pytest, or at the top of your script), not in a test or "
+                "through run_ranks(env=...)"
+            )
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") != imported_with.get("TORCH_DISTRIBUTED_DEBUG"):
+        import torch.distributed as dist
+
+        dist.set_debug_level_from_env()  # raises on a value torch does not know
