@@ -22,18 +22,27 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     """World size 1 keeps it cheap: the spawn side still starts a fresh interpreter."""
     path = tmp_path / "harness.json"
     argv = ["--repeats", "2", "--spawn-repeats", "1", "--world-sizes", "1", "--json", str(path)]
+    argv += ["--collectives", "20"]
     assert harness.main(argv) == 0
     figures = json.loads(path.read_text())
     assert list(figures) == ["1"]  # keyed by world size, as a string (JSON keys are)
     row = figures["1"]
-    assert set(row) == {"harness_ms", "spawn_ms", "ratio"}
+    assert set(row) == {
+        *("harness_ms", "spawn_ms", "ratio"),
+        *("collective_us", "checked_collective_us", "check_ratio"),  # the price of checking
+    }
     assert row["harness_ms"] > 0 and row["spawn_ms"] > 0
     assert row["ratio"] == pytest.approx(row["spawn_ms"] / row["harness_ms"])
+    assert row["collective_us"] > 0 and row["checked_collective_us"] > 0
+    assert row["check_ratio"] == pytest.approx(row["checked_collective_us"] / row["collective_us"])
     printed = capsys.readouterr().out
     assert f"harness {row['harness_ms']:7.1f} ms" in printed  # the same figures, printed
     assert f"ratio {row['ratio']:6.1f}x" in printed
+    assert f"check {row['check_ratio']:5.1f}x" in printed
 
 
 def test_bench_refuses_nonsense_arguments():
     with pytest.raises(SystemExit, match="at least 1"):
         harness.main(["--repeats", "0"])
+    with pytest.raises(SystemExit, match="--collectives"):
+        harness.main(["--collectives", "0"])

@@ -12,6 +12,13 @@ that, and both rendezvous race-free (the parent binds a TCPStore to port 0):
 
 prints the median milliseconds per test of each and the ratio spawn / harness, per world
 size. ``--json PATH`` writes ``{"2": {"harness_ms": ..., "spawn_ms": ..., "ratio": ...}}``.
+
+It also prices ``--check-collectives`` (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, see
+``testing/torchenv.py``): microseconds per small all_reduce in a group without and with the
+check, the slowest rank's mean over ``--collectives`` calls, and their ratio (JSON keys
+``collective_us``, ``checked_collective_us``, ``check_ratio``). The check runs torch's
+``ProcessGroupWrapper``, which before each collective has the ranks compare what they are
+about to call through an extra exchange, so a small collective costs several times as much.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch.multiprocessing
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing import run_ranks
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
+from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
 
 
 def all_reduce_once(rank: int, world_size: int) -> float:
@@ -37,6 +45,24 @@ def all_reduce_once(rank: int, world_size: int) -> float:
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     return t.item()
+
+
+def all_reduce_many(rank: int, world_size: int, calls: int) -> float:
+    """Mean microseconds per all_reduce of one float, after a warm-up, in this rank."""
+    t = torch.ones(1)
+    for _ in range(10):  # the group's first calls set up connections and buffers
+        dist.all_reduce(t)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(t)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def time_collectives(world_size: int, calls: int, checked: bool) -> float:
+    """The slowest rank's mean microseconds per small all_reduce, with or without the check."""
+    env = dict(CHECK_COLLECTIVES) if checked else {"TORCH_DISTRIBUTED_DEBUG": "OFF"}
+    return max(run_ranks(all_reduce_many, calls, world_size=world_size, timeout=120, env=env))
 
 
 def _spawn_rank(rank: int, world_size: int, host: str, port: int) -> None:
@@ -85,20 +111,32 @@ def time_spawn(world_size: int, repeats: int) -> list[float]:
     return times
 
 
-def measure(world_sizes: list[int], repeats: int, spawn_repeats: int) -> dict[str, dict]:
+def measure(
+    world_sizes: list[int], repeats: int, spawn_repeats: int, collectives: int = 200
+) -> dict[str, dict]:
     _ranks.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
     for world_size in world_sizes:
         harness_ms = statistics.median(time_harness(world_size, repeats))
         spawn_ms = statistics.median(time_spawn(world_size, spawn_repeats))
+        plain_us = time_collectives(world_size, collectives, checked=False)
+        checked_us = time_collectives(world_size, collectives, checked=True)
         figures[str(world_size)] = {
             "harness_ms": harness_ms,
             "spawn_ms": spawn_ms,
             "ratio": spawn_ms / harness_ms,
+            "collective_us": plain_us,
+            "checked_collective_us": checked_us,
+            "check_ratio": checked_us / plain_us,
         }
         print(
             f"world {world_size}: harness {harness_ms:7.1f} ms  spawn {spawn_ms:8.1f} ms  "
             f"ratio {spawn_ms / harness_ms:6.1f}x   (medians of {repeats} and {spawn_repeats})",
+            flush=True,
+        )
+        print(
+            f"world {world_size}: all_reduce {plain_us:7.1f} us  checked {checked_us:7.1f} us  "
+            f"check {checked_us / plain_us:5.1f}x   (means of {collectives}, slowest rank)",
             flush=True,
         )
     return figures
@@ -118,14 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="spawn runs per world size (each costs seconds: a fresh interpreter per rank)",
     )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--collectives",
+        type=int,
+        default=200,
+        help="all_reduce calls per rank for the price of --check-collectives",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.repeats < 1 or args.spawn_repeats < 1:
-        raise SystemExit("--repeats and --spawn-repeats must be at least 1")
+    if args.repeats < 1 or args.spawn_repeats < 1 or args.collectives < 1:
+        raise SystemExit("--repeats, --spawn-repeats and --collectives must be at least 1")
     if any(w < 1 for w in args.world_sizes):
         raise SystemExit("--world-sizes must be positive")
     # run_ranks's store does this itself; the spawn side's store and fresh interpreters need
@@ -136,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     # c10d's warning that it could not name its peer; ranks read this when importing torch.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; medians per test")
-    figures = measure(args.world_sizes, args.repeats, args.spawn_repeats)
+    figures = measure(args.world_sizes, args.repeats, args.spawn_repeats, args.collectives)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
