@@ -55,6 +55,8 @@ def test_the_dns_workaround_reaches_the_ranks_and_nothing_else(pytester, monkeyp
 
 # Variables torch reads at import (torchenv.py), and the collective checking they enable.
 COLLECTIVE_TESTS = """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -93,9 +95,16 @@ def test_each_run_gets_the_level_it_asks_for(run_ranks):
     assert run_ranks(debug_level) == ["OFF"] * 2
 
 
-def test_a_variable_read_only_at_import_is_refused(run_ranks):
+def cpp_log_level(rank, world_size):
+    return os.environ.get("TORCH_CPP_LOG_LEVEL")
+
+
+def test_a_variable_read_only_at_import_is_refused(run_ranks, monkeypatch):
     with pytest.raises(RankFailed, match="TORCH_CPP_LOG_LEVEL='INFO' cannot take effect"):
         run_ranks(debug_level, env={"TORCH_CPP_LOG_LEVEL": "INFO"})
+    # Set in the parent since torch was imported, it is not what the rank's torch uses.
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")
+    assert run_ranks(cpp_log_level) == [None, None]
 """
 
 

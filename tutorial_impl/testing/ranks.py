@@ -280,7 +280,7 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
         cov = _coverage.start_in_rank(spec.coverage)
         fn = resolve(spec.function)
         args, kwargs = pickle.loads(spec.payload)
-        _torchenv.apply_in_rank(imported_with)  # before any group: see torchenv
+        _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
         if spec.backend is not None:
             init_process_group(spec)
         value = fn(spec.rank, spec.world_size, *args, **kwargs)

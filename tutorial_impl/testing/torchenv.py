@@ -17,9 +17,12 @@ rank, before its process group is made, or refused with an error that says what 
   ``check_collectives`` turn that on (``CHECK_COLLECTIVES``); it costs a few times the
   price of a small collective (``python -m tutorial_impl bench harness`` measures it).
 * ``IMPORT_ONLY`` (``TORCH_CPP_LOG_LEVEL``: c10's C++ logging level, set up when torch's
-  extension loads, with no way to change it afterwards): refused when a rank would see a
-  value other than the one torch was imported with. Set it in the environment before the
-  first rank of the process starts (before running pytest, or at the top of a script).
+  extension loads, with no way to change it afterwards): asked for through
+  ``run_ranks(env=...)`` with a value other than the one torch was imported with, it is
+  refused with an error that says to set it before the first rank of the process starts
+  (before running pytest, or at the top of a script). Changed in the parent's environment
+  since then (by anything in the process: a benchmark's ``setdefault``, say), the rank's
+  ``os.environ`` shows the value torch really uses, so that nothing in the rank is misled.
 """
 
 from __future__ import annotations
@@ -33,22 +36,27 @@ CHECK_COLLECTIVES = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 IMPORT_ONLY = ("TORCH_CPP_LOG_LEVEL",)
 
 
-def apply_in_rank(imported_with: Mapping[str, str]) -> None:
+def apply_in_rank(imported_with: Mapping[str, str], requested: Mapping[str, str]) -> None:
     """Make the rank's ``os.environ`` true for torch; ``imported_with`` is the environment
-    torch was imported with (the forkserver's, which the rank inherited at fork).
+    torch was imported with (the forkserver's, which the rank inherited at fork) and
+    ``requested`` what the caller asked for explicitly (``run_ranks(env=...)``).
 
     Called in the rank after its environment is set and before any process group exists.
     """
     for name in IMPORT_ONLY:
-        wanted, had = os.environ.get(name), imported_with.get(name)
-        if wanted != had:
+        had = imported_with.get(name)
+        if name in requested and requested[name] != had:
             raise ValueError(
-                f"{name}={wanted!r} cannot take effect in a rank: torch reads it only at "
-                f"import, and the harness's forkserver imported torch with {name}={had!r}. "
-                f"Set {name} in the environment before the first rank of this process starts "
-                "(before running pytest, or at the top of your script), not in a test or "
-                "through run_ranks(env=...)"
+                f"{name}={requested[name]!r} cannot take effect in a rank: torch reads it "
+                f"only at import, and the harness's forkserver imported torch with "
+                f"{name}={had!r}. Set {name} in the environment before the first rank of "
+                "this process starts (before running pytest, or at the top of your script), "
+                "not through run_ranks(env=...)"
             )
+        if had is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = had
     if os.environ.get("TORCH_DISTRIBUTED_DEBUG") != imported_with.get("TORCH_DISTRIBUTED_DEBUG"):
         import torch.distributed as dist
 
