@@ -139,7 +139,7 @@ from multiprocessing import forkserver
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import proctable
+from tutorial_impl.testing import proctable, ranks
 
 
 def facts(rank, world_size, pid_dir):
@@ -161,7 +161,7 @@ def test_a_pool_starts_the_global_forkserver_before_any_rank(run_ranks, tmp_path
     global_server = forkserver._forkserver._forkserver_pid
     assert global_server is not None  # multiprocessing's own server is up now
     for got in run_ranks(facts, os.environ["PID_DIR"]):
-        assert got["server"] != global_server  # the ranks come from the harness's own...
+        assert got["server"] == ranks.forkserver_pid() != global_server  # the harness's own...
         assert got["preloaded_in"] == got["server"]  # ...which did the preloads,
         assert got["death_chain"] and got["frozen"]  # the death chain and gc.freeze
 

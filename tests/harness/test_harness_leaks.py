@@ -26,6 +26,7 @@ from tutorial_impl.testing import (
     RankTimeout,
     assert_equal_across_ranks,
     proctable,
+    ranks,
     run_ranks,
 )
 
@@ -155,9 +156,7 @@ def _wait_until_gone(pid_dir: Path, names: set[str], timeout: float) -> dict[str
 
 def _forkserver_children_alive() -> list[int]:
     """Children of this process's rank forkserver that are still alive (not zombies)."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver._forkserver_pid
+    server = ranks.forkserver_pid()
     assert server is not None
     deadline = time.monotonic() + GONE_WITHIN
     while True:

@@ -97,6 +97,12 @@ def _own_popen(server: Any) -> type:
 
 
 _rank_popen: Any = None
+_server: Any = None  # the harness's ForkServer, once ``context`` has made it
+
+
+def forkserver_pid() -> int | None:
+    """The pid of the harness's own forkserver, or None before it has started."""
+    return getattr(_server, "_forkserver_pid", None)
 
 
 class RankProcess(mp.context.ForkServerProcess):
@@ -115,7 +121,8 @@ def context() -> Any:
     """The multiprocessing context ranks are started with: our own forkserver, lazily."""
     global _context
     if _context is None:
-        server = _mp_forkserver.ForkServer()
+        global _server
+        server = _server = _mp_forkserver.ForkServer()
         # Ranks measure coverage when we do (see ``coverage``); then import it once, here.
         measuring = ["coverage"] if _coverage.parent_settings() is not None else []
         # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
