@@ -35,8 +35,8 @@ from multiprocessing import popen_forkserver as _mp_popen_forkserver
 from typing import Any
 
 from tutorial_impl.testing import coverage as _coverage
-import traceback
-import types
+from tutorial_impl.testing import outcome as _outcome
+from tutorial_impl.testing import torchenv as _torchenv
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl  # noqa: F401 (old home)
 from tutorial_impl.testing.lookup import FunctionRef, resolve
 from tutorial_impl.testing.rendezvous import init_method_url
