@@ -127,6 +127,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "the deadline. Costs a few times a small collective; the check_collectives marker "
         "turns it on for one test",
     )
+    group.addoption(
+        "--rank-pdb",
+        type=int,
+        default=None,
+        metavar="N",
+        help="debug rank N of every multi-rank test: its breakpoint() and the post-mortem of "
+        "its exception wait on a local port (printed on the terminal and in the rank's log) "
+        "for `python -m tutorial_impl.testing.attach PORT`; the other ranks are held and the "
+        "harness deadline paused meanwhile (pytest-timeout still counts: add --timeout 0)",
+    )
     parser.addini(
         "rank_timeout",
         "default harness deadline in seconds",
@@ -359,6 +369,8 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         if isinstance(options["timeout"], (int, float)) and options["timeout"] > cap:
             options["timeout"] = cap
         options.setdefault("log_dir", tmp_path / f"ranks-{next(calls)}")
+        if request.config.getoption("--rank-pdb") is not None:
+            options.setdefault("debug_rank", request.config.getoption("--rank-pdb"))
         if checking_collectives:  # the caller's own env= entries win
             options["env"] = {**CHECK_COLLECTIVES, **(options.get("env") or {})}
         try:

@@ -35,6 +35,7 @@ from multiprocessing import popen_forkserver as _mp_popen_forkserver
 from typing import Any
 
 from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing import debugging as _debugging
 from tutorial_impl.testing import outcome as _outcome
 from tutorial_impl.testing import torchenv as _torchenv
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl  # noqa: F401 (old home)
@@ -281,6 +282,9 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
     import torch
 
     torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
+    debugging = _debugging.Debugging(spec.rank, os.path.dirname(spec.log_path))
+    if _debugging.debug_rank() is not None:
+        spec.timeout = _debugging.HOLD  # hold every rank while one is debugged
 
     cov = None
     try:
@@ -298,6 +302,10 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
                 _outcome.unpicklable("returned a value that cannot be pickled", exc)
             )
     except BaseException as exc:  # noqa: BLE001 - everything must be reported, even exit()
+        try:
+            debugging.post_mortem(exc)  # only in the rank being debugged
+        except BaseException:  # noqa: BLE001 - the debugger went away: report the error
+            pass
         message = pickle.dumps(_outcome.from_exception(exc))
     _coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
     try:

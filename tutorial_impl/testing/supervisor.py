@@ -27,7 +27,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -36,6 +35,7 @@ from typing import Any, TextIO
 
 from tutorial_impl.testing import backends, forensics
 from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing import debugging as _debugging
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.config import DEFAULT_DEADLINE, DEFAULT_INIT_METHOD, DEFAULT_WORLD_SIZE
@@ -142,6 +142,7 @@ def run_ranks(
     stream: TextIO | None = None,
     stream_prefix: bool = True,
     may_exit: Collection[int] = (),
+    debug_rank: int | None = None,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args, **fn_kwargs)`` on ``world_size`` fresh ranks.
 
@@ -160,6 +161,10 @@ def run_ranks(
     while the other ranks run to their own end, within the same deadline, and everything
     is killed at the end as usual. A rank outside ``may_exit`` that dies still fails the
     run at once, and a rank in it that raises still fails it too.
+
+    ``debug_rank=N`` debugs rank N: its ``breakpoint()`` and the post-mortem of its exception
+    wait on a local port for ``python -m tutorial_impl.testing.attach PORT``, the other ranks
+    are held, and the deadline is paused meanwhile (see ``debugging``).
     """
     __tracebackhide__ = True
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -173,6 +178,7 @@ def run_ranks(
     if refusal:
         raise ValueError(refusal)
     expected_exits = _check_ranks(may_exit, world_size)
+    debug_env = _debugging.check_rank(debug_rank, world_size)
     _check_gpus(backend, world_size, env)
     ref = function_ref(fn)
     try:
@@ -184,6 +190,7 @@ def run_ranks(
     own_dir = log_dir is None
     work = Path(tempfile.mkdtemp(prefix="ranks-") if own_dir else log_dir)  # type: ignore[arg-type]
     work.mkdir(parents=True, exist_ok=True)
+    _debugging.forget(work)  # an earlier run's debugger files would pause this deadline
     store = AgentStore(timeout=timeout)
     ctx = _ranks.context()
     started: list[_Rank] = []
@@ -194,7 +201,7 @@ def run_ranks(
                 world_size=world_size,
                 function=ref,
                 payload=payload,
-                env={**store.rank_env(rank, world_size), **(env or {})},
+                env={**store.rank_env(rank, world_size), **(env or {}), **debug_env},
                 log_path=str(work / f"rank{rank}.log"),
                 stack_path=str(work / f"rank{rank}.stacks"),
                 backend=backend,
@@ -213,7 +220,12 @@ def run_ranks(
             _live[process.pid] = process
             started.append(_Rank(rank, process, reader, Path(spec.log_path), Path(spec.stack_path)))
         return _supervise(
-            started, time.monotonic() + timeout, timeout, stream, stream_prefix, expected_exits
+            started,
+            _debugging.Deadline(timeout, work),
+            timeout,
+            stream,
+            stream_prefix,
+            expected_exits,
         )
     finally:
         # Every rank that is still there is either done (it reported and now waits to be
@@ -249,7 +261,7 @@ def _check_gpus(backend: str | None, world_size: int, env: dict[str, str] | None
 
 def _supervise(
     ranks: list[_Rank],
-    deadline: float,
+    deadline: _debugging.Deadline,
     timeout: float,
     stream: TextIO | None,
     prefix: bool,
@@ -262,7 +274,7 @@ def _supervise(
         by_handle[r.conn] = r
         by_handle[r.process.sentinel] = r
     while pending:
-        remaining = deadline - time.monotonic()
+        remaining = deadline.remaining()  # paused while a rank is being debugged
         if remaining <= 0:
             alive = [r for r in pending.values() if r.process.exitcode is None]
             stacks = forensics.dump_stacks(alive)

@@ -1,0 +1,167 @@
+"""Debugging one rank through a socket, as a user at ``attach`` would.
+
+``run_ranks(fn, debug_rank=1)`` (``pytest --rank-pdb 1``) gives rank 1's ``breakpoint()`` and
+post-mortem a pdb on a local port; the user attaches with ``python -m
+tutorial_impl.testing.attach PORT``. Here a script plays the user: it starts the real
+``attach`` command, types pdb commands into it and reads what comes back. The deadlines
+are one second, and the script waits longer than that at the prompt: the run survives only
+if the harness deadline stood still and the other rank was held meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import RankFailed, run_ranks
+
+pytest_plugins = ["pytester"]
+
+DEADLINE = 1.0  # seconds: shorter than the user's pause at the prompt below
+
+
+def stops_at_a_breakpoint(rank, world_size):
+    x = 10 * (rank + 1)
+    if rank == 1:
+        breakpoint()  # noqa: T100 - the point of the test
+    t = torch.tensor([float(x)])
+    dist.all_reduce(t)  # rank 0 is held here while rank 1 is being debugged
+    return t.item()
+
+
+def fails_on_rank_one(rank, world_size):
+    secret = 42 + rank
+    if rank == 1:
+        raise ValueError("boom on rank one")
+    return secret
+
+
+class User:
+    """``python -m tutorial_impl.testing.attach PORT`` with a script at the keyboard."""
+
+    def __init__(self, log_dir: Path, rank: int) -> None:
+        marker = log_dir / f"rank{rank}.debugging"
+        give_up = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text().strip():
+            assert time.monotonic() < give_up, "the rank never offered a debugger"
+            time.sleep(0.02)
+        port = marker.read_text().strip()
+        self.attach = subprocess.Popen(
+            [sys.executable, "-m", "tutorial_impl.testing.attach", port],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self.seen = ""
+
+    def until(self, text: str) -> str:
+        """Read what pdb writes until ``text`` appears; return it."""
+        give_up = time.monotonic() + 60
+        fd = self.attach.stdout.fileno()
+        while text not in self.seen:
+            assert time.monotonic() < give_up, f"no {text!r} in {self.seen!r}"
+            if select.select([fd], [], [], 0.5)[0]:
+                chunk = os.read(fd, 4096).decode()
+                assert chunk, f"attach ended before {text!r}: {self.seen!r}"
+                self.seen += chunk
+        before, _, self.seen = self.seen.partition(text)
+        return before
+
+    def type(self, line: str) -> None:
+        self.attach.stdin.write(line.encode() + b"\n")
+        self.attach.stdin.flush()
+
+
+def debug_session(log_dir: Path, script) -> threading.Thread:
+    """Run ``script(user)`` in a thread while the ranks run; its failures are kept."""
+
+    def play() -> None:
+        user = User(log_dir, rank=1)
+        try:
+            script(user)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            session.error = exc
+        finally:
+            user.attach.stdin.close()
+            user.attach.wait(timeout=60)
+
+    session = threading.Thread(target=play, daemon=True)
+    session.error = None
+    session.start()
+    return session
+
+
+def test_a_breakpoint_in_one_rank_reaches_the_user_and_the_run_goes_on(tmp_path):
+    prompt = "(rank 1 Pdb) "
+    transcript = []
+
+    def user_script(user: User) -> None:
+        transcript.append(user.until(prompt))  # stopped at the breakpoint
+        time.sleep(DEADLINE * 1.5)  # the user thinks: the deadline must not fire meanwhile
+        user.type("p x")
+        transcript.append(user.until(prompt))
+        user.type("c")
+
+    session = debug_session(tmp_path, user_script)
+    results = run_ranks(stops_at_a_breakpoint, timeout=DEADLINE, debug_rank=1, log_dir=tmp_path)
+    session.join(60)
+    assert session.error is None
+    assert results == [30.0, 30.0]  # both ranks finished their all_reduce after "c"
+    assert "stops_at_a_breakpoint" in transcript[0]  # pdb shows where rank 1 stopped
+    assert transcript[1].strip() == "20"  # rank 1's own x
+
+
+def test_a_failing_rank_opens_a_post_mortem_and_quitting_ends_the_run(tmp_path):
+    prompt = "(rank 1 Pdb) "
+    transcript = []
+
+    def user_script(user: User) -> None:
+        transcript.append(user.until(prompt))
+        user.type("p secret")
+        transcript.append(user.until(prompt))
+        user.type("q")
+
+    session = debug_session(tmp_path, user_script)
+    with pytest.raises(RankFailed, match="boom on rank one"):
+        run_ranks(fails_on_rank_one, timeout=DEADLINE, debug_rank=1, log_dir=tmp_path)
+    session.join(60)
+    assert session.error is None
+    assert "ValueError: boom on rank one" in transcript[0]
+    assert transcript[1].strip() == "43"
+
+
+@pytest.mark.parametrize("bad", [2, -1, "1", True])
+def test_debug_rank_must_be_a_rank_of_the_world(bad):
+    with pytest.raises(ValueError, match="debug_rank"):
+        run_ranks(stops_at_a_breakpoint, debug_rank=bad)
+
+
+# --rank-pdb N, as a stranger's project meets it: it reaches every run_ranks call.
+OPTION_TESTS = """
+import os
+
+
+def debugged(rank, world_size):
+    return os.environ.get("TUTORIAL_IMPL_RANK_PDB")
+
+
+def test_the_option_names_the_rank(run_ranks):
+    assert run_ranks(debugged) == ["1", "1"]
+"""
+
+
+def test_rank_pdb_option_reaches_the_ranks_and_refuses_a_rank_outside_the_world(pytester):
+    pytester.makepyfile(OPTION_TESTS)
+    ok = pytester.runpytest("-p", "no:cacheprovider", "--rank-pdb", "1")
+    ok.assert_outcomes(passed=1)
+    outside = pytester.runpytest("-p", "no:cacheprovider", "--rank-pdb", "2")
+    outside.assert_outcomes(failed=1)
+    outside.stdout.fnmatch_lines(["*debug_rank must be a rank of this world (0 to 1), got 2*"])

@@ -1,0 +1,145 @@
+"""Debugging one rank: its ``breakpoint()`` and its post-mortem, at your terminal.
+
+A rank is a forked process whose stdin is not your terminal and whose output goes to a log
+file, so ``pdb`` inside it has nobody to talk to. Name one rank to debug (``pytest
+--rank-pdb 1``, or ``run_ranks(fn, debug_rank=1)``) and in that rank:
+
+* ``breakpoint()`` opens a pdb that listens on a local TCP port instead of the terminal;
+* an exception that would fail the run first opens a post-mortem pdb there.
+
+The rank announces the port on the terminal (``/dev/tty``, when there is one), in its log and
+in the file ``rank<N>.debugging`` of the run's log directory, and waits. Attach with::
+
+    python -m tutorial_impl.testing.attach PORT
+
+and debug as usual (``p``, ``n``, ``s``, ``bt``...). Meanwhile nothing kills the run: the other
+ranks are held where they wait (their process group's own timeout is lifted for the run), and
+the harness deadline is paused for as long as the debugged rank has a debugger (the
+``rank<N>.debugging`` file exists: see ``Deadline``). ``c`` lets the rank go on and the run end
+as it would have; ``q`` ends the rank with ``bdb.BdbQuit``, which fails the test, and the
+harness kills every rank as always. Limits: one rank per run; the deadline stays paused until
+that rank ends once its debugger has started (so a rank that hangs *after* ``c`` waits for
+pytest-timeout, if any, or Ctrl-C); pytest-timeout keeps counting (run with ``--timeout 0``).
+"""
+
+from __future__ import annotations
+
+import os
+import pdb
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# The rank to debug, as the ranks see it: set by run_ranks(debug_rank=N) and --rank-pdb N.
+ENV = "TUTORIAL_IMPL_RANK_PDB"
+# A process-group timeout that holds the other ranks while one is debugged (a day).
+HOLD = 24 * 3600.0
+
+
+def debug_rank() -> int | None:
+    """The rank this run debugs, read from the environment (inside a rank)."""
+    value = os.environ.get(ENV)
+    return int(value) if value not in (None, "") else None
+
+
+class RemotePdb(pdb.Pdb):
+    """A pdb whose terminal is a TCP connection from ``attach``, accepted on 127.0.0.1."""
+
+    def __init__(self, rank: int, marker: Path) -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        message = f"rank {rank} waits for a debugger: python -m tutorial_impl.testing.attach {port}"
+        marker.write_text(f"{port}\n")  # from now on the harness deadline is paused
+        _announce(message)
+        connection, _ = listener.accept()
+        listener.close()
+        self._connection = connection
+        self._io = connection.makefile("rw", buffering=1, encoding="utf-8", errors="replace")
+        super().__init__(stdin=self._io, stdout=self._io)
+        self.use_rawinput = False  # read commands from the socket, not from input()
+        self.prompt = f"(rank {rank} Pdb) "
+
+
+def _announce(message: str) -> None:
+    """Say where to attach: on stderr (the rank's log) and on the terminal, if any."""
+    print(message, file=sys.stderr, flush=True)
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(f"\n{message}\n")
+    except OSError:
+        pass  # no controlling terminal (CI, a pytester run): the log and the file remain
+
+
+class Debugging:
+    """What a rank does about debugging: nothing, unless it is the debugged rank."""
+
+    def __init__(self, rank: int, log_dir: str) -> None:
+        self.rank = rank
+        self.marker = Path(log_dir) / f"rank{rank}.debugging"
+        self.active = debug_rank() == rank
+        self._pdb: RemotePdb | None = None
+        if self.active:
+            sys.breakpointhook = self.breakpoint
+
+    def _debugger(self) -> RemotePdb:
+        if self._pdb is None:
+            self._pdb = RemotePdb(self.rank, self.marker)
+        return self._pdb
+
+    def breakpoint(self, *args: Any, **kwargs: Any) -> None:
+        self._debugger().set_trace(sys._getframe(1))
+
+    def post_mortem(self, exc: BaseException) -> None:
+        """Open the post-mortem debugger on ``exc`` (not for skips or a quit debugger)."""
+        if not self.active or type(exc).__name__ in ("BdbQuit", "Skipped", "SkipTest"):
+            return
+        debugger = self._debugger()
+        debugger.message("".join(traceback.format_exception(exc)).rstrip())
+        debugger.reset()
+        debugger.interaction(None, exc.__traceback__)
+
+
+def forget(log_dir: str | os.PathLike[str]) -> None:
+    """Remove the debugger files an earlier run left in ``log_dir`` (before ranks start)."""
+    for marker in Path(log_dir).glob("rank*.debugging"):
+        marker.unlink(missing_ok=True)
+
+
+class Deadline:
+    """A run's deadline that stands still while one of its ranks has a debugger.
+
+    ``remaining()`` is what is left of ``timeout`` seconds, not counting the time during
+    which a ``rank<N>.debugging`` file exists in ``log_dir``; while one does, it answers a
+    short poll interval, so the caller's wait comes back to look again.
+    """
+
+    POLL = 0.5
+
+    def __init__(self, timeout: float, log_dir: str | os.PathLike[str]) -> None:
+        self.end = time.monotonic() + timeout
+        self.log_dir = Path(log_dir)
+
+    def debugging(self) -> bool:
+        return any(self.log_dir.glob("rank*.debugging"))
+
+    def remaining(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= self.POLL and self.debugging():
+            self.end = time.monotonic() + self.POLL * 2  # paused: push the end on
+            return self.POLL
+        return left
+
+
+def check_rank(debug_rank: int | None, world_size: int) -> dict[str, str]:
+    """The ranks' environment for ``run_ranks(debug_rank=...)``; a ValueError if it is no
+    rank of this world."""
+    if debug_rank is None:
+        return {}
+    if type(debug_rank) is not int or not 0 <= debug_rank < world_size:
+        raise ValueError(
+            f"debug_rank must be a rank of this world (0 to {world_size - 1}), got {debug_rank!r}"
+        )
+    return {ENV: str(debug_rank)}
