@@ -11,6 +11,7 @@ exist only for a test live in that test module, so no test imports a ``*_checks`
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,33 @@ def test_the_readme_names_every_module_and_test_file():
     ]
     missing = sorted(str(p.relative_to(REPO)) for p in files if p.name not in readme)
     assert not missing, f"README.md never names: {missing}"
+
+
+def test_every_tests_path_named_in_code_and_readme_exists():
+    """A comment or README line that sends a learner to a test file must name a real one.
+    (The README's ``tests/test_averaging.py`` is in the reader's own project, an example.)"""
+    named = set()
+    for path in PACKAGE.rglob("*.py"):
+        named |= {(path, m) for m in re.findall(r"tests/[\w/]*test_\w+\.py", path.read_text())}
+    readme = (REPO / "README.md").read_text()
+    named |= {(REPO / "README.md", m) for m in re.findall(r"tests/\w+/test_\w+\.py", readme)}
+    missing = sorted(f"{p.relative_to(REPO)}: {m}" for p, m in named if not (REPO / m).exists())
+    assert not missing, missing
+
+
+def test_the_readmes_test_count_is_true(request):
+    """The README says how many tests the suite has; the collected count must agree (±10%).
+
+    Only a run of the whole suite can tell (under ``pytest -n auto`` every worker collects
+    every test), so a run of some files, or one filtered by -k/-m, skips this.
+    """
+    claimed = int(re.search(r"about (\d+) tests", (REPO / "README.md").read_text()).group(1))
+    items = request.session.items
+    files = {Path(item.path) for item in items}
+    everything = set((REPO / "tests").rglob("test_*.py"))
+    options = request.config.option
+    if files != everything or options.keyword or options.markexpr:
+        pytest.skip("the test count is checked only when the whole suite is collected")
+    assert abs(len(items) - claimed) <= claimed / 10, (
+        f"README.md says about {claimed} tests; the suite has {len(items)}: update the README"
+    )

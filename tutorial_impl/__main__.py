@@ -42,7 +42,6 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ring": ("tutorial_impl.bench.ring", "tutorial ring vs bandwidth-optimal ring vs gloo"),
     "ddp-rpc": ("tutorial_impl.bench.ddp_rpc", "the DDP + RPC benchmark (trainers, PS, master)"),
 }
-MAIN_DEMO = "train"
 
 
 def _usage() -> str:

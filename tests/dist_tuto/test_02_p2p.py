@@ -12,7 +12,8 @@ Read in this order:
 2. ``test_prints_what_the_tutorial_prints``: the tutorial's own lines.
 3. ``irecv_before_send`` + ``test_irecv_buffer_is_only_valid_after_wait``: the buffer of a
    posted ``irecv`` is still zero until the sender sends and ``wait`` returns.
-4. The same on NCCL (skipped without GPUs), then the CLI.
+4. ``test_isend_buffer_must_not_change_before_wait``: the sender's half of the rule.
+5. The same on NCCL (skipped without GPUs), then the CLI.
 """
 
 from __future__ import annotations
@@ -94,6 +95,27 @@ def test_irecv_buffer_is_only_valid_after_wait(run_ranks):
         assert seen["value_before_wait"] == 0.0
         assert seen["completed_after_wait"] is True
         assert seen["value_after_wait"] == sender["sent"][rank]
+
+
+def both_orders(rank, world_size):
+    """The lesson twice in one world: the rule kept, then broken."""
+    return {
+        "kept": p2p.run_send_buffer_reuse(rank, world_size),
+        "broken": p2p.run_send_buffer_reuse(rank, world_size, refill_before_wait=True),
+    }
+
+
+def test_isend_buffer_must_not_change_before_wait(run_ranks):
+    """``isend`` does not copy: rank 0 meant to send 1.0 then 2.0 through one buffer.
+
+    Refilled only after ``wait()``, rank 1 receives exactly that. Refilled before, the first
+    message still leaves from the buffer after the refill (the receiver posts late, by
+    protocol, not by chance), so rank 1 receives 2.0 twice: the rule is not pedantry.
+    """
+    sender, receiver = run_ranks(both_orders)
+    assert sender["kept"] == sender["broken"] == [1.0, 2.0]  # what rank 0 meant to send
+    assert receiver["kept"] == [1.0, 2.0]
+    assert receiver["broken"] == [2.0, 2.0]
 
 
 @pytest.mark.dist_gpu(2)

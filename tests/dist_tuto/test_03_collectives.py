@@ -16,7 +16,7 @@ Read in this order:
 3. ``gloo_verdicts`` + ``test_supported_ops_table_agrees_with_gloo_itself``: our pre-flight
    table asked of gloo itself, so it cannot drift.
 4. ``test_every_collective``: the tour of 3.2, against the definitions.
-5. ``barrier_arrivals`` and ``excluding_groups``: what a barrier guarantees; groups that
+5. ``coll.run_barrier`` and ``excluding_groups``: what a barrier guarantees; groups that
    leave a rank out.
 6. ``check_op``'s messages, the CLI, then the same on NCCL (skipped without GPUs).
 """
@@ -24,8 +24,6 @@ Read in this order:
 from __future__ import annotations
 
 import functools
-import os
-import time
 
 import numpy as np
 import pytest
@@ -129,7 +127,10 @@ def gloo_verdicts(rank: int, size: int) -> dict[str, str]:
     """What gloo itself answers to each op and dtype, without our check in front.
 
     Keeps ``SUPPORTED_OPS`` honest: the tests compare these verdicts with ``check_op``'s.
-    Gloo refuses these before any data moves, on every rank alike, so nothing hangs.
+    Every rank meets the same verdict, so nothing hangs; but not every refusal comes before
+    the data moves: AVG on integers runs the sum, then fails to divide in place (an integer
+    tensor cannot hold the float mean), leaving the *sum* in the tensor. So the tensor after
+    each failure is recorded too.
     """
     verdicts = {}
     for name in (*TUTORIAL_OPS, "AVG"):
@@ -137,17 +138,20 @@ def gloo_verdicts(rank: int, size: int) -> dict[str, str]:
             op = getattr(ReduceOp, name)
             if name == "PREMUL_SUM":
                 op = dist._make_nccl_premul_sum(0.5)
+            tensor = op_input(rank, dtype)
             try:
-                dist.all_reduce(op_input(rank, dtype), op=op)
+                dist.all_reduce(tensor, op=op)
                 verdicts[f"{name}/{dtype}"] = "ok"
             except (RuntimeError, ValueError, TypeError) as exc:
                 verdicts[f"{name}/{dtype}"] = f"error: {exc}"
+                verdicts[f"{name}/{dtype} left"] = tensor.tolist()
     return verdicts
 
 
 def test_supported_ops_table_agrees_with_gloo_itself(run_ranks):
     """Our pre-flight check refuses exactly what gloo refuses, nothing more and nothing less."""
     verdicts = run_ranks(gloo_verdicts)[0]
+    left = {key: verdicts.pop(key) for key in list(verdicts) if key.endswith(" left")}
     for key, verdict in verdicts.items():
         name, dtype_name = key.split("/")
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
@@ -158,6 +162,12 @@ def test_supported_ops_table_agrees_with_gloo_itself(run_ranks):
             ours = "error"
         assert verdict.split(":")[0] == ours, (key, verdict)
     assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in verdicts["PREMUL_SUM/torch.float32"]
+    # AVG on integers failed *after* the data moved: the tensor holds the sum of the inputs.
+    inputs = [op_input(r, torch.int64) for r in range(2)]
+    assert verdicts["AVG/torch.int64"].startswith("error: result type Float can't be cast")
+    assert left["AVG/torch.int64 left"] == (inputs[0] + inputs[1]).tolist()
+    # PREMUL_SUM is refused before anything moves: the input is untouched.
+    assert left["PREMUL_SUM/torch.float32 left"] == op_input(0, torch.float32).tolist()
 
 
 def expected_tour(world_size: int) -> list[dict[str, np.ndarray | None]]:
@@ -196,27 +206,13 @@ def test_every_collective(run_ranks, world_size):
     check_tour(results, world_size)
 
 
-def barrier_arrivals(rank: int, size: int, directory: str) -> list[str]:
-    """``barrier``: after it, every rank has done what it did before it.
-
-    Each rank sleeps a little (rank 0 longest), then leaves a file in ``directory`` and waits
-    at the barrier. Whoever leaves the barrier must find every rank's file already there,
-    even the slowest one's: the barrier waited for it.
-    """
-    time.sleep(0.1 * (size - 1 - rank))
-    with open(os.path.join(directory, f"arrived-{rank}"), "w") as f:
-        f.write(str(time.time()))
-    dist.barrier()
-    return sorted(os.listdir(directory))
-
-
 @pytest.mark.world_size(3)
 def test_barrier_waits_for_the_slowest_rank(run_ranks, tmp_path):
     """Rank 0 sleeps 0.2 s before it leaves its file, rank 1 0.1 s, rank 2 not at all.
     After the barrier every rank, the fast ones included, must already see all three files."""
     arrivals = tmp_path / "arrivals"
     arrivals.mkdir()
-    seen = run_ranks(barrier_arrivals, str(arrivals))
+    seen = run_ranks(coll.run_barrier, str(arrivals))
     assert seen == [["arrived-0", "arrived-1", "arrived-2"]] * 3
 
 
@@ -225,11 +221,11 @@ def excluding_groups(rank: int, size: int) -> dict[str, object]:
 
     Every rank calls ``new_group`` for both, in the same order, even for a group it is not
     in; that is how the ranks agree on the group's identity. A rank outside a group gets
-    ``GroupMember.NON_GROUP_MEMBER`` and its group rank is -1.
+    ``GroupMember.NON_GROUP_MEMBER``, and asked its rank in that group, torch answers -1.
     """
     group_a, group_b = dist.new_group([0, 2]), dist.new_group([1, 2])
     out: dict[str, object] = {
-        "rank_in_a": dist.get_group_rank(group_a, rank) if rank in (0, 2) else -1,
+        "rank_in_a": dist.get_rank(group_a),  # torch's answer, -1 for an outsider
         "a_is_member": group_a != dist.GroupMember.NON_GROUP_MEMBER,
         "b_is_member": group_b != dist.GroupMember.NON_GROUP_MEMBER,
     }
@@ -253,8 +249,9 @@ def test_groups_that_exclude_a_rank(run_ranks):
     assert (r0["b_sum"], r1["b_sum"], r2["b_sum"]) == (1.0, 5.0, 5.0)
     assert (r0["a_is_member"], r1["a_is_member"], r2["a_is_member"]) == (True, False, True)
     assert (r0["b_is_member"], r1["b_is_member"], r2["b_is_member"]) == (False, True, True)
-    # Group ranks are renumbered from 0: global rank 2 is rank 1 of group A.
-    assert (r0["rank_in_a"], r2["rank_in_a"]) == (0, 1)
+    # Group ranks are renumbered from 0: global rank 2 is rank 1 of group A; rank 1, outside
+    # it, has none (torch says -1).
+    assert (r0["rank_in_a"], r1["rank_in_a"], r2["rank_in_a"]) == (0, -1, 1)
     # broadcast's src is a global rank; only the members received rank 2's message.
     assert r0["a_message"] == r2["a_message"] == "hello from rank 2 in group a"
     assert r1["b_message"] == r2["b_message"] == "hello from rank 2 in group b"
@@ -271,6 +268,37 @@ def test_check_op_messages_name_op_dtype_and_backend():
         ValueError, match=r"PREMUL_SUM needs a floating-point tensor, got torch.int64"
     ):
         coll.check_op(ReduceOp.PREMUL_SUM, torch.int64, "nccl")  # NCCL: floating types only
+
+
+def gloo_all_reduce_on_gpus(rank: int, size: int) -> tuple[str, float]:
+    """The tutorial: gloo runs all-reduce on CUDA tensors too (not just on the CPU)."""
+    t = torch.tensor([rank + 1.0], device=f"cuda:{rank}")  # each rank on its own GPU
+    dist.all_reduce(t)  # the default group is gloo here
+    return t.device.type, t.item()
+
+
+@pytest.mark.dist_gpu(2)
+def test_gloo_all_reduces_cuda_tensors(run_ranks):
+    assert run_ranks(gloo_all_reduce_on_gpus) == [("cuda", 3.0), ("cuda", 3.0)]
+
+
+# NCCL's reductions, from its documentation (ncclRedOp_t: ncclSum, ncclProd, ncclMax,
+# ncclMin, ncclAvg, and ncclRedOpCreatePreMulSum): no bitwise ones. Written out here, apart
+# from SUPPORTED_OPS, so that a wrong entry in the table fails on a CPU machine too.
+NCCL_REDUCTIONS = {"SUM", "PRODUCT", "MAX", "MIN", "AVG", "PREMUL_SUM"}
+
+
+def test_check_op_knows_nccls_reductions():
+    """Every ReduceOp against NCCL, on a dtype it suits: accepted exactly when NCCL has it."""
+    accepted = set()
+    for name in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM", "BAND", "BOR", "BXOR"):
+        dtype = torch.int64 if name.startswith("B") else torch.float32
+        try:
+            coll.check_op(getattr(ReduceOp, name), dtype, "nccl")
+            accepted.add(name)
+        except ValueError as exc:
+            assert f"ReduceOp.{name} is not supported by the nccl backend" in str(exc)
+    assert accepted == NCCL_REDUCTIONS
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
@@ -293,6 +321,7 @@ def test_cli_demo(capsys):
     out = capsys.readouterr().out.splitlines()
     assert "Rank  0  has data  tensor(2.)" in out and "Rank  1  has data  tensor(2.)" in out
     assert "Rank  0  all_to_all: [0.0, 100.0]" in out
+    assert "Rank  1  after the barrier sees 2 of 2 arrivals" in out
 
 
 # ---- the same on NCCL with CUDA tensors (skipped at collection time without 2 GPUs) ----

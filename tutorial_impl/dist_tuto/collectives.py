@@ -4,7 +4,8 @@
 
 ``run`` is the tutorial's 3.1 all-reduce over ``new_group([0, 1])``; with two ranks it prints
 ``Rank  0  has data  tensor(2.)``. ``tour`` then calls each collective of 3.2 once (plus
-``reduce_scatter``) and prints what every rank holds afterwards.
+``reduce_scatter``) and prints what every rank holds afterwards. ``run_barrier`` is the
+lesson of ``barrier``: after it, every rank has done what it did before it.
 
 Backends do not all support every ``ReduceOp``. ``all_reduce`` here checks the op against the
 backend and the dtype *before* any communication, so an unsupported combination raises the
@@ -15,6 +16,10 @@ others).
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -156,11 +161,35 @@ def tour(rank: int, size: int, verbose: bool = True) -> dict[str, object]:
     return out
 
 
+def run_barrier(rank: int, size: int, directory: str) -> list[str]:
+    """``barrier``: no rank leaves it before every rank has reached it.
+
+    So after it, every rank has done what it did before it. Each rank sleeps a little (rank
+    0 longest), leaves a file in ``directory`` (shared by the ranks), then waits at the
+    barrier. Whoever leaves the barrier finds every rank's file already there, even the
+    slowest one's: the barrier waited for it. Without the barrier, rank ``size - 1`` would
+    look at once and find only its own file.
+    """
+    time.sleep(0.1 * (size - 1 - rank))
+    with open(os.path.join(directory, f"arrived-{rank}"), "w") as f:
+        f.write(str(rank))
+    dist.barrier()
+    return sorted(os.listdir(directory))
+
+
 def demo(rank: int, size: int) -> None:
     """What ``python -m tutorial_impl collectives`` runs on every rank."""
     run(rank, size)
     dist.barrier()  # keep the tutorial's lines apart from the tour's
     tour(rank, size)
+    # The barrier lesson needs a directory all ranks share: rank 0 makes one, and tells.
+    where = [tempfile.mkdtemp(prefix="barrier-") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    seen = run_barrier(rank, size, where[0])
+    print(f"Rank  {rank}  after the barrier sees {len(seen)} of {size} arrivals")
+    dist.barrier()  # everyone has looked: rank 0 may clean up
+    if rank == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl collectives",
         description="3. collectives: the tutorial's all_reduce over new_group([0, 1]), "
-        "then broadcast, reduce, scatter, gather, all_gather, all_to_all, reduce_scatter",
+        "then broadcast, reduce, scatter, gather, all_gather, all_to_all, reduce_scatter, barrier",
     )
     cli.add_launch_arguments(parser)
     args = cli.parse_launch_args(parser, argv, min_world_size=2)

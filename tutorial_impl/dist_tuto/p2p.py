@@ -57,6 +57,42 @@ def run_nonblocking(rank: int, size: int) -> torch.Tensor:
     return tensor.cpu()
 
 
+def run_send_buffer_reuse(rank: int, size: int, refill_before_wait: bool = False) -> list[float]:
+    """2.3 The sender's half of the rule: do not touch a tensor you ``isend`` before ``wait()``.
+
+    ``isend`` does not copy the tensor: gloo sends straight from its memory once the receiver
+    has posted a matching receive, which may be long after ``isend`` returned. Rank 0 sends
+    1.0, then 2.0, through one buffer; rank 1 is slow, and posts its first receive only
+    after rank 0 has told it (a small message on another tag) that it has moved on.
+
+    Kept, the rule gives rank 1 ``[1.0, 2.0]``: the buffer is refilled only after ``wait()``
+    says the first transfer is over. Broken (``refill_before_wait=True``), rank 1 receives
+    ``[2.0, 2.0]``: the first message left the buffer after the refill. No race decides
+    this; the receiver's order does. (Another transport may send eagerly, and then the
+    mistake corrupts only sometimes, which is worse. ``tensor.clone()`` before refilling is
+    the other correct fix.) Rank 0 returns what it meant to send.
+    """
+    buffer = torch.zeros(1, device=rank_device())
+    moved_on = torch.zeros(1, device=rank_device())
+    if rank == 0:
+        buffer.fill_(1.0)
+        request = dist.isend(tensor=buffer, dst=1)
+        if refill_before_wait:
+            buffer.fill_(2.0)  # the mistake: the first send has not happened yet
+        dist.send(tensor=moved_on, dst=1, tag=1)  # "I have moved on"
+        request.wait()  # from here on, the buffer is ours again
+        buffer.fill_(2.0)
+        dist.isend(tensor=buffer, dst=1).wait()
+        return [1.0, 2.0]
+    received = []
+    if rank == 1:
+        dist.recv(tensor=moved_on, src=0, tag=1)  # a slow receiver: posts only now
+        for _ in range(2):
+            dist.recv(tensor=buffer, src=0)
+            received.append(buffer.item())
+    return received
+
+
 MODES = {"blocking": run_blocking, "nonblocking": run_nonblocking}
 
 

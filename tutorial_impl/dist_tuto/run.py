@@ -55,6 +55,10 @@ if __name__ == "__main__":
     processes = []
     if "google.colab" in sys.modules:
         print("Running in Google Colab")
+        # As the tutorial writes it, this line does nothing: get_context returns a spawn
+        # context and the result is dropped, so mp.Process below uses Colab's default start
+        # method (fork). Colab cannot set_start_method a second time; to really spawn there,
+        # use the context: ctx = mp.get_context("spawn"); ctx.Process(...).
         mp.get_context("spawn")
     else:
         mp.set_start_method("spawn")
