@@ -79,8 +79,8 @@ def exit_process(code: int) -> NoReturn:
     ``std::terminate``: "terminate called without an active exception", SIGABRT, after all
     the work was done (seen 2 runs in 15 under torchrun on a loaded 2-core machine). So a
     worker ends the way a forked child does, without finalization: nothing of gloo runs
-    after its last line of output. ``tests/dist_tuto/test_07_torchrun.py`` shows the threads outliving
-    the group.
+    after its last line of output. ``tests/dist_tuto/test_07_torchrun.py`` shows the threads
+    outliving the group.
     """
     sys.stdout.flush()
     sys.stderr.flush()
