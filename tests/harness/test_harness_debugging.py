@@ -10,6 +10,7 @@ if the harness deadline stood still and the other rank was held meanwhile.
 
 from __future__ import annotations
 
+import bdb
 import os
 import select
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import RankFailed, run_ranks
+from tutorial_impl.testing import RankFailed, debugging, run_ranks
 
 pytest_plugins = ["pytester"]
 
@@ -165,3 +166,16 @@ def test_rank_pdb_option_reaches_the_ranks_and_refuses_a_rank_outside_the_world(
     outside = pytester.runpytest("-p", "no:cacheprovider", "--rank-pdb", "2")
     outside.assert_outcomes(failed=1)
     outside.stdout.fnmatch_lines(["*debug_rank must be a rank of this world (0 to 1), got 2*"])
+
+
+def test_the_deadline_stands_still_while_the_parent_is_in_a_debugger(tmp_path, monkeypatch):
+    """As pytest-timeout does: pdb's trace function in this process pauses the deadline."""
+    deadline = debugging.Deadline(0.05, tmp_path)
+    time.sleep(0.1)
+    assert deadline.remaining() < 0  # nobody debugging: expired
+    monkeypatch.setattr(sys, "gettrace", lambda: bdb.Bdb().trace_dispatch)
+    assert debugging.parent_in_debugger()
+    assert deadline.remaining() == debugging.Deadline.POLL  # paused, and asked again soon
+    monkeypatch.undo()
+    time.sleep(debugging.Deadline.POLL * 2.5)
+    assert deadline.remaining() < 0  # the pause ends with the debugging

@@ -108,11 +108,25 @@ def forget(log_dir: str | os.PathLike[str]) -> None:
         marker.unlink(missing_ok=True)
 
 
+# Trace functions that mean "a person is stepping through this process" (pytest-timeout
+# looks for the same): pdb and its base bdb, and PyCharm's/VS Code's pydevd.
+DEBUGGER_MODULES = ("bdb", "pdb", "pydevd", "_pydevd_bundle", "pydevd_frame_evaluator")
+
+
+def parent_in_debugger() -> bool:
+    """True while this process runs under a debugger's trace function (pdb's ``s``/``n``
+    through ``run_ranks``, an IDE's debugger): its deadline must not count that time."""
+    trace = sys.gettrace()
+    module = getattr(trace, "__module__", None) or ""
+    return trace is not None and module.split(".")[0] in DEBUGGER_MODULES
+
+
 class Deadline:
-    """A run's deadline that stands still while one of its ranks has a debugger.
+    """A run's deadline that stands still while someone is debugging.
 
     ``remaining()`` is what is left of ``timeout`` seconds, not counting the time during
-    which a ``rank<N>.debugging`` file exists in ``log_dir``; while one does, it answers a
+    which a ``rank<N>.debugging`` file exists in ``log_dir`` (a rank has a debugger) or the
+    parent itself runs under a debugger (``parent_in_debugger``); meanwhile it answers a
     short poll interval, so the caller's wait comes back to look again.
     """
 
@@ -127,7 +141,7 @@ class Deadline:
 
     def remaining(self) -> float:
         left = self.end - time.monotonic()
-        if left <= self.POLL and self.debugging():
+        if left <= self.POLL and (self.debugging() or parent_in_debugger()):
             self.end = time.monotonic() + self.POLL * 2  # paused: push the end on
             return self.POLL
         return left
