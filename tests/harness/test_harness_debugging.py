@@ -139,6 +139,12 @@ def test_a_failing_rank_opens_a_post_mortem_and_quitting_ends_the_run(tmp_path):
     assert transcript[1].strip() == "43"
 
 
+def test_a_breakpoint_in_a_rank_nobody_debugs_fails_at_once_saying_what_to_do():
+    """Without debug_rank, rank 1's pdb would wait unseen for a terminal until the deadline."""
+    with pytest.raises(RankFailed, match="rerun with --rank-pdb 1"):
+        run_ranks(stops_at_a_breakpoint, timeout=60)
+
+
 @pytest.mark.parametrize("bad", [2, -1, "1", True])
 def test_debug_rank_must_be_a_rank_of_the_world(bad):
     with pytest.raises(ValueError, match="debug_rank"):

@@ -7,6 +7,9 @@ file, so ``pdb`` inside it has nobody to talk to. Name one rank to debug (``pyte
 * ``breakpoint()`` opens a pdb that listens on a local TCP port instead of the terminal;
 * an exception that would fail the run first opens a post-mortem pdb there.
 
+In every other rank ``breakpoint()`` raises an error that says so (a plain pdb there would wait,
+unseen, for a terminal it does not have), unless ``PYTHONBREAKPOINT=0`` turns it off.
+
 The rank announces the port on the terminal (``/dev/tty``, when there is one), in its log and
 in the file ``rank<N>.debugging`` of the run's log directory, and waits. Attach with::
 
@@ -81,8 +84,9 @@ class Debugging:
         self.marker = Path(log_dir) / f"rank{rank}.debugging"
         self.active = debug_rank() == rank
         self._pdb: RemotePdb | None = None
-        if self.active:
-            sys.breakpointhook = self.breakpoint
+        # Any other rank has no terminal: its stdin is pytest's, its output a log file, so a
+        # plain pdb would wait unseen until the deadline. It fails at once, saying what to do.
+        sys.breakpointhook = self.breakpoint if self.active else self.no_terminal
 
     def _debugger(self) -> RemotePdb:
         if self._pdb is None:
@@ -91,6 +95,15 @@ class Debugging:
 
     def breakpoint(self, *args: Any, **kwargs: Any) -> None:
         self._debugger().set_trace(sys._getframe(1))
+
+    def no_terminal(self, *args: Any, **kwargs: Any) -> None:
+        if os.environ.get("PYTHONBREAKPOINT") == "0":
+            return  # breakpoints switched off, as Python's own hook would have them
+        raise RuntimeError(
+            f"breakpoint() in rank {self.rank}, which has no terminal: rerun with "
+            f"--rank-pdb {self.rank} (pytest) or run_ranks(..., debug_rank={self.rank}) and "
+            "attach to the port it prints with python -m tutorial_impl.testing.attach PORT"
+        )
 
     def post_mortem(self, exc: BaseException) -> None:
         """Open the post-mortem debugger on ``exc`` (not for skips or a quit debugger)."""
