@@ -189,7 +189,8 @@ def test_one_step_matches_the_single_process_reference(probe, world):
     table0, fc0 = report["initial_table"], trainers["trainer0"]["fc_before"]
     ref = {name: reference_step(table0, fc0, seen["batch"]) for name, seen in trainers.items()}
 
-    # DDP broadcast trainer 0's fc at construction: every replica starts identical.
+    # Each trainer drew its own fc (seed + rank); DDP broadcast trainer 0's at construction,
+    # so every replica starts identical: without the broadcast they would differ here.
     for seen in trainers.values():
         for mine, first in zip(seen["fc_before"], fc0, strict=True):
             assert torch.equal(mine, first)
@@ -211,7 +212,7 @@ def test_one_step_matches_the_single_process_reference(probe, world):
 
     # (c) The trainers stepped one after another (trainer 0 first): the server's table got
     # each trainer's SGD update in turn, and every fc replica the averaged update.
-    lr = HybridConfig().lr
+    lr = 0.05  # the tutorial's DistributedOptimizer(optim.SGD, ..., lr=0.05), written out
     table = table0.clone()
     for name in sorted(ref):  # trainer0, trainer1, ...: the order of the steps
         table -= lr * ref[name][1]

@@ -25,6 +25,7 @@ import torch.distributed.rpc as rpc
 from tutorial_impl.rpc.autograd import (
     chain_backward,
     design_note_example,
+    local_backward_misses_remote_weights,
     scale_and_pass,
     set_weight,
     weight_grad_attribute,
@@ -80,6 +81,10 @@ def autograd_lesson(rank: int, world_size: int) -> dict:
         for t in threads:
             t.join(RPC_TIMEOUT)
         report["concurrent"] = concurrent
+
+        # The negative control: no context, a local backward (the tutorial's warning).
+        fresh_x = inputs["x"].clone().requires_grad_(True)
+        report["local_only"] = local_backward_misses_remote_weights(fresh_x, CHAIN)
     shutdown_worker(RPC_TIMEOUT)
     return report
 
@@ -131,3 +136,19 @@ def test_two_concurrent_contexts_do_not_mix(report):
         expected = local_grads(scale)
         for name in ("x", *CHAIN):
             torch.testing.assert_close(report["concurrent"][scale][name], expected[name])
+
+
+def test_a_local_backward_never_reaches_the_remote_weights(report):
+    """Without a distributed autograd context the RPC's result has no history: the local
+    ``backward`` gives the local factor its gradient (the output, since d(out*local)/dlocal
+    = out) and stops there. ``x`` and every remote weight get nothing at all: an optimizer
+    would never train the table on the parameter server. Hence "always use distributed
+    autograd when combining DDP and RPC"."""
+    seen = report["local_only"]
+    assert seen["out_has_history"] is False
+    assert seen["local_grad"] is not None and seen["local_grad"].abs().sum() > 0
+    assert seen["x_grad"] is None
+    for worker in CHAIN:
+        assert seen[worker] is None, worker
+    # ...where the same forward inside a context reached every one of them (chain test).
+    assert all(report["chain"][w].abs().sum() > 0 for w in CHAIN)

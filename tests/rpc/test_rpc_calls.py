@@ -30,7 +30,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from tutorial_impl.rpc.calls import driver, make_table, three_calls
+from tutorial_impl.rpc.calls import driver, make_table, profiled_call, three_calls, what_arrives
 from tutorial_impl.rpc.workers import init_worker, shutdown_with_work_in_flight, shutdown_worker
 
 RPC_TIMEOUT = 10.0  # far above any healthy call here, even on a loaded machine
@@ -65,6 +65,8 @@ def calls_lesson(rank: int, world_size: int) -> dict:
         report["story"] = {**story, "driver_is_owner": table.is_owner()}
         # The wrong call for the job: rpc_sync brings the whole table back to the driver.
         report["fetched"] = rpc.rpc_sync("worker1", make_table, args=(10, 3, SEED))
+        report["arrived"] = what_arrives("worker1")
+        report["profiled"] = profiled_call("worker1")
 
         start = time.monotonic()
         try:
@@ -148,3 +150,22 @@ def test_shutdown_waits_for_every_worker_to_call_it(reports):
     worker0, worker2 = reports[0]["shutdown"], reports[2]
     assert worker0["shutdown_started"] < worker2["arrived"]
     assert worker0["shutdown_returned"] >= worker2["arrived"]
+
+
+def test_a_view_arrives_with_its_shape_and_stride_and_costs_its_storage(reports):
+    """A tensor's meta travels: the transposed view is still transposed on arrival. What
+    travels is storage: a small slice of a big tensor is copied down to its 40 bytes (torch
+    does that for storage >= 8 KiB and >= 2x the view), a slice of a 4 KiB tensor sends all
+    4 KiB, and ``clone()`` sends just the slice."""
+    arrived = reports[0]["arrived"]
+    assert arrived["transposed"] == {"shape": (4, 3), "stride": (1, 4), "storage_bytes": 48}
+    assert arrived["slice_of_big"]["storage_bytes"] == 40
+    assert arrived["slice_of_small"]["storage_bytes"] == 4096
+    assert arrived["clone_of_small_slice"]["storage_bytes"] == 40
+    assert {a["shape"] for n, a in arrived.items() if n != "transposed"} == {(10,)}
+
+
+def test_the_profiler_records_the_rpc_and_the_callees_work(reports):
+    names = reports[0]["profiled"]
+    assert any(n.startswith("rpc_sync#") and "worker0 -> worker1" in n for n in names), names
+    assert any("aten::add" in n for n in names), names

@@ -19,7 +19,13 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
-from tutorial_impl.rpc.workers import init_worker, shutdown_worker
+from tutorial_impl.rpc.workers import (
+    filter_expected_warnings,
+    init_worker,
+    rpc_options,
+    shutdown_worker,
+    worker_name,
+)
 
 RPC_TIMEOUT = 10.0
 DEVICE_MAPS = {"worker1": {"cuda:0": "cuda:0"}}  # worker0's cuda:0 lands on worker1's cuda:0
@@ -80,3 +86,35 @@ def test_rrefs_and_dist_autograd_keep_cpu_tensors_and_move_to_the_gpu_locally(re
     ((w + 1.0) ** 2).sum().backward()  # the same loss, one process, plain autograd
     torch.testing.assert_close(report["cpu_first_grad"], w.grad)
     assert report["cpu_first_grad"].device.type == "cpu"
+
+
+def set_device_map_lesson(rank: int, world_size: int) -> dict:
+    """The same map built the other way: ``set_device_map`` on the options after their
+    construction, plus ``devices`` (the devices this worker's TensorPipe agent may use; with
+    a map it is inferred, given here explicitly)."""
+    filter_expected_warnings()
+    options = rpc_options(RPC_TIMEOUT)
+    if rank == 0:
+        options.set_device_map("worker1", {"cuda:0": "cuda:0"})
+        options.set_devices(["cuda:0"])
+    rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    report: dict = {}
+    if rank == 0:
+        report["device_maps"] = {
+            k: {str(a): str(b) for a, b in v.items()} for k, v in options.device_maps.items()
+        }
+        report["devices"] = [str(d) for d in options.devices]
+        total, arrived_on = rpc.rpc_sync(
+            "worker1", add_and_report, args=(torch.ones(2, device="cuda:0"), 1.0)
+        )
+        report["arrived_on"], report["reply_device"] = arrived_on, str(total.device)
+    shutdown_worker(RPC_TIMEOUT)
+    return report
+
+
+@pytest.mark.dist_gpu(1)
+def test_set_device_map_and_devices_do_what_device_maps_does(run_ranks):
+    report = run_ranks(set_device_map_lesson, world_size=2, backend=None, timeout=60)[0]
+    assert report["device_maps"] == {"worker1": {"cuda:0": "cuda:0"}}
+    assert report["devices"] == ["cuda:0"]
+    assert (report["arrived_on"], report["reply_device"]) == ("cuda:0", "cuda:0")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed.rpc as rpc
 
-from tutorial_impl.rpc.rrefs import Counter, counters_built_here, rref_tour
+from tutorial_impl.rpc.rrefs import Counter, counters_built_here, rref_lifetime, rref_tour
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
 
 RPC_TIMEOUT = 10.0
@@ -29,6 +29,7 @@ def rrefs_lesson(rank: int, world_size: int) -> dict:
     report: dict = {}
     if rank == 0:
         report["tour"] = rref_tour("worker1", "worker2")
+        report["lifetime"] = rref_lifetime("worker1", "worker2")
         # An RRef can also wrap an object of this worker: then this worker is the owner.
         local = rpc.RRef(Counter(1))
         report["local"] = {
@@ -109,3 +110,14 @@ def test_an_rref_to_a_local_object_is_owned_here(reports):
         "confirmed": True,
         "local_value": 2,
     }
+
+
+def test_the_owner_frees_the_object_after_the_last_user_rref(reports):
+    """Observed on the owner (worker1): one object while any user RRef exists, the creator's
+    or the third worker's (a fork of it, confirmed by the owner), none once both are gone."""
+    assert reports[0]["lifetime"] == [
+        ("created", 1, True),
+        ("shared with the third", 1, True),  # the third's fork, confirmed by the owner
+        ("creator dropped its rref", 1, None),  # the third's reference keeps it alive
+        ("third dropped its rref", 0, None),  # the last user gone: the owner freed it
+    ]

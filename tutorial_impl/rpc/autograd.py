@@ -12,6 +12,12 @@ steps, two threads) never mix their gradients.
 The design note's first example (``design_note_example``): ``t3 = t1 + t2`` computed on
 another worker, ``t5 = t3 * t4`` here, ``loss = t5.sum()``. The nested one (``chain_backward``):
 worker A calls B, which calls C, each multiplying by a weight it owns.
+
+Why the DDP + RPC tutorial says *always* use distributed autograd with RPC
+(``local_backward_misses_remote_weights``): outside a context, what comes back from an RPC is
+a plain tensor with no history, so a local ``loss.backward()`` stops at the RPC boundary. The
+local inputs get their gradients; the remote worker's weight gets nothing, in no context and
+no ``.grad``, and an optimizer would silently never train it.
 """
 
 from __future__ import annotations
@@ -83,3 +89,18 @@ def chain_backward(
         for worker in chain:
             grads[worker] = rpc.rpc_sync(worker, weight_gradient, args=(context_id,))
     return grads
+
+
+def local_backward_misses_remote_weights(x: torch.Tensor, chain: list[str]) -> dict[str, object]:
+    """The negative control: the same forward as ``chain_backward`` with no context, and a
+    local ``loss.backward()``. Returns what reached ``x`` and the chain's weights."""
+    local = torch.ones_like(x, requires_grad=True)  # something here that does require grad
+    out = rpc.rpc_sync(chain[0], scale_and_pass, args=(x, chain[1:]))
+    loss = (out * local).sum()
+    loss.backward()  # the mistake: local autograd only
+    return {
+        "out_has_history": out.grad_fn is not None,
+        "x_grad": x.grad,
+        "local_grad": local.grad,
+        **{worker: rpc.rpc_sync(worker, weight_grad_attribute) for worker in chain},
+    }

@@ -14,6 +14,23 @@ The reference's story for ``remote``: a driver sets up a parameter server and a 
 creates the embedding table on the parameter server and hands the trainer a reference to it,
 but never uses the table itself. ``rpc_sync``/``rpc_async`` would be wrong there, because they
 always bring the return value back to the caller, now or later.
+
+What a tensor argument costs (``what_arrives``): a tensor travels with its meta, so a view
+arrives as a view with the same shape and stride (a transposed matrix stays transposed). But
+what is sent is the tensor's *storage*, not just the elements the view shows. torch copies a
+view before sending only when that saves a lot: its storage is at least 8 KiB *and* at least
+twice the view's own bytes. So ten numbers sliced from a 4 MiB tensor send 40 bytes, while
+ten numbers sliced from a 4 KiB one send all 4 KiB. ``view.clone()`` sends exactly the view.
+
+Profiling (``profiled_call``): the autograd profiler records an RPC as an event named after
+the call (``rpc_sync#torch.add(worker0 -> worker1)``), with the callee's own operators
+(``aten::add``) reported back into the caller's profile. That is the *legacy* profiler
+(``torch.autograd.profiler_legacy.profile``), the one RPC's profiling support was built for:
+the default (Kineto) profiler records only the caller's local operators.
+
+TorchScript functions (``@torch.jit.script``) can also be RPC targets, and ``rpc_async`` can
+be called from TorchScript; the reference marks that support as a prototype, and TorchScript
+itself is deprecated in favour of ``torch.compile``: this course does not use it.
 """
 
 from __future__ import annotations
@@ -86,3 +103,32 @@ def driver(
     table = rpc.remote(ps, make_table, args=(num_embeddings, embedding_dim, seed))
     seen = rpc.rpc_sync(trainer, trainer_lookup, args=(table, indices, offsets))
     return {**seen, "table": table}
+
+
+def tensor_meta(t: torch.Tensor) -> dict[str, Any]:
+    """Runs on the callee: what arrived (shape, stride, and the bytes of its storage)."""
+    return {
+        "shape": tuple(t.shape),
+        "stride": t.stride(),
+        "storage_bytes": t.untyped_storage().nbytes(),
+    }
+
+
+def what_arrives(callee: str) -> dict[str, dict[str, Any]]:
+    """Send views to ``callee`` and report what each arrived as."""
+    matrix = torch.arange(12.0).reshape(3, 4)
+    big, small = torch.zeros(1 << 20), torch.zeros(1 << 10)  # 4 MiB and 4 KiB of float32
+    sent = {
+        "transposed": matrix.t(),  # shape (4, 3), stride (1, 4): a view of all 48 bytes
+        "slice_of_big": big[:10],  # 40 bytes of a 4 MiB storage
+        "slice_of_small": small[:10],  # 40 bytes of a 4 KiB storage
+        "clone_of_small_slice": small[:10].clone(),
+    }
+    return {name: rpc.rpc_sync(callee, tensor_meta, args=(t,)) for name, t in sent.items()}
+
+
+def profiled_call(callee: str) -> list[str]:
+    """Profile one ``rpc_sync`` with the autograd profiler; the names of its events."""
+    with torch.autograd.profiler_legacy.profile() as prof:
+        rpc.rpc_sync(callee, torch.add, args=(torch.ones(2), 1))
+    return [event.name for event in prof.function_events]

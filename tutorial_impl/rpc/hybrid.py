@@ -185,7 +185,9 @@ def train_step(
 def _setup_trainer(
     remote_emb_module: RemoteEmbeddingBag, rank: int, config: HybridConfig
 ) -> tuple[HybridModel, DistributedOptimizer, nn.Module]:
-    torch.manual_seed(config.seed)  # the fc's init; DDP then broadcasts trainer 0's anyway
+    # Each trainer draws its own fc: DDP's broadcast at construction then makes every
+    # replica trainer 0's (tests/rpc/test_hybrid_parity.py sees it happen).
+    torch.manual_seed(config.seed + rank)
     dense = nn.Linear(EMBEDDING_DIM, NUM_CLASSES)
     model = HybridModel(remote_emb_module, dense, world.trainer_device(rank, config.device))
     opt = distributed_optimizer(model, torch.optim.SGD, config.lr)

@@ -108,7 +108,14 @@ def check_worker(name: str) -> rpc.WorkerInfo:
 
 
 def trainer_device(i: int, device: str) -> torch.device:
-    """CPU, or trainer i's own GPU (round-robin when there are fewer GPUs than trainers)."""
+    """CPU, or trainer i's own GPU (round-robin when there are fewer GPUs than trainers).
+
+    The first tutorial's rule, never two ranks on one GPU, is NCCL's: two ranks of one NCCL
+    group on one device deadlock or are refused. The trainers' group here is gloo, which
+    moves CUDA tensors through host memory, so two trainers may share a GPU; they then only
+    share its memory and compute (a laptop with one GPU still runs the CUDA path). With as
+    many GPUs as trainers, each trainer's Linear is on a GPU of its own.
+    """
     if device != "cuda":
         return torch.device("cpu")
     gpu = torch.device("cuda", i % torch.cuda.device_count())
@@ -122,7 +129,9 @@ def trainer_device(i: int, device: str) -> torch.device:
 def rpc_init_method() -> str:
     """Where RPC meets: the store at MASTER_ADDR:MASTER_PORT, as ``env://`` would find it.
 
-    ``TensorPipeRpcBackendOptions`` takes a URL, not ``env://``. Under torchrun (and our
+    ``TensorPipeRpcBackendOptions``'s default init method is ``env://`` itself, which reads
+    these same two variables; the URL spells the address out so that errors and logs show
+    which store RPC used. Under torchrun (and our
     CLI, which sets the same environment) this is the agent's store; RPC keeps its keys under
     a prefix of its own there, so it never collides with a process group on the same store.
     """

@@ -14,10 +14,18 @@ The reference's points, each shown by a test in ``tests/rpc/test_rpc_rrefs.py``:
   owns the object; reference counting follows it transparently.
 * ``confirmed_by_owner()``: whether the owner already knows about this reference. A fresh
   RRef is usable at once; the confirmation arrives asynchronously.
+* **Lifetime** (the design note's RRef protocol, ``rref_lifetime``): the owner keeps the
+  object while any *user* RRef to it exists anywhere, and frees it after the last one is
+  gone. Sharing a user RRef with a third worker makes a *fork*: a new user the owner counts
+  (it is told, then confirms the new user; until then the sharer keeps the object alive for
+  it). So the creator may drop its RRef while the third still holds one: the object stays;
+  when the third drops its own, the owner frees it. Deletions reach the owner as messages,
+  asynchronously, so the owner is watched until it happens, with a deadline.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -106,3 +114,65 @@ def rref_tour(owner: str, third: str) -> dict[str, Any]:
     seen["final"] = counter.rpc_sync().value()
     seen["confirmed"] = wait_until_confirmed(counter)
     return seen
+
+
+# --- lifetime ------------------------------------------------------------------------------
+
+
+class Tracked:
+    """Counts the instances alive in this process (the owner's view of its objects)."""
+
+    alive = 0
+
+    def __init__(self) -> None:
+        Tracked.alive += 1
+
+    def __del__(self) -> None:
+        Tracked.alive -= 1
+
+
+def tracked_alive_here() -> int:
+    gc.collect()  # only the RRef protocol should keep an object alive, not a stray cycle
+    return Tracked.alive
+
+
+_held: list[rpc.RRef[Any]] = []  # a third worker's user RRefs, kept between two calls
+
+
+def hold(rref: rpc.RRef[Tracked]) -> bool:
+    """Runs on the third worker: keep the shared RRef; say whether the owner confirmed it."""
+    _held.append(rref)
+    return wait_until_confirmed(rref)
+
+
+def release() -> None:
+    """Runs on the third worker: drop its user RRef (a delete message goes to the owner)."""
+    _held.clear()
+    gc.collect()
+
+
+def wait_for_alive(owner: str, count: int, timeout: float = 5.0) -> int:
+    """Ask the owner how many ``Tracked`` it holds until it says ``count`` or time is up."""
+    deadline = time.monotonic() + timeout
+    while (alive := rpc.rpc_sync(owner, tracked_alive_here)) != count:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return alive
+
+
+def rref_lifetime(owner: str, third: str) -> list[tuple[str, int, bool | None]]:
+    """Create an object on ``owner``, share it with ``third``, drop the references one by
+    one; after each step: (step, objects alive on the owner, this step's confirmation)."""
+    steps: list[tuple[str, int, bool | None]] = []
+    rref = rpc.remote(owner, Tracked)
+    steps.append(("created", wait_for_alive(owner, 1), wait_until_confirmed(rref)))
+    confirmed = rpc.rpc_sync(third, hold, args=(rref,))
+    steps.append(("shared with the third", wait_for_alive(owner, 1), confirmed))
+    del rref
+    gc.collect()
+    time.sleep(0.2)  # give a wrong owner time to free it: it must not
+    steps.append(("creator dropped its rref", wait_for_alive(owner, 1), None))
+    rpc.rpc_sync(third, release)
+    steps.append(("third dropped its rref", wait_for_alive(owner, 0), None))
+    return steps

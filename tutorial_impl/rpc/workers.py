@@ -37,8 +37,9 @@ def worker_name(rank: int) -> str:
 def check_timeout(seconds: float, what: str = "rpc_timeout") -> float:
     """Refuse a timeout that would not bound a wait.
 
-    torch reads 0 as "no timeout at all" and a negative per-call timeout as one that has
-    already expired; neither is what someone who typed it meant, so we say so up front.
+    torch reads 0 as "no timeout at all", and a per-call timeout of -1 as "unset: use the
+    agent's default" (``rpc.constants.UNSET_RPC_TIMEOUT``); neither bounds a wait as someone
+    who typed it as a deadline meant, so we say so up front.
     """
     if not seconds > 0:  # also catches NaN
         raise ValueError(f"{what} must be a positive number of seconds, got {seconds!r}")
