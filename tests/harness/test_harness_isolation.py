@@ -90,6 +90,11 @@ def test_unmarked(run_ranks):
     run_ranks(mismatched)
 
 
+@pytest.mark.check_collectives(False)  # no "off" switch: leaving the marker out is off
+def test_marker_with_an_argument(run_ranks):
+    run_ranks(mismatched)
+
+
 def test_each_run_gets_the_level_it_asks_for(run_ranks):
     assert run_ranks(debug_level, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}) == ["INFO"] * 2
     assert run_ranks(debug_level) == ["OFF"] * 2
@@ -115,7 +120,10 @@ def test_mismatched_collectives_fail_in_seconds_naming_both(pytester, monkeypatc
     pytester.makepyfile(COLLECTIVE_TESTS)
     plain = ("-p", "no:cacheprovider", "-p", "no:randomly", "--rank-timeout", "10")
     result = pytester.runpytest(*plain, "-k", "not unmarked")
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=2, failed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*@pytest.mark.check_collectives(False): takes no arguments; accepted:*"]
+    )
     result.stdout.fnmatch_lines(["FAILED *::test_marked*", "FAILED *::test_set_in_the_parent*"])
     text = result.stdout.str()
     assert text.count("Detected mismatch between collectives") >= 2

@@ -63,6 +63,7 @@ class Settings:
     init_method: str
     gpus: int
     uses_harness: bool
+    check_collectives: bool = False  # the check_collectives marker (see torchenv)
 
 
 def _call(marker: Any) -> str:
@@ -193,6 +194,12 @@ def read(item: Any, default_deadline: float, init_method: str) -> Settings:
             raise ConfigError(
                 f"{_call(marker)}: {deadline!r}; accepted: a positive number of seconds"
             )
+    marker = item.get_closest_marker("check_collectives")
+    if marker is not None and (marker.args or marker.kwargs):
+        raise ConfigError(
+            f"{_call(marker)}: takes no arguments; accepted: @pytest.mark.check_collectives "
+            "(leave the marker out for no checking)"
+        )
     return Settings(
         world_size=world_size,
         backend=backend,
@@ -200,6 +207,7 @@ def read(item: Any, default_deadline: float, init_method: str) -> Settings:
         init_method=init_method,
         gpus=backends.gpus_needed(backend, world_size, gpus),
         uses_harness=uses_harness,
+        check_collectives=marker is not None,
     )
 
 

@@ -355,8 +355,8 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
             pytest.fail(f"harness configuration: {exc}", pytrace=False)
     cap = item.stash.get(_deadline_cap, float("inf"))
     calls = iter(range(1_000_000))
-    checking_collectives = request.config.getoption("--check-collectives") or bool(
-        item.get_closest_marker("check_collectives")
+    checking_collectives = request.config.getoption("--check-collectives") or (
+        settings.check_collectives
     )
 
     def run(fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
