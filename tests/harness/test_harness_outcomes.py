@@ -15,7 +15,7 @@ import pickle
 
 import pytest
 
-from tutorial_impl.testing import errors, forensics, outcome, run_ranks
+from tutorial_impl.testing import errors, forensics, outcome, proctable, run_ranks
 from tutorial_impl.testing.errors import RankCrashed, RankFailed, RankSkipped, RankXFailed
 
 # --- 1. outcomes and the exceptions built from them ------------------------------------------
@@ -133,15 +133,33 @@ class Boomerang:
         return (_refuse, ())
 
 
-def return_boomerang_on_rank_1(rank, world_size):
+def return_boomerang_on_rank_1(rank, world_size, pid_dir):
+    proctable.record_self(pid_dir, f"rank{rank}")
     return Boomerang() if rank == 1 else rank
 
 
-def test_a_result_the_parent_cannot_unpickle_names_the_rank():
+def xfail_on_rank_0(rank, world_size, pid_dir):
+    proctable.record_self(pid_dir, f"rank{rank}")
+    if rank == 0:
+        pytest.xfail("known bug on rank 0")
+    return rank
+
+
+def test_a_result_the_parent_cannot_unpickle_names_the_rank(tmp_path):
     with pytest.raises(RankFailed) as info:
-        run_ranks(return_boomerang_on_rank_1, world_size=2, timeout=30)
+        run_ranks(return_boomerang_on_rank_1, str(tmp_path), world_size=2, timeout=30)
     assert info.value.rank == 1
     assert info.value.headline == (
         "rank 1 raised TypeError: its result could not be unpickled in the parent: "
         "this object cannot be rebuilt here"
     )
+    assert set(proctable.recorded(tmp_path)) == {"rank0", "rank1"}
+    assert proctable.wait_until_gone(tmp_path) == {}  # both ranks gone, none left behind
+
+
+def test_xfail_in_a_rank_is_a_rank_xfailed_and_leaves_no_process(tmp_path):
+    """(The plugin turns ``RankXFailed`` into an xfail: see test_harness_report.)"""
+    with pytest.raises(RankXFailed) as info:
+        run_ranks(xfail_on_rank_0, str(tmp_path), world_size=2, timeout=30)
+    assert (info.value.rank, info.value.reason) == (0, "known bug on rank 0")
+    assert proctable.wait_until_gone(tmp_path) == {}
