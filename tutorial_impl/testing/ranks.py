@@ -257,17 +257,36 @@ def init_process_group(spec: RankSpec) -> None:
     )
 
 
-def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:
-    """The body of every rank process. Reports exactly one message, then waits to be killed."""
+def enter_rank(spec: RankSpec) -> dict[str, str]:
+    """A rank's first steps, for a fresh rank and a warm one alike: its own process group,
+    the death chain, its log and stack files. Returns the environment torch was imported
+    with (the forkserver's), for ``torchenv``."""
     parent = os.getppid()
     os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
     release_forkserver()
     _die_with_parent(parent)
+    imported_with = dict(os.environ)  # the forkserver's: what torch saw at import
+    take_task(spec)
+    import torch
+
+    torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
+    return imported_with
+
+
+def take_task(spec: RankSpec) -> None:
+    """Point output, stack dumps, environment, path and directory at ``spec``'s run.
+
+    A warm rank (``warm``) calls this again for every test it serves: each test has its own
+    log and stack files, and sees the parent's environment as it is at that test's call.
+    """
     _redirect_output(spec)
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stacks, all_threads=True)  # segfaults, aborts
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the deadline
-    imported_with = dict(os.environ)  # the forkserver's: what torch saw at import
+    global _stacks
+    if _stacks is not None:
+        _stacks.close()
+    _stacks = stacks
     if spec.parent_env is not None:
         os.environ.clear()
         os.environ.update(spec.parent_env)
@@ -279,20 +298,26 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
             os.chdir(spec.parent_cwd)
         except OSError:
             pass  # the parent's directory is gone; the forkserver's will do
-    import torch
 
-    torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
+
+_stacks: Any = None  # the open stack file faulthandler writes to
+
+
+def run_task(spec: RankSpec, imported_with: dict[str, str], join_group: bool) -> bytes:
+    """Run ``spec``'s function in this rank; the pickled outcome to report.
+
+    ``join_group``: join the process group first (a fresh rank; a warm one is in its
+    world's group already)."""
     debugging = _debugging.Debugging(spec.rank, os.path.dirname(spec.log_path))
     if _debugging.debug_rank() is not None:
         spec.timeout = _debugging.HOLD  # hold every rank while one is debugged
-
     cov = None
     try:
         cov = _coverage.start_in_rank(spec.coverage)
         fn = resolve(spec.function)
         args, kwargs = pickle.loads(spec.payload)
         _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
-        if spec.backend is not None:
+        if join_group and spec.backend is not None:
             init_process_group(spec)
         value = fn(spec.rank, spec.world_size, *args, **kwargs)
         try:
@@ -308,9 +333,15 @@ def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> No
             pass
         message = pickle.dumps(_outcome.from_exception(exc))
     _coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return message
+
+
+def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:
+    """The body of every rank process. Reports exactly one message, then waits to be killed."""
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        message = run_task(spec, enter_rank(spec), join_group=True)
         conn.send_bytes(message)
         conn.close()
         # Stay alive, group and sockets intact, until the parent SIGKILLs us, which it does

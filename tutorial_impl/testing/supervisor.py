@@ -46,7 +46,7 @@ from tutorial_impl.testing.errors import (
     prefixed,
     timeout_error,
 )
-from tutorial_impl.testing.lookup import function_ref
+from tutorial_impl.testing.lookup import FunctionRef, function_ref
 from tutorial_impl.testing.rendezvous import INIT_METHODS, AgentStore
 
 DEFAULT_TIMEOUT = DEFAULT_DEADLINE  # the old name, kept for importers
@@ -167,26 +167,8 @@ def run_ranks(
     are held, and the deadline is paused meanwhile (see ``debugging``).
     """
     __tracebackhide__ = True
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if init_method not in INIT_METHODS:
-        raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be positive: a number of seconds, got {timeout!r}")
-    backends.check(backend)
-    refusal = backends.mpi_refusal(backend, world_size)
-    if refusal:
-        raise ValueError(refusal)
-    expected_exits = _check_ranks(may_exit, world_size)
+    call = prepare(fn, args, fn_kwargs, world_size, backend, init_method, timeout, env, may_exit)
     debug_env = _debugging.check_rank(debug_rank, world_size)
-    _check_gpus(backend, world_size, env)
-    ref = function_ref(fn)
-    try:
-        payload = pickle.dumps((args, fn_kwargs or {}))
-    except Exception as exc:
-        raise TypeError(f"arguments for {ref.qualname} cannot be sent to the ranks: {exc}") from exc
-    measuring = _coverage.parent_settings()
-
     own_dir = log_dir is None
     work = Path(tempfile.mkdtemp(prefix="ranks-") if own_dir else log_dir)  # type: ignore[arg-type]
     work.mkdir(parents=True, exist_ok=True)
@@ -196,23 +178,7 @@ def run_ranks(
     started: list[_Rank] = []
     try:
         for rank in range(world_size):
-            spec = _ranks.RankSpec(
-                rank=rank,
-                world_size=world_size,
-                function=ref,
-                payload=payload,
-                env={**store.rank_env(rank, world_size), **(env or {}), **debug_env},
-                log_path=str(work / f"rank{rank}.log"),
-                stack_path=str(work / f"rank{rank}.stacks"),
-                backend=backend,
-                init_method=init_method,
-                tmp_dir=str(work),
-                timeout=timeout,
-                parent_env=dict(os.environ),
-                parent_path=list(sys.path),
-                parent_cwd=os.getcwd(),
-                coverage=measuring,
-            )
+            spec = task_spec(call, rank, work, store.rank_env(rank, world_size), debug_env)
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_ranks.rank_main, args=(spec, writer), daemon=True)
             process.start()
@@ -225,7 +191,7 @@ def run_ranks(
             timeout,
             stream,
             stream_prefix,
-            expected_exits,
+            call.may_exit,
         )
     finally:
         # Every rank that is still there is either done (it reported and now waits to be
@@ -236,6 +202,96 @@ def run_ranks(
         store.close()
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``run_ranks`` call, checked: what every rank's spec is made from (``task_spec``).
+
+    The fresh path (``run_ranks``) and the warm one (``warm``) both start here, so a call
+    is checked, and its function and arguments travel, the same way in both."""
+
+    function: FunctionRef
+    payload: bytes
+    world_size: int
+    backend: str | None
+    init_method: str
+    timeout: float
+    env: dict[str, str]
+    may_exit: frozenset[int]
+    coverage: dict[str, Any] | None
+
+
+def prepare(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    fn_kwargs: dict[str, Any] | None,
+    world_size: int,
+    backend: str | None,
+    init_method: str,
+    timeout: float,
+    env: dict[str, str] | None,
+    may_exit: Collection[int] = (),
+) -> Call:
+    """Check a call's arguments (a ValueError or TypeError naming the problem) and pickle
+    what the ranks need."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if init_method not in INIT_METHODS:
+        raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be positive: a number of seconds, got {timeout!r}")
+    backends.check(backend)
+    refusal = backends.mpi_refusal(backend, world_size)
+    if refusal:
+        raise ValueError(refusal)
+    expected_exits = _check_ranks(may_exit, world_size)
+    _check_gpus(backend, world_size, env)
+    ref = function_ref(fn)
+    try:
+        payload = pickle.dumps((args, fn_kwargs or {}))
+    except Exception as exc:
+        raise TypeError(f"arguments for {ref.qualname} cannot be sent to the ranks: {exc}") from exc
+    return Call(
+        ref,
+        payload,
+        world_size,
+        backend,
+        init_method,
+        timeout,
+        dict(env or {}),
+        expected_exits,
+        _coverage.parent_settings(),
+    )
+
+
+def task_spec(
+    call: Call,
+    rank: int,
+    work: Path,
+    rank_env: dict[str, str],
+    extra_env: dict[str, str] | None = None,
+) -> _ranks.RankSpec:
+    """What rank ``rank`` runs for ``call``, its files in ``work``. Its environment, last
+    word first: ``extra_env`` (the debugger's), the caller's ``env``, ``rank_env`` (the
+    rendezvous), the parent's own."""
+    return _ranks.RankSpec(
+        rank=rank,
+        world_size=call.world_size,
+        function=call.function,
+        payload=call.payload,
+        env={**rank_env, **call.env, **(extra_env or {})},
+        log_path=str(work / f"rank{rank}.log"),
+        stack_path=str(work / f"rank{rank}.stacks"),
+        backend=call.backend,
+        init_method=call.init_method,
+        tmp_dir=str(work),
+        timeout=call.timeout,
+        parent_env=dict(os.environ),
+        parent_path=list(sys.path),
+        parent_cwd=os.getcwd(),
+        coverage=call.coverage,
+    )
 
 
 def _check_ranks(may_exit: Collection[int], world_size: int) -> frozenset[int]:
