@@ -54,7 +54,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, matrix, report
+from tutorial_impl.testing import backends, matrix, report, warm
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
@@ -73,6 +73,10 @@ MARKERS = {
     "rank_timeout(seconds)": "harness deadline for this test's ranks (stack dump, then kill)",
     "backend(name)": "deprecated: dist_backend(name); honoured on tests using run_ranks only",
     "gpu(n=1)": "deprecated: dist_gpu(n); honoured on tests using run_ranks only",
+    "warm_world(enabled=True)": "run this module's or class's rank functions in warm worlds: "
+    "ranks and process group kept between tests, checked before each reuse, replaced by a "
+    "fresh world after anything wrong (see tutorial_impl.testing.warm); warm_world(False) "
+    "opts one test out",
     "check_collectives": "check before every collective that all ranks call the same one "
     "(TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks): a mismatch fails in seconds, not at the "
     "deadline",
@@ -298,11 +302,29 @@ def _restore_env(name: str, value: str | None) -> None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
-    """Give back the GPUs a test leased, after its fixtures are torn down."""
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Give back the GPUs a test leased, after its fixtures are torn down; kill the warm
+    worlds when the next test is in another module (or there is none)."""
     stack = item.stash.get(_leases, None)
     if stack is not None:
         stack.close()
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        warm.close_all()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """No warm rank outlives the session."""
+    warm.close_all()
+
+
+def _warm(item: pytest.Item, settings: _config.Settings, options: dict[str, Any]) -> bool:
+    """Whether this call runs in a warm world: the test asks for one (``warm_world``
+    marker, not ``warm_world(False)``), leases no GPU, and uses only options warm serves."""
+    marker = item.get_closest_marker(warm.MARKER)
+    if marker is None:
+        return False
+    enabled = marker.args[0] if marker.args else marker.kwargs.get("enabled", True)
+    return bool(enabled) and not settings.gpus and warm.suits(options)
 
 
 RunRanks = Callable[..., RankResults]
@@ -374,7 +396,10 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         if checking_collectives:  # the caller's own env= entries win
             options["env"] = {**CHECK_COLLECTIVES, **(options.get("env") or {})}
         try:
-            results = run_ranks(fn, *args, **options)
+            if _warm(item, settings, options):
+                results = warm.run(fn, *args, **options)
+            else:
+                results = run_ranks(fn, *args, **options)
         except RankSkipped as skip:
             pytest.skip(f"rank {skip.rank}: {skip.reason}")
         except RankXFailed as xfail:
@@ -395,6 +420,8 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Lead a failed multi-rank test's report with its cause; details in sections (``report``)."""
     rep = yield
+    if call.when == "call":
+        warm.test_ended(failed=rep.failed)  # a failed test's warm world is not reused
     if call.excinfo is not None:
         report.rewrite(rep, call.excinfo.value)
     return rep
