@@ -24,6 +24,10 @@ import torch.distributed as dist
 
 from tutorial_impl.dist_tuto import p2p
 
+# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# each test still runs in a world that is as good as new, checked before reuse.
+pytestmark = pytest.mark.warm_world
+
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("fn", [p2p.run_blocking, p2p.run_nonblocking], ids=["send", "isend"])

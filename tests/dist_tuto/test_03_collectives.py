@@ -34,6 +34,10 @@ from tutorial_impl.dist_tuto import collectives as coll
 from tutorial_impl.dist_tuto.collectives import TUTORIAL_OPS, ReduceOp, all_reduce
 from tutorial_impl.dist_tuto.process import rank_device
 
+# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# each test still runs in a world that is as good as new, checked before reuse.
+pytestmark = pytest.mark.warm_world
+
 # The reductions' definitions, written independently of torch.distributed.
 NUMPY_REDUCTIONS = {
     "SUM": lambda xs: np.sum(xs, axis=0),

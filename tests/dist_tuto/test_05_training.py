@@ -48,6 +48,10 @@ from tutorial_impl.dist_tuto.partition import batch_sizes
 from tutorial_impl.dist_tuto.process import rank_device
 from tutorial_impl.dist_tuto.sgd import LR, MOMENTUM, train_step
 
+# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# each test still runs in a world that is as good as new, checked before reuse.
+pytestmark = pytest.mark.warm_world
+
 STEPS = 3
 # Float32 sums in a different order (all_reduce, shards) differ in the last bits: ~1e-8 was
 # measured here. 1e-6 is still ~1/800 of how far the parameters move in three steps (checked

@@ -33,6 +33,10 @@ import torch.distributed as dist
 from tutorial_impl.dist_tuto import ring, ring_trace
 from tutorial_impl.dist_tuto.ring import SEGMENT_BYTES, allreduce, ring_allreduce
 
+# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# each test still runs in a world that is as good as new, checked before reuse.
+pytestmark = pytest.mark.warm_world
+
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32]
 
 # --- 1. What each rank brings, and the answer ---------------------------------------------

@@ -15,7 +15,8 @@ every task each rank checks itself and answers within ``CHECK_DEADLINE`` seconds
 
 * no process group, RPC agent or non-daemon thread was left behind by the test;
 * the default group is the one the world made (not destroyed, not replaced);
-* grad mode and the default dtype are as the world started;
+* grad mode and the default dtype are as the world started (and torch's and ``random``'s
+  generators are reset to a fresh rank's state before each test);
 * a barrier of the whole world completes within the deadline (nobody is stuck, no
   collective is half done).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import shutil
 import tempfile
 import threading
@@ -265,6 +267,14 @@ class Baseline:
         self.groups = set(c10d._world.pg_map)
         self.threads = set(threading.enumerate())
         self.dtype = torch.get_default_dtype()
+        self.rng = torch.get_rng_state(), random.getstate()
+
+    def restore(self) -> None:
+        """Give the next test the random state a fresh rank starts with (the forkserver's)."""
+        import torch
+
+        torch.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
 
     def leftovers(self) -> str | None:
         """What the last test left behind that a fresh world would not have, or None."""
@@ -322,6 +332,7 @@ def warm_rank_main(start: _ranks.RankSpec, task: _ranks.RankSpec, conn: Connecti
         while True:
             task.env = {**start.env, **task.env}
             _ranks.take_task(task)
+            baseline.restore()
             conn.send_bytes(_ranks.run_task(task, imported_with, join_group=False))
             conn.send_bytes(pickle.dumps(baseline.leftovers()))
             task = pickle.loads(conn.recv_bytes())  # EOF: the world is closed
