@@ -30,15 +30,20 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     assert set(row) == {
         *("harness_ms", "spawn_ms", "ratio"),
         *("collective_us", "checked_collective_us", "check_ratio"),  # the price of checking
+        *("warm_ms", "warm_speedup", "replace_ms", "load_average"),  # warm worlds
     }
     assert row["harness_ms"] > 0 and row["spawn_ms"] > 0
     assert row["ratio"] == pytest.approx(row["spawn_ms"] / row["harness_ms"])
     assert row["collective_us"] > 0 and row["checked_collective_us"] > 0
     assert row["check_ratio"] == pytest.approx(row["checked_collective_us"] / row["collective_us"])
+    # A warm world's test, against a fresh one of the same run; a poisoned world's price.
+    assert row["warm_ms"] > 0 and row["replace_ms"] > 0 and row["load_average"] >= 0
+    assert row["warm_speedup"] == pytest.approx(row["harness_ms"] / row["warm_ms"])
     printed = capsys.readouterr().out
     assert f"harness {row['harness_ms']:7.1f} ms" in printed  # the same figures, printed
     assert f"ratio {row['ratio']:6.1f}x" in printed
     assert f"check {row['check_ratio']:5.1f}x" in printed
+    assert f"warm    {row['warm_ms']:7.1f} ms" in printed
 
 
 def test_bench_refuses_nonsense_arguments():

@@ -16,7 +16,13 @@ size. ``--json PATH`` writes ``{"2": {"harness_ms": ..., "spawn_ms": ..., "ratio
 It also prices ``--check-collectives`` (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, see
 ``testing/torchenv.py``): microseconds per small all_reduce in a group without and with the
 check, the slowest rank's mean over ``--collectives`` calls, and their ratio (JSON keys
-``collective_us``, ``checked_collective_us``, ``check_ratio``). The check runs torch's
+``collective_us``, ``checked_collective_us``, ``check_ratio``).
+
+And warm worlds (``testing/warm.py``): the same test in a world whose ranks and group served
+the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms, both in this run),
+the time a poisoned warm world costs to replace (``replace_ms``: the test after one that left
+a group behind, a fresh world), and the 1-minute load average while measuring
+(``load_average``): on a loaded machine every figure grows. The check runs torch's
 ``ProcessGroupWrapper``, which before each collective has the ranks compare what they are
 about to call through an extra exchange, so a small collective costs several times as much.
 """
@@ -36,6 +42,7 @@ import torch.multiprocessing
 
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing import run_ranks
+from tutorial_impl.testing import warm as _warm
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
 from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
 
@@ -95,6 +102,43 @@ def time_harness(world_size: int, repeats: int) -> list[float]:
     return times
 
 
+def time_warm(world_size: int, repeats: int) -> list[float]:
+    """Milliseconds per test in a warm world (``testing/warm.py``): the same all_reduce
+    test, its ranks and group kept from the test before, checked after each test."""
+    expected = [world_size * (world_size + 1) / 2] * world_size
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        results = _warm.run(all_reduce_once, world_size=world_size, timeout=60)
+        elapsed = (time.perf_counter() - start) * 1e3
+        if results != expected:
+            raise AssertionError(f"warm all_reduce gave {results}, expected {expected}")
+        if i:  # the first call starts the world: once per module of tests, not per test
+            times.append(elapsed)
+    _warm.close_all()
+    return times
+
+
+def leave_a_group(rank: int, world_size: int) -> float:
+    """A test that poisons its warm world: it leaves a process group behind."""
+    dist.new_group(list(range(world_size)))
+    return all_reduce_once(rank, world_size)
+
+
+def time_replace(world_size: int, repeats: int) -> list[float]:
+    """Milliseconds a poisoned warm world costs: the poisoning test, its check and the
+    fresh world started for the next test, minus one warm test (what reuse would cost)."""
+    times = []
+    for _ in range(repeats):
+        _warm.run(all_reduce_once, world_size=world_size, timeout=60)  # a warm world
+        _warm.run(leave_a_group, world_size=world_size, timeout=60)  # ... poisoned
+        start = time.perf_counter()
+        _warm.run(all_reduce_once, world_size=world_size, timeout=60)  # ... replaced
+        times.append((time.perf_counter() - start) * 1e3)
+    _warm.close_all()
+    return times
+
+
 def time_spawn(world_size: int, repeats: int) -> list[float]:
     """Milliseconds per ``torch.multiprocessing.spawn`` of a fresh group."""
     times = []
@@ -117,7 +161,10 @@ def measure(
     _ranks.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
     for world_size in world_sizes:
+        # Warm first: the fresh runs' killed ranks are still being torn down for a while.
+        warm_ms = statistics.median(time_warm(world_size, repeats))
         harness_ms = statistics.median(time_harness(world_size, repeats))
+        replace_ms = statistics.median(time_replace(world_size, max(1, repeats // 4)))
         spawn_ms = statistics.median(time_spawn(world_size, spawn_repeats))
         plain_us = time_collectives(world_size, collectives, checked=False)
         checked_us = time_collectives(world_size, collectives, checked=True)
@@ -128,10 +175,20 @@ def measure(
             "collective_us": plain_us,
             "checked_collective_us": checked_us,
             "check_ratio": checked_us / plain_us,
+            "warm_ms": warm_ms,
+            "warm_speedup": harness_ms / warm_ms,
+            "replace_ms": replace_ms,
+            "load_average": os.getloadavg()[0],
         }
         print(
             f"world {world_size}: harness {harness_ms:7.1f} ms  spawn {spawn_ms:8.1f} ms  "
             f"ratio {spawn_ms / harness_ms:6.1f}x   (medians of {repeats} and {spawn_repeats})",
+            flush=True,
+        )
+        print(
+            f"world {world_size}: warm    {warm_ms:7.1f} ms  "
+            f"fresh/warm {harness_ms / warm_ms:5.1f}x  "
+            f"poisoned world replaced in {replace_ms:6.1f} ms   (load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
         print(

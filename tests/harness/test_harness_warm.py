@@ -1,0 +1,171 @@
+"""Warm worlds (``tutorial_impl/testing/warm.py``): reused only when as good as new.
+
+A warm world keeps its ranks between tests, so the danger is a test that poisons it: fails,
+hangs, kills a rank, or leaves a process group, an RPC agent or a thread behind, or replaces
+the default group. The promise: the *next* test in that warm world runs in a fresh world and
+passes, nothing is skipped, and no rank outlives the run.
+
+The proof is one pytest run of a stranger's project (only the installed package, no
+conftest): every rank records its pid and start time (``proctable``), the poisoning tests
+alternate with a plain test, and afterwards we read, from those records and the OS process
+table, which tests shared ranks and whether any rank is still alive.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tutorial_impl.testing import proctable, supervisor, warm
+
+pytest_plugins = ["pytester"]
+
+POISONED = """
+import os, signal, threading, time
+import pytest
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from tutorial_impl.testing import proctable
+from tutorial_impl.testing.rendezvous import rpc_init_method
+
+# One deadline for all: worlds are keyed by it, and the hanging test must end soon.
+pytestmark = [pytest.mark.warm_world, pytest.mark.rank_timeout(3)]
+PIDS = os.environ["WARM_PIDS"]
+
+def note(rank, name):
+    proctable.record(PIDS, f"{name}.{rank}", os.getpid())
+
+def plain(rank, world_size, name):
+    note(rank, name)
+    dist.barrier()
+    return rank
+
+def poison(rank, world_size, how, tmp):
+    note(rank, how)
+    dist.barrier()  # both ranks are recorded before anything goes wrong
+    if how == "fails":
+        raise ValueError("boom")
+    if how == "hangs" and rank == 1:
+        time.sleep(600)
+    if how == "kills" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "group":
+        dist.new_group([0, 1])
+    if how == "rpc":
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         init_method=rpc_init_method()))
+    if how == "thread":
+        threading.Thread(target=time.sleep, args=(600,)).start()
+    if how == "default":
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/default", rank=rank,
+                                world_size=world_size)
+    return rank
+
+def test_00_plain(run_ranks):
+    assert run_ranks(plain, "00_plain") == [0, 1]
+
+def test_01_plain_again(run_ranks):
+    assert run_ranks(plain, "01_plain_again") == [0, 1]
+
+@pytest.mark.warm_world(False)
+def test_02_opted_out(run_ranks):
+    assert run_ranks(plain, "02_opted_out") == [0, 1]
+
+HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "default", "parent"]
+
+@pytest.mark.parametrize("how", HOW)
+def test_10_poison_then_next(run_ranks, how, tmp_path):
+    run_ranks(plain, f"before_{how}")
+    if how == "parent":  # the ranks pass, the test fails in the parent
+        run_ranks(plain, "parent")
+        assert False, "the parent fails this test"
+    run_ranks(poison, how, str(tmp_path))
+
+@pytest.mark.parametrize("how", HOW)
+def test_11_after(run_ranks, how):
+    assert run_ranks(plain, f"after_{how}") == [0, 1]
+"""
+
+# The poisoning tests that fail as such; the others pass and leave their world dirty.
+FAILING = {"fails", "hangs", "kills", "parent"}
+
+
+def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytester, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    pytester.makepyfile(test_poison=POISONED)
+    # Order: test_10[x] then test_11[x] for each x (so each 'after' follows its poison).
+    order = []
+    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "default", "parent"]:
+        order += [f"test_poison.py::test_10_poison_then_next[{how}]"]
+        order += [f"test_poison.py::test_11_after[{how}]"]
+    args = ["test_poison.py::test_00_plain", "test_poison.py::test_01_plain_again"]
+    args += ["test_poison.py::test_02_opted_out", *order]
+    result = pytester.runpytest_subprocess(
+        "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist", *args,
+        timeout=120,
+    )  # fmt: skip
+    outcomes = result.parseoutcomes()
+    # Nothing skipped: each poisoning test that fails is reported as failed, the rest pass.
+    assert outcomes.get("skipped", 0) == 0, result.stdout.str()
+    assert outcomes.get("failed") == len(FAILING), result.stdout.str()
+    assert outcomes.get("passed") == 3 + 16 - len(FAILING), result.stdout.str()
+    out = result.stdout.str()
+    # ... each with the report a fresh world gives: the cause first.
+    assert "rank 0 raised ValueError: boom" in out or "raised ValueError: boom" in out
+    assert "RankTimeout" in out or "deadline" in out
+    assert "SIGKILL" in out
+
+    record = {name: pid for name, (pid, _) in proctable.recorded(pids).items()}
+
+    def world(name: str) -> tuple[int, int]:
+        return record[f"{name}.0"], record[f"{name}.1"]
+
+    # Warm really is warm: the second plain test ran in the first one's ranks ...
+    assert world("00_plain") == world("01_plain_again")
+    # ... and warm_world(False) gave its test fresh ranks.
+    assert not set(world("02_opted_out")) & set(world("00_plain"))
+    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "default"]:
+        # The poison ran in the world that served the test before it (it was warm) ...
+        assert world(how) == world(f"before_{how}"), how
+        # ... and the next test got fresh ranks, and passed (counted above).
+        assert not set(world(f"after_{how}")) & set(world(how)), how
+    assert world("parent") == world("before_parent")
+    assert not set(world("after_parent")) & set(world("parent"))
+    # No rank outlives the run.
+    assert proctable.wait_until_gone(pids) == {}
+
+
+@pytest.fixture(autouse=True)
+def _pid_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WARM_PIDS", str(tmp_path / "pids"))
+
+
+def test_only_calls_a_warm_world_can_serve_run_warm():
+    # may_exit, debug_rank and stream change how ranks are run or watched: fresh worlds.
+    assert warm.suits({"world_size": 2, "env": {}, "timeout": 5.0})
+    assert not warm.suits({"may_exit": {1}})
+    assert not warm.suits({"debug_rank": 0})
+    assert not warm.suits({"stream": None})
+
+
+def test_worlds_are_keyed_by_what_must_not_differ(monkeypatch):
+    def key(**options):
+        call = dict(world_size=2, backend="gloo", init_method="env", timeout=60.0, env=None)
+        call.update(options)
+        return warm.key_of(supervisor.prepare(len, (), None, **call))
+
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    plain = key()
+    assert key() == plain
+    for different in ({"world_size": 3}, {"env": {"A": "1"}}, {"timeout": 5.0}):
+        assert key(**different) != plain, different
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # torch reads it at group init
+    assert key() != plain
+
+
+def test_a_bad_call_is_refused_before_any_world_starts():
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        warm.run(len, world_size=0)
+    assert warm.pids() == []
