@@ -117,6 +117,12 @@ def test_a_hang_in_different_collectives_says_so():
     assert "the ranks are in different collectives (" + errors.CHECK_COLLECTIVES in line
     same = errors.hang_headline([0, 1], 5, {0: where[0], 1: "in all_reduce at t.py:3"})
     assert "different collectives" not in same
+    # A rank sitting in something that is no collective (a debugger's trace_dispatch) is
+    # not in "a different collective": only torch.distributed's calls count.
+    debugging = {0: where[0], 1: "in trace_dispatch at t.py:5"}
+    assert "different collectives" not in errors.hang_headline([0, 1], 5, debugging)
+    three = {**where, 2: "at t.py:9 in spin"}  # ranks 0 and 1 still differ
+    assert "different collectives" in errors.hang_headline([0, 1, 2], 5, three)
 
 
 # --- 4. a result the parent cannot unpickle ---------------------------------------------------

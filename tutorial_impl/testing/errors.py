@@ -30,6 +30,16 @@ CHECK_COLLECTIVES = (
 )
 
 
+# torch.distributed's communication calls, as a rank's stack names them: two ranks of one
+# hang in two different ones are in different collectives.
+COLLECTIVES = frozenset(
+    "all_reduce all_gather all_gather_into_tensor all_gather_object all_to_all "
+    "all_to_all_single barrier monitored_barrier broadcast broadcast_object_list gather "
+    "gather_object reduce reduce_scatter reduce_scatter_tensor scatter scatter_object_list "
+    "send recv isend irecv batch_isend_irecv".split()
+)
+
+
 def _rebuild(cls: type, args: tuple, state: dict[str, Any]) -> RankError:
     error = Exception.__new__(cls)
     error.args = args
@@ -226,8 +236,9 @@ def hang_headline(pending: list[int], timeout: float, where: dict[int, str]) -> 
     places = [f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r)]
     if places:
         line += ": " + ", ".join(places)
-    calls = {where[r].split()[1] for r in pending if where.get(r, "").startswith("in ")}
-    if len(calls) > 1:
+    calls = [where.get(r, "").split()[1:2] for r in pending if where.get(r, "").startswith("in ")]
+    in_collectives = {call[0] for call in calls if call and call[0] in COLLECTIVES}
+    if len(in_collectives) > 1:
         line += f": the ranks are in different collectives ({CHECK_COLLECTIVES})"
     return line
 
