@@ -11,8 +11,8 @@ what is accepted: never an INTERNALERROR that kills the session, never an argume
    on harness tests (with a deprecation warning); a foreign project's ``gpu`` or ``slow``
    marker keeps its own meaning.
 4. Bad options and ini values are usage errors (exit status 4) naming the option.
-5. pytest-timeout and the harness deadline: the harness always reports first.
-6. GPU leases: two concurrent tests never hold the same GPU (``backends.lease``).
+5. GPU leases: two concurrent tests never hold the same GPU (``backends.lease``).
+(pytest-timeout against the harness deadline: ``test_harness_report.py``.)
 """
 
 from __future__ import annotations
@@ -190,50 +190,7 @@ def test_a_bad_option_is_a_usage_error_naming_it(pytester, how, message):
     assert message in result.stderr.str()
 
 
-# --- 5. pytest-timeout and the harness deadline ----------------------------------------------
-
-TIMEOUTS = """
-import pytest
-from tutorial_impl.testing import RankResults, plugin
-
-def nothing(rank, world_size):
-    pass
-
-def spy(fn, *args, **options):
-    # Record the deadline the fixture chose instead of starting ranks.
-    results = RankResults([options["timeout"]])
-    results.outputs = []
-    return results
-
-@pytest.fixture(autouse=True)
-def _spy(monkeypatch):
-    monkeypatch.setattr(plugin, "run_ranks", spy)
-
-@pytest.mark.timeout(8)
-@pytest.mark.rank_timeout(20)
-def test_own_limit_below_the_deadline(run_ranks):
-    assert run_ranks(nothing) == [6.0]
-    assert run_ranks(nothing, timeout=100) == [6.0]
-
-def test_session_limit(run_ranks):
-    assert run_ranks(nothing) == [60.0]
-"""
-
-
-def test_the_harness_reports_before_pytest_timeout_whatever_the_user_set(pytester, monkeypatch):
-    """A test's own ``timeout(8)`` stands, and its harness deadline (20 s asked, and 100 s
-    asked by one call) shrinks under it to 6 s, leaving a quarter of the limit to report the
-    ranks' stacks before pytest-timeout would fire. A session-wide limit (``PYTEST_TIMEOUT``
-    here; ``--timeout`` and the ini value alike) is a backstop: raised above the deadline."""
-    monkeypatch.setenv("PYTEST_TIMEOUT", "10")
-    pytester.makepyfile(TIMEOUTS)
-    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
-    backstop = {item.name: item.get_closest_marker("timeout").args[0] for item in items}
-    assert backstop == {"test_own_limit_below_the_deadline": 8, "test_session_limit": 90.0}
-    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
-
-
-# --- 6. GPU leases ------------------------------------------------------------------------
+# --- 5. GPU leases ------------------------------------------------------------------------
 
 
 def test_two_tests_never_lease_the_same_gpu(tmp_path):

@@ -244,7 +244,8 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
     }
 
 
-DEADLINES = """
+# A user's test file whose run_ranks records the deadline the fixture chose, starting no rank.
+SPY = """
 import pytest
 from tutorial_impl.testing import plugin
 from tutorial_impl.testing import RankResults
@@ -261,6 +262,11 @@ def spy(fn, *args, **options):
 @pytest.fixture(autouse=True)
 def _spy(monkeypatch):
     monkeypatch.setattr(plugin, "run_ranks", spy)
+"""
+
+DEADLINES = (
+    SPY
+    + """
 
 def test_default(run_ranks):
     assert run_ranks(echo) == [{default}]
@@ -272,6 +278,7 @@ def test_marker(run_ranks):
 def test_call(run_ranks):
     assert run_ranks(echo, timeout=3) == [3]
 """
+)
 
 
 @pytest.mark.parametrize(("option", "default"), [(None, 42.0), ("5", 5.0)])
@@ -283,3 +290,31 @@ def test_the_deadline_comes_from_call_marker_option_or_ini(pytester, option, def
     pytester.makepyfile(DEADLINES.format(default=default))
     args = ["-p", "no:cacheprovider"] + ([f"--rank-timeout={option}"] if option else [])
     pytester.runpytest(*args).assert_outcomes(passed=3)
+
+
+TIMEOUTS = (
+    SPY
+    + """
+@pytest.mark.timeout(8)
+@pytest.mark.rank_timeout(20)
+def test_own_limit_below_the_deadline(run_ranks):
+    assert run_ranks(echo) == [6.0]
+    assert run_ranks(echo, timeout=100) == [6.0]
+
+def test_session_limit(run_ranks):
+    assert run_ranks(echo) == [60.0]
+"""
+)
+
+
+def test_the_harness_reports_before_pytest_timeout_whatever_the_user_set(pytester, monkeypatch):
+    """A test's own ``timeout(8)`` stands, and its harness deadline (20 s asked, and 100 s
+    asked by one call) shrinks under it to 6 s, leaving a quarter of the limit to report the
+    ranks' stacks before pytest-timeout would fire. A session-wide limit (``PYTEST_TIMEOUT``
+    here; ``--timeout`` and the ini value alike) is a backstop: raised above the deadline."""
+    monkeypatch.setenv("PYTEST_TIMEOUT", "10")
+    pytester.makepyfile(TIMEOUTS)
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
+    backstop = {item.name: item.get_closest_marker("timeout").args[0] for item in items}
+    assert backstop == {"test_own_limit_below_the_deadline": 8, "test_session_limit": 90.0}
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
