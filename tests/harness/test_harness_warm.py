@@ -165,6 +165,25 @@ def test_worlds_are_keyed_by_what_must_not_differ(monkeypatch):
     assert key() != plain
 
 
+MISUSED = """
+import pytest
+
+def one(rank, world_size):
+    return rank
+
+@pytest.mark.warm_world("yes")
+def test_misused(run_ranks):
+    run_ranks(one)
+"""
+
+
+def test_a_misused_marker_fails_its_test_naming_it(pytester):
+    pytester.makepyfile(test_misused=MISUSED)
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*warm_world takes one True or False*'yes'*"])
+
+
 def test_a_bad_call_is_refused_before_any_world_starts():
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         warm.run(len, world_size=0)

@@ -323,8 +323,18 @@ def _warm(item: pytest.Item, settings: _config.Settings, options: dict[str, Any]
     marker = item.get_closest_marker(warm.MARKER)
     if marker is None:
         return False
-    enabled = marker.args[0] if marker.args else marker.kwargs.get("enabled", True)
-    return bool(enabled) and not settings.gpus and warm.suits(options)
+    given = [*marker.args, *marker.kwargs.values()]
+    if (
+        len(given) > 1
+        or set(marker.kwargs) - {"enabled"}
+        or any(type(v) is not bool for v in given)
+    ):
+        pytest.fail(
+            f"harness configuration: @pytest.mark.warm_world takes one True or False "
+            f"(enabled=...), got args {marker.args!r} kwargs {marker.kwargs!r}",
+            pytrace=False,
+        )
+    return (given or [True])[0] and not settings.gpus and warm.suits(options)
 
 
 RunRanks = Callable[..., RankResults]

@@ -11,7 +11,8 @@ test reads the same in a warm world as in a fresh one.
 
 Reuse is where peers went wrong (a failure skipping the rest of a class; one stalled rank
 hanging the run; leaked groups), so a world is reused only when it is as good as new. After
-every task each rank checks itself and answers within ``CHECK_DEADLINE`` seconds:
+every task each rank checks itself and answers within ``CHECK_DEADLINE`` seconds (the
+answers are read when the world is next wanted, so the check runs while pytest moves on):
 
 * no process group, RPC agent or non-daemon thread was left behind by the test;
 * the default group is the one the world made (not destroyed, not replaced);
@@ -72,6 +73,7 @@ class World:
     work: Path  # the world's own directory (file:// rendezvous, start-up logs)
     rank_env: list[dict[str, str]]
     tasks: int = 0  # tests served so far
+    unchecked: bool = False  # the ranks' answers to the check after the last task are unread
     problem: str | None = field(default=None)  # why it was retired, if it was
 
     def close(self) -> None:
@@ -149,9 +151,7 @@ def run(
         except BaseException as exc:
             retire(world, f"the test failed: {type(exc).__name__}")  # killed its ranks already
             raise
-        problem = _checked(world)
-        if problem:
-            retire(world, problem)
+        world.unchecked = True  # the ranks check themselves now; read before the next task
         return results
     finally:
         if own_dir:
@@ -162,6 +162,12 @@ def _world_for(call: _sup.Call, specs: list[_ranks.RankSpec]) -> World:
     """The warm world for ``call``, or a new one started with ``specs`` as its first task."""
     key = key_of(call)
     world = _worlds.get(key)
+    if world is not None and world.unchecked:
+        world.unchecked = False
+        problem = _checked(world)
+        if problem:
+            retire(world, problem)
+            world = None
     if world is not None:
         _worlds.move_to_end(key)
         return world
