@@ -1,7 +1,8 @@
 """Warm worlds (``tutorial_impl/testing/warm.py``): reused only when as good as new.
 
 A warm world keeps its ranks between tests, so the danger is a test that poisons it: fails,
-hangs, kills a rank, or leaves a process group, an RPC agent or a thread behind, or replaces
+hangs, kills a rank, or leaves a process group, an RPC agent, a thread or a child process
+behind, or replaces
 the default group. The promise: the *next* test in that warm world runs in a fresh world and
 passes, nothing is skipped, and no rank outlives the run.
 
@@ -20,7 +21,7 @@ from tutorial_impl.testing import proctable, supervisor, warm
 pytest_plugins = ["pytester"]
 
 POISONED = """
-import os, signal, threading, time
+import os, signal, subprocess, threading, time
 import pytest
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -54,6 +55,8 @@ def poison(rank, world_size, how, tmp):
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
                          init_method=rpc_init_method()))
+    if how == "child":
+        proctable.record(PIDS, f"child-process.{rank}", subprocess.Popen(["sleep", "600"]).pid)
     if how == "thread":
         threading.Thread(target=time.sleep, args=(600,)).start()
     if how == "default":
@@ -72,7 +75,7 @@ def test_01_plain_again(run_ranks):
 def test_02_opted_out(run_ranks):
     assert run_ranks(plain, "02_opted_out") == [0, 1]
 
-HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "default", "parent"]
+HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "child", "default", "parent"]
 
 @pytest.mark.parametrize("how", HOW)
 def test_10_poison_then_next(run_ranks, how, tmp_path):
@@ -97,7 +100,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytest
     pytester.makepyfile(test_poison=POISONED)
     # Order: test_10[x] then test_11[x] for each x (so each 'after' follows its poison).
     order = []
-    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "default", "parent"]:
+    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "child", "default", "parent"]:
         order += [f"test_poison.py::test_10_poison_then_next[{how}]"]
         order += [f"test_poison.py::test_11_after[{how}]"]
     args = ["test_poison.py::test_00_plain", "test_poison.py::test_01_plain_again"]
@@ -110,7 +113,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytest
     # Nothing skipped: each poisoning test that fails is reported as failed, the rest pass.
     assert outcomes.get("skipped", 0) == 0, result.stdout.str()
     assert outcomes.get("failed") == len(FAILING), result.stdout.str()
-    assert outcomes.get("passed") == 3 + 16 - len(FAILING), result.stdout.str()
+    assert outcomes.get("passed") == 3 + 18 - len(FAILING), result.stdout.str()
     out = result.stdout.str()
     # ... each with the report a fresh world gives: the cause first.
     assert "rank 0 raised ValueError: boom" in out or "raised ValueError: boom" in out
@@ -126,7 +129,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytest
     assert world("00_plain") == world("01_plain_again")
     # ... and warm_world(False) gave its test fresh ranks.
     assert not set(world("02_opted_out")) & set(world("00_plain"))
-    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "default"]:
+    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "child", "default"]:
         # The poison ran in the world that served the test before it (it was warm) ...
         assert world(how) == world(f"before_{how}"), how
         # ... and the next test got fresh ranks, and passed (counted above).

@@ -14,7 +14,7 @@ hanging the run; leaked groups), so a world is reused only when it is as good as
 every task each rank checks itself and answers within ``CHECK_DEADLINE`` seconds (the
 answers are read when the world is next wanted, so the check runs while pytest moves on):
 
-* no process group, RPC agent or non-daemon thread was left behind by the test;
+* no process group, RPC agent, non-daemon thread or child process was left behind;
 * the default group is the one the world made (not destroyed, not replaced);
 * grad mode and the default dtype are as the world started (and torch's and ``random``'s
   generators are reset to a fresh rank's state before each test);
@@ -303,6 +303,9 @@ class Baseline:
         ]
         if threads:
             return f"non-daemon thread(s) left running: {threads}"
+        children = _children()
+        if children:
+            return f"child process(es) left running: {children}"
         if not torch.is_grad_enabled() or torch.get_default_dtype() != self.dtype:
             return "grad mode or the default dtype changed"
         if self.default is not None:
@@ -311,6 +314,17 @@ class Baseline:
             except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
                 return f"the world's barrier did not complete: {exc}"
         return None
+
+
+def _children() -> list[int]:
+    """This rank's live child processes (Linux: /proc), which a fresh world's end kills."""
+    found = []
+    for task in Path("/proc/self/task").glob("*/children"):
+        try:
+            found += [int(pid) for pid in task.read_text().split()]
+        except OSError:
+            pass
+    return found
 
 
 def _rpc_agent_running() -> bool:
