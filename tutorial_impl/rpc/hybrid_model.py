@@ -212,5 +212,10 @@ class HybridModel(nn.Module):
         self.device = device
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # indices and offsets stay on the CPU, as the official tutorial keeps them: the table
+        # lives on the parameter server's CPU, and RPC sends CPU tensors only unless a device
+        # map says otherwise. (A version of the tutorial moves them to cuda:rank before this
+        # call; that fails there. Here the correction is deliberate.) Only the looked-up rows
+        # move to this trainer's device, for the Linear.
         emb_lookup = self.remote_emb_module.forward(indices, offsets)
         return self.fc(emb_lookup.to(self.device))
