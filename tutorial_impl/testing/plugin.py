@@ -285,10 +285,13 @@ def _lease_gpus(item: pytest.Item, settings: _config.Settings) -> None:
     leased = stack.enter_context(backends.lease(settings.gpus, devices, settings.deadline))
     if leased is None:
         stack.close()
-        pytest.skip(
+        reason = (
             f"needs {settings.gpus} GPU(s) of {len(devices)}, and other tests (other xdist "
             f"workers) held them for {settings.deadline:g} s; run fewer workers (-n)"
         )
+        if item.config.getoption("--require-gpu"):  # a GPU job must not pass by skipping
+            pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
+        pytest.skip(reason)
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(leased)
     stack.callback(_restore_env, "CUDA_VISIBLE_DEVICES", previous)
