@@ -17,6 +17,7 @@ what is accepted: never an INTERNALERROR that kills the session, never an argume
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -219,3 +220,46 @@ def test_the_defaults_live_in_one_place():
     assert defaults["backend"] == config.DEFAULT_BACKEND
     assert defaults["init_method"] == config.DEFAULT_INIT_METHOD
     assert defaults["timeout"] == config.DEFAULT_DEADLINE
+
+
+LEASED = """
+import os
+import pytest
+
+@pytest.mark.dist_gpu
+@pytest.mark.rank_timeout(0.5)
+def test_sees_only_its_gpu(run_ranks):
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "{expected}"
+"""
+
+
+@pytest.mark.parametrize(
+    ("held", "options", "outcome"),
+    [
+        ([], [], {"passed": 1}),  # free: leased, and the test sees only that GPU
+        (["1"], [], {"passed": 1}),  # GPU 1 busy: it gets GPU 0
+        (["0", "1"], [], {"skipped": 1}),  # both busy past its deadline: skipped, with why
+        (["0", "1"], ["--require-gpu"], {"errors": 1}),  # ...a failure on a GPU job
+    ],
+)
+def test_a_gpu_test_leases_its_gpus_through_the_plugin(
+    pytester, monkeypatch, held, options, outcome
+):
+    """A machine with two (pretend) GPUs, some held by another worker's test: the plugin
+    leases a free one for the test's run, shows it through CUDA_VISIBLE_DEVICES, and gives
+    back the GPU and the variable afterwards."""
+    monkeypatch.setattr(backends, "why_not_here", lambda *args: None)  # pretend CUDA is here
+    monkeypatch.setattr(backends, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(backends, "lease_dir", lambda: pytester.path)  # this test's own locks
+    expected = "0" if held != ["0"] else "1"
+    pytester.makepyfile(LEASED.format(expected=expected))
+    with backends.lease(len(held), held, timeout=1, directory=pytester.path) as got:
+        assert got == held  # another worker's test holds these for the whole run
+        result = pytester.runpytest("-p", "no:cacheprovider", "-rsE", *options)
+    result.assert_outcomes(**outcome)
+    if outcome != {"passed": 1}:
+        result.stdout.fnmatch_lines(["*needs 1 GPU(s) of 2, and other tests*held them*"])
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # restored after the test
+    with backends.lease(2, ["0", "1"], timeout=1, directory=pytester.path) as both:
+        assert both == ["0", "1"]  # and every lease given back
