@@ -118,8 +118,9 @@ def uses_the_harness(item: Any) -> bool:
     return any(name in getattr(item, "fixturenames", ()) for name in HARNESS_FIXTURES)
 
 
-def world_size_of(item: Any) -> int:
-    """The world size: a parametrized ``world_size``, a matrix entry, the marker, or 2."""
+def world_size_of(item: Any, default: int = DEFAULT_WORLD_SIZE) -> int:
+    """The world size: a parametrized ``world_size``, a matrix entry, the marker, or
+    ``default`` (2; under torchrun, the job's size)."""
     callspec = getattr(item, "callspec", None)
     params = callspec.params if callspec is not None else {}
     marker = item.get_closest_marker("world_size")
@@ -139,7 +140,7 @@ def world_size_of(item: Any) -> int:
     if matrix.FIXTURE in params:
         return int(params[matrix.FIXTURE])
     if marker is None:
-        return DEFAULT_WORLD_SIZE
+        return default
     size = _one(marker, "n", "world_size(n) or world_size(n1, n2, ...) with positive integers")
     if not _positive_int(size):
         raise ConfigError(f"{_call(marker)}: {size!r} is not a world size; accepted: an int >= 1")
@@ -159,10 +160,15 @@ def deadline_option(value: Any, source: str) -> float | None:
     return seconds
 
 
-def read(item: Any, default_deadline: float, init_method: str) -> Settings:
+def read(
+    item: Any,
+    default_deadline: float,
+    init_method: str,
+    default_world_size: int = DEFAULT_WORLD_SIZE,
+) -> Settings:
     """Every harness marker of ``item``, checked, over the session's defaults."""
     uses_harness = uses_the_harness(item)
-    world_size = world_size_of(item)
+    world_size = world_size_of(item, default_world_size)
 
     backend: str | None = DEFAULT_BACKEND
     marker = _marker(item, "dist_backend", uses_harness)

@@ -54,7 +54,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, matrix, report, warm
+from tutorial_impl.testing import backends, launched, matrix, report, warm
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import ranks as _ranks
 from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
@@ -90,6 +90,8 @@ _settings = pytest.StashKey[_config.Settings]()  # what the test's ranks run wit
 _deadline_cap = pytest.StashKey[float]()  # no run_ranks call may wait longer (pytest-timeout)
 _default_deadline = pytest.StashKey[float]()  # --rank-timeout, else rank_timeout ini, else 60
 _leases = pytest.StashKey[contextlib.ExitStack]()
+_world = pytest.StashKey[Any]()  # launched.World: this pytest is one rank of a torchrun job
+LAUNCHERS = ("auto", "fork", "torchrun")
 
 
 class HarnessDeprecationWarning(DeprecationWarning):
@@ -141,6 +143,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "for `python -m tutorial_impl.testing.attach PORT`; the other ranks are held and the "
         "harness deadline paused meanwhile (pytest-timeout still counts: add --timeout 0)",
     )
+    group.addoption(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="where rank functions run. fork: fresh ranks forked for each test (the default "
+        "outside torchrun). torchrun: this pytest is one worker of a torchrun job "
+        "(`torchrun --nproc-per-node=N -m pytest`), run_ranks runs the function here as this "
+        "rank, the ranks agree on every verdict, and rank 0 reports. auto (default): "
+        "torchrun when torchrun's variables (TORCHELASTIC_RUN_ID, RANK, ...) are set",
+    )
     parser.addini(
         "rank_timeout",
         "default harness deadline in seconds",
@@ -154,8 +166,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter exists (launched ranks quiet it)
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers; check the options; tell the forkserver what to preload.
+    """Register the markers; check the options; tell the forkserver what to preload; under
+    torchrun, join the job and register its session hooks (``launched_session``).
 
     A bad option or ini value raises ``pytest.UsageError``: pytest prints the message and
     exits with status 4 before collecting anything, as for its own options.
@@ -169,7 +183,76 @@ def pytest_configure(config: pytest.Config) -> None:
     except _config.ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_default_deadline] = deadline or _config.DEFAULT_DEADLINE
+    launch = _launch(config)
+    if launch is not None:
+        from tutorial_impl.testing.launched_session import LaunchedSession
+
+        world = launched.World(launch, config.stash[_default_deadline])
+        config.stash[_world] = world
+        config.pluginmanager.register(
+            LaunchedSession(config, world, _deadline_of), "tutorial-impl-launched-session"
+        )
+        return
     _ranks.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
+
+
+def _launch(config: pytest.Config) -> launched.Launch | None:
+    """This run's place in a torchrun job (``--launcher``), or None for forked ranks."""
+    choice = config.getoption("--launcher")
+    if choice == "fork" or os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    try:
+        launch = launched.detect()
+    except ValueError as exc:
+        raise pytest.UsageError(f"--launcher {choice}: {exc}") from None
+    if launch is None:
+        if choice == "torchrun":
+            raise pytest.UsageError(
+                "--launcher torchrun: this pytest was not started by torchrun (none of "
+                f"{', '.join(launched.LAUNCH_ENV)} may be missing); run `torchrun "
+                "--nproc-per-node=N -m pytest ...`"
+            )
+        return None
+    if getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError(
+            "-n/--numprocesses cannot be used under torchrun: every torchrun worker is one "
+            "rank and runs the whole session; drop -n (or use --launcher fork)"
+        )
+    return launch
+
+
+def _default_size(config: pytest.Config) -> int:
+    """A test's world size when nothing sets one: 2, or under torchrun the whole job."""
+    world = config.stash.get(_world, None)
+    return world.launch.world_size if world is not None else _config.DEFAULT_WORLD_SIZE
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Before pytest configures anything: under torchrun, give each rank a ``--basetemp`` of
+    its own. The ranks of one host would otherwise share pytest's numbered temporary
+    directories and delete each other's (pytest keeps the last three per user)."""
+    if config.getoption("--launcher") == "fork" or config.option.basetemp:
+        return
+    try:
+        launch = launched.detect()
+    except ValueError:
+        return  # pytest_configure reports it
+    if launch is not None:
+        config.option.basetemp = launched.basetemp(launch)
+
+
+def _deadline_of(item: pytest.Item) -> float:
+    """The harness deadline of ``item``: its rank_timeout, else the session's (under
+    torchrun every test has one, ``run_ranks`` or not: see ``launched_session``)."""
+    settings = item.stash.get(_settings, None)
+    if settings is not None:
+        return settings.deadline
+    default = item.config.stash[_default_deadline]
+    try:
+        return _config.read(item, default, _config.DEFAULT_INIT_METHOD).deadline
+    except _config.ConfigError:
+        return default  # its own setup reports the marker
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -223,6 +306,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     require_gpu = config.getoption("--require-gpu")
     init_method = config.getoption("--init-method") or _config.DEFAULT_INIT_METHOD
+    world = config.stash.get(_world, None)
     for item in items:
         if not _config.uses_the_harness(item) and not any(
             item.get_closest_marker(name) for name in ("dist_backend", "dist_gpu")
@@ -237,8 +321,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 )
             )
         try:
-            settings = _config.read(item, config.stash[_default_deadline], init_method)
-            reason = backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
+            settings = _config.read(
+                item, config.stash[_default_deadline], init_method, _default_size(config)
+            )
+            if world is not None:  # one process of the job per rank, on LOCAL_RANK's GPU
+                reason = launched.why_not_here(world.launch, settings)
+            else:
+                reason = backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
         except _config.ConfigError as exc:
             item.stash[_bad_config] = str(exc)
             continue
@@ -273,7 +362,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if reason is not None:
         pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
     settings = item.stash.get(_settings, None)
-    if settings is not None and settings.gpus:
+    if settings is not None and settings.gpus and _world not in item.config.stash:
         _lease_gpus(item, settings)
 
 
@@ -357,7 +446,7 @@ def world_size(request: pytest.FixtureRequest, _world_size_matrix: int | None) -
     A test may also parametrize it, ``@pytest.mark.parametrize("world_size", [3, 5])``:
     pytest then passes each value in place of this fixture, and ``run_ranks`` (which
     depends on it) runs that many ranks."""
-    return _config.world_size_of(request.node)
+    return _config.world_size_of(request.node, _default_size(request.config))
 
 
 @pytest.fixture(name="run_ranks")
@@ -385,6 +474,7 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
                 item,
                 request.config.stash[_default_deadline],
                 request.config.getoption("--init-method") or _config.DEFAULT_INIT_METHOD,
+                _default_size(request.config),
             )
         except _config.ConfigError as exc:
             pytest.fail(f"harness configuration: {exc}", pytrace=False)
@@ -408,8 +498,13 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
             options.setdefault("debug_rank", request.config.getoption("--rank-pdb"))
         if checking_collectives:  # the caller's own env= entries win
             options["env"] = {**CHECK_COLLECTIVES, **(options.get("env") or {})}
+        world = request.config.stash.get(_world, None)
         try:
-            if _warm(item, settings, options):
+            if world is not None:
+                if options["world_size"] != world.launch.world_size:
+                    pytest.skip(launched.size_mismatch(options["world_size"], world.launch))
+                results = launched.run(world, fn, *args, **options)
+            elif _warm(item, settings, options):
                 results = warm.run(fn, *args, **options)
             else:
                 results = run_ranks(fn, *args, **options)
@@ -420,6 +515,8 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         except RankError as error:
             error.in_message = False  # stacks and outputs go to report sections instead
             raise
+        if world is not None:  # each rank's own capture has it; rank 0 shows them all
+            return results
         # Show what the ranks printed in pytest's "Captured stdout" section.
         for rank, text in enumerate(results.outputs):
             if text.strip():

@@ -226,7 +226,8 @@ class _CpuPickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps_on_cpu(obj: Any) -> bytes:
+def dumps_on_cpu(obj: Any) -> bytes:
+    """``obj`` pickled, every tensor in it as its CPU copy (see ``_CpuPickler``)."""
     import torch
 
     if not torch.cuda.is_initialized():  # no GPU tensor can exist: the fast plain pickle
@@ -321,7 +322,7 @@ def run_task(spec: RankSpec, imported_with: dict[str, str], join_group: bool) ->
             init_process_group(spec)
         value = fn(spec.rank, spec.world_size, *args, **kwargs)
         try:
-            message = _dumps_on_cpu(_outcome.Returned(value))
+            message = dumps_on_cpu(_outcome.Returned(value))
         except Exception as exc:  # noqa: BLE001
             message = pickle.dumps(
                 _outcome.unpicklable("returned a value that cannot be pickled", exc)

@@ -1,0 +1,430 @@
+"""The pytest side of a torchrun job: the same tests everywhere, one verdict each, one report.
+
+``plugin.py`` registers a ``LaunchedSession`` when pytest runs as a worker of a torchrun job
+(see ``launched``). Its hooks, in the order pytest calls them:
+
+``pytest_collection_finish``
+    every rank publishes the test ids it collected (and its collection errors) and reads
+    everyone's: ranks that would not run the same tests in the same order refuse, all of
+    them, with the first difference named, before any test runs.
+``pytest_runtest_setup`` / ``_call`` / ``_teardown`` (wrappers)
+    start and stop the watchdog's clock for the phase: past the deadline it publishes this
+    rank's stacks to the store and interrupts the main thread (``PhaseDeadline``).
+``pytest_runtest_makereport`` (wrapper)
+    every rank publishes how the phase went and reads everyone's; every rank then reports the
+    same outcome: failed if any rank failed, else skipped if any skipped, else passed. Rank 0
+    adds the other ranks' tracebacks and output as report sections. A setup that failed on
+    one rank thus fails on all, and no rank runs the test body alone.
+``pytest_sessionfinish`` / ``pytest_unconfigure``
+    the ranks agree on one exit status, and each worker exits with it through ``os._exit``
+    (no interpreter teardown around gloo's threads: see ``dist_tuto/process.py``), so the
+    agents and the scheduler see the truth.
+
+Ranks other than 0 write nothing to the terminal and no junit XML: rank 0's report is the
+job's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tutorial_impl.testing import forensics
+from tutorial_impl.testing.launched import ANSWER_GRACE, World, main_thread_stack
+
+COLLECT_TIMEOUT = 300.0  # seconds the ranks wait for each other's collection (imports, slow FS)
+# A test phase may run this long past the test's deadline (time in run_ranks calls, which
+# keep deadlines of their own, not counted) before the watchdog takes its stacks and stops it.
+PHASE_GRACE = 1.0
+# How long a rank that has finished a phase waits for the slowest one: its deadline, run_ranks
+# calls' own deadlines and grace, and this margin. Only a main thread stuck in C++ outside
+# any collective (the watchdog's interrupt cannot reach it) makes anyone wait this long.
+REPORT_MARGIN = 60.0
+GIVE_UP = 10.0  # after the others gave up on it, a stuck rank waits this long, then exits
+STATUS_TIMEOUT = 30.0
+_INTERRUPT = getattr(signal, "SIGUSR2", None)
+
+
+class PhaseDeadline(Exception):
+    """Raised in the main thread by the watchdog: a test phase ran past its deadline."""
+
+
+@dataclass
+class Verdict:
+    """How one phase of one test went on one rank, as the other ranks need to know it."""
+
+    nodeid: str
+    when: str
+    outcome: str  # passed / failed / skipped
+    text: str  # the traceback, or the skip reason
+    headline: str
+    skip: tuple[str, int | None, str] | None  # pytest's (path, line, reason) of a skip
+    wasxfail: str | None
+    sections: list[tuple[str, str]] = field(default_factory=list)
+
+
+class RemoteRepr:
+    """A failure that happened on another rank, as rank 0's report shows it."""
+
+    def __init__(self, text: str, headline: str) -> None:
+        self.text = text
+        self.reprcrash = _Crash(headline)
+
+    def toterminal(self, tw: Any) -> None:
+        for line in self.text.splitlines():
+            tw.line(line, red=line.startswith("E "))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class _Crash:
+    message: str
+    path: str = ""
+    lineno: int = 0
+
+
+@dataclass
+class _Phase:
+    seq: int
+    limit: float  # seconds
+    stop: float  # monotonic time
+    dumped: bool = False
+
+
+class LaunchedSession:
+    """Hooks of a pytest run that is one rank of a torchrun job (registered by the plugin)."""
+
+    def __init__(self, config: pytest.Config, world: World, deadline_of: Any) -> None:
+        self.config = config
+        self.world = world
+        self.launch = world.launch
+        self.deadline_of = deadline_of  # item -> its harness deadline, in seconds
+        self.seq = 0  # report exchanges so far, the same count on every rank
+        self.refusal: str | None = None  # why no test ran (collection differs)
+        self.broken: str | None = None  # why the session stopped early
+        self.status = 0
+        self.hosts: dict[int, str] = {}
+        self._phase: _Phase | None = None
+        self._main = threading.main_thread().ident
+        if _INTERRUPT is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(_INTERRUPT, self._interrupted)
+        threading.Thread(target=self._watch, name="harness watchdog", daemon=True).start()
+        if self.launch.rank != 0:
+            _quiet(config)
+
+    # --- the report header and summary (rank 0's terminal) -----------------------------
+
+    def pytest_report_header(self) -> list[str]:
+        return [
+            f"torchrun: {self.launch.world_size} ranks, {self.launch.describe}; rank 0 reports "
+            "for every rank (the others are quiet)"
+        ]
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        for title, text in (("torchrun: no test ran", self.refusal), ("torchrun", self.broken)):
+            if text:
+                terminalreporter.section(title, sep="=", red=True, bold=True)
+                terminalreporter.line(text)
+
+    # --- the same tests on every rank ---------------------------------------------------
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        errors = [
+            rep.longreprtext.strip().splitlines()[-1] if rep.longreprtext.strip() else rep.nodeid
+            for rep in _reporter(self.config).stats.get("error", [])
+            if getattr(rep, "when", None) is None
+        ]
+        mine = {"ids": [item.nodeid for item in session.items], "errors": errors}
+        mine["host"] = socket.gethostname()
+        got = self.world.channel.gather("collected", mine, COLLECT_TIMEOUT)
+        self.hosts = {r: g["host"] for r, g in got.items()}
+        self.refusal = collection_problem(got, self.launch.world_size)
+        if self.refusal:
+            session.items.clear()  # every rank: nothing runs, nobody waits for anybody
+
+    # --- the watchdog's clock, one phase at a time ---------------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Any:
+        with self._clock(item):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Any:
+        with self._clock(item):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Any:
+        with self._clock(item):
+            return (yield)
+
+    def _limit(self, item: pytest.Item) -> float:
+        return self.deadline_of(item) + PHASE_GRACE
+
+    @contextlib.contextmanager
+    def _clock(self, item: pytest.Item) -> Iterator[None]:
+        limit = self._limit(item)
+        self._phase = _Phase(self.seq + 1, limit, time.monotonic() + limit)
+        try:
+            yield
+        finally:
+            self._phase = None
+
+    def _interrupted(self, signum: int, frame: Any) -> None:
+        __tracebackhide__ = True
+        phase = self._phase
+        raise PhaseDeadline(
+            f"rank {self.launch.rank} ran past the harness deadline "
+            f"({phase.limit if phase else 0:g} s) outside any run_ranks call; the watchdog "
+            "stopped it here"
+        )
+
+    def _watch(self) -> None:
+        """Past a phase's deadline: publish this rank's stacks, interrupt the main thread;
+        if the others gave up on us meanwhile, end this worker (it cannot report)."""
+        channel = self.world.channel
+        while True:
+            time.sleep(0.1)
+            phase = self._phase
+            if phase is not None and self.world.in_call:  # run_ranks keeps its own time
+                phase.stop = max(phase.stop, time.monotonic() + phase.limit)
+            if phase is None or time.monotonic() < phase.stop:
+                continue
+            if not phase.dumped:
+                phase.dumped = True
+                channel.set(f"stacks/{phase.seq}/{self.launch.rank}", main_thread_stack())
+                if _INTERRUPT is not None and self._main is not None:
+                    signal.pthread_kill(self._main, _INTERRUPT)
+            elif time.monotonic() > phase.stop + GIVE_UP and channel.has("abort"):
+                stop = time.monotonic() + GIVE_UP
+                while not channel.has("done") and time.monotonic() < stop:
+                    time.sleep(0.1)
+                _exit(1)
+
+    # --- one verdict per phase ------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        rep = yield
+        self.seq += 1
+        if call.excinfo is not None and isinstance(call.excinfo.value, PhaseDeadline):
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            if crash is not None:
+                crash.message = str(call.excinfo.value)
+        mine = _verdict(rep)
+        got = self.world.channel.gather(
+            f"report/{self.seq}", mine, self._limit(item) + ANSWER_GRACE + REPORT_MARGIN
+        )
+        agree(rep, mine, got, self.launch.rank, self.launch.world_size, self._stacks_of)
+        problem = lockstep_problem(mine, got, self.launch.world_size)
+        if problem and not self.broken:
+            self.broken = problem
+            self.world.channel.set("abort")
+            item.session.shouldstop = problem
+        return rep
+
+    def _stacks_of(self, rank: int) -> str:
+        key = f"stacks/{self.seq}/{rank}"
+        stop = time.monotonic() + 2.0  # its watchdog publishes them at its deadline
+        while not self.world.channel.has(key) and time.monotonic() < stop:
+            time.sleep(0.05)
+        return self.world.channel.get(key) if self.world.channel.has(key) else ""
+
+    # --- one exit status ------------------------------------------------------------------
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        mine = int(exitstatus)
+        if self.refusal:  # not "no tests collected": the ranks refused to run them
+            mine = int(pytest.ExitCode.USAGE_ERROR)
+        got = self.world.channel.gather("status", mine, STATUS_TIMEOUT)
+        missing = self.launch.world_size - len(got)
+        statuses = [got[r] for r in sorted(got)] + [int(pytest.ExitCode.TESTS_FAILED)] * missing
+        self.status = next((s for s in statuses if s), 0)
+        session.exitstatus = self.status
+        # torchrun SIGTERMs the workers still running once one has exited non-zero: those
+        # exit with the agreed status too.
+        signal.signal(signal.SIGTERM, lambda *_: _exit(self.status))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_unconfigure(self) -> None:
+        """Exit with the agreed status; rank 0 last, once the others are leaving, so the
+        agent sees every worker end by itself rather than SIGTERM the slower ones."""
+        channel = self.world.channel
+        if self.launch.rank != 0:
+            channel.publish("leaving", self.status)
+            _exit(self.status)
+        channel.set("done")
+        channel.collect("leaving", GIVE_UP)
+        time.sleep(0.2)  # their exit, after their last store write
+        _exit(self.status)
+
+
+def _exit(status: int) -> None:
+    """Leave without interpreter teardown: gloo's threads, and any rank function still
+    stuck in a thread, would make it abort or hang (see ``dist_tuto.process.exit_process``)."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(status)
+
+
+def _reporter(config: pytest.Config) -> Any:
+    return config.pluginmanager.get_plugin("terminalreporter")
+
+
+def _quiet(config: pytest.Config) -> None:
+    """Silence this rank's terminal and junit XML: rank 0 reports for the job."""
+    from _pytest.junitxml import xml_key
+    from _pytest.terminal import TerminalWriter
+
+    reporter = _reporter(config)
+    if reporter is not None:
+        reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115
+    xml = config.stash.get(xml_key, None)
+    if xml is not None:
+        del config.stash[xml_key]
+        config.pluginmanager.unregister(xml)
+
+
+def collection_problem(got: dict[int, dict[str, Any]], world_size: int) -> str | None:
+    """Why these ranks cannot run in lockstep (different tests, collection errors), or None."""
+    missing = [r for r in range(world_size) if r not in got]
+    if missing:
+        return (
+            f"rank(s) {', '.join(map(str, missing))} did not finish collecting within "
+            f"{COLLECT_TIMEOUT:g} s; no test was run"
+        )
+    broken = {r: g["errors"] for r, g in got.items() if g["errors"]}
+    if broken:
+        return "collection errors, so no test was run:\n" + "\n".join(
+            f"  rank {r}: {e}" for r, errors in sorted(broken.items()) for e in errors
+        )
+    first = got[0]["ids"]
+    for rank in range(1, world_size):
+        ids = got[rank]["ids"]
+        if ids == first:
+            continue
+        where = next(
+            (i for i, (a, b) in enumerate(zip(first, ids, strict=False)) if a != b),
+            min(len(first), len(ids)),
+        )
+        a = first[where] if where < len(first) else "(nothing: its list ends)"
+        b = ids[where] if where < len(ids) else "(nothing: its list ends)"
+        return (
+            f"the ranks collected different tests, so no test was run: rank 0 has "
+            f"{len(first)}, rank {rank} has {len(ids)}; at position {where + 1} rank 0 has "
+            f"{a} and rank {rank} has {b}. Every rank must collect the same tests in the "
+            "same order: the same files, options (-k, -m) and plugins, and no collection "
+            "that depends on the rank or the host"
+        )
+    return None
+
+
+def _verdict(rep: pytest.TestReport) -> Verdict:
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    skip = rep.longrepr if rep.skipped and isinstance(rep.longrepr, tuple) else None
+    text = rep.longreprtext if rep.failed else (skip[2] if skip else "")
+    headline = getattr(crash, "message", "") or (text.strip().splitlines() or [""])[-1]
+    return Verdict(
+        rep.nodeid,
+        rep.when or "",
+        rep.outcome,
+        text,
+        headline,
+        tuple(skip) if skip else None,  # type: ignore[arg-type]
+        getattr(rep, "wasxfail", None),
+        list(rep.sections),
+    )
+
+
+def agree(
+    rep: pytest.TestReport,
+    mine: Verdict,
+    got: dict[int, Verdict],
+    rank: int,
+    world_size: int,
+    stacks_of: Any,
+) -> None:
+    """Make ``rep`` the verdict every rank reaches: failed if any rank failed (or did not
+    answer), else skipped if any skipped, else passed. Rank 0's report carries the rest."""
+    silent = [r for r in range(world_size) if r not in got]
+    failed = [r for r, v in sorted(got.items()) if v.outcome == "failed"]
+    skipped = [r for r, v in sorted(got.items()) if v.outcome == "skipped"]
+    if silent:
+        where = {r: stacks_of(r) for r in silent} if rank == 0 else {}
+        places = ", ".join(
+            f"rank {r} {forensics.where(text) or '(no stacks)'}" for r, text in where.items()
+        )
+        headline = (
+            f"rank(s) {', '.join(map(str, silent))} did not finish the {mine.when} phase "
+            "within the harness deadline" + (f": {places}" if places else "")
+        )
+        rep.outcome = "failed"
+        if rank == 0:
+            rep.longrepr = RemoteRepr(headline, headline)
+            for r, text in where.items():
+                rep.sections.append((f"Python stacks of rank {r}", text or "(none published)"))
+    elif failed:
+        rep.outcome = "failed"
+        if mine.outcome != "failed":  # it failed elsewhere: show where, and why
+            other = got[failed[0]]
+            text = f"rank {failed[0]} failed:\n{other.text}"
+            rep.longrepr = RemoteRepr(text, f"rank {failed[0]}: {other.headline}")
+    elif skipped and mine.outcome != "skipped":
+        primary = skipped[0]
+        other = got[primary]
+        rep.outcome = "skipped"
+        path, line, reason = other.skip or (rep.location[0], rep.location[1], other.text)
+        rep.longrepr = (path, line, f"rank {primary}: {reason}")
+        if other.wasxfail is not None:
+            rep.wasxfail = other.wasxfail
+    if rank != 0:
+        return
+    # The same failure (a run_ranks error every rank raised) is shown once; so are the
+    # report sections every rank has alike (the stacks of a run_ranks error).
+    shown = got[0] if got[0].outcome == "failed" else got[failed[0]] if failed else None
+    have = set(rep.sections)
+    for r, v in sorted(got.items()):
+        if r == 0:
+            continue
+        if v.outcome == "failed" and (shown is None or v.headline != shown.headline):
+            rep.sections.append((f"failure on rank {r}", v.text))
+        for title, text in v.sections:
+            if (title, text) not in have:
+                rep.sections.append((f"{title} (rank {r})", text))
+
+
+def lockstep_problem(mine: Verdict, got: dict[int, Verdict], world_size: int) -> str | None:
+    """Why the session cannot go on: a rank stuck in a test, or ranks in different tests."""
+    silent = [r for r in range(world_size) if r not in got]
+    if silent:
+        return (
+            f"rank(s) {', '.join(map(str, silent))} stuck in {mine.nodeid} ({mine.when}) past "
+            "the harness deadline: the session stops here, and every worker exits non-zero"
+        )
+    for r, v in sorted(got.items()):
+        if (v.nodeid, v.when) != (mine.nodeid, mine.when):
+            return (
+                f"rank {r} reported {v.nodeid} ({v.when}) while this rank reported "
+                f"{mine.nodeid} ({mine.when}): the ranks are out of lockstep; the session "
+                "stops here"
+            )
+    return None
