@@ -11,6 +11,8 @@
 ``errors``      what ``run_ranks`` returns and raises, and the text of its failure reports
 ``assertions``  ``assert_equal_across_ranks`` / ``assert_close_across_ranks``, inside ranks
 ``matrix``      ``@pytest.mark.world_size(1, 2, 4)``: one test per world size
+``launched``    under torchrun: ``run_ranks`` in this worker, outcomes agreed through the store
+``launched_session``  the pytest side of a torchrun job: same tests, one verdict, one report
 ``plugin``      pytest glue: options, markers, hooks, fixtures (a ``pytest11`` entry point)
 ``proctable``   "is that process really gone?" asked of the kernel, for leak tests
 

@@ -197,7 +197,8 @@ class World:
         self.channel = Channel(launch, self.store)
         self.calls = 0  # run_ranks calls so far: the same count on every rank (lockstep)
         self.generation = 0  # process groups made so far
-        self.current: tuple[str, float] | None = None  # backend, timeout of the group
+        self.current: tuple[str, float, str] | None = None  # backend, timeout, debug level
+        self.pg: Any = None  # the default group we made
         self.dirty = False  # the last call failed: its group is not reused
         self.abandoned: list[threading.Thread] = []  # rank functions still running
         self.in_call = False  # a run_ranks call is on: it keeps its own deadline
@@ -207,9 +208,11 @@ class World:
         import torch
         import torch.distributed as dist
 
-        if self.current == (backend, timeout) and not self.dirty and dist.is_initialized():
+        wanted = (backend, timeout, os.environ.get("TORCH_DISTRIBUTED_DEBUG", ""))
+        if self.current == wanted and not self.dirty and self._ours():
             return
         self.no_group()
+        dist.set_debug_level_from_env()  # --check-collectives: DETAIL wraps the new group
         if backends.uses_nccl(backend):
             torch.cuda.set_device(self.launch.local_rank)  # LOCAL_RANK's GPU, as torchrun means
         self.generation += 1
@@ -222,8 +225,15 @@ class World:
             # stacks); short enough that a collective abandoned then ends by itself.
             timeout=timedelta(seconds=timeout + ANSWER_GRACE),
         )
-        self.current = (backend, timeout)
+        self.current = wanted
+        self.pg = dist.group.WORLD
         self.dirty = False
+
+    def _ours(self) -> bool:
+        """The default group is still the one we made (a test may destroy or replace it)."""
+        import torch.distributed as dist
+
+        return dist.is_initialized() and dist.group.WORLD is self.pg
 
     def no_group(self) -> None:
         """Leave the default group, if any (a ``backend=None`` test makes its own)."""
@@ -330,13 +340,13 @@ def run(
     saved = dict(os.environ)
     world.in_call = True
     try:
+        os.environ.update(env or {})  # before the group: TORCH_DISTRIBUTED_DEBUG, say
         if backend is None:
             world.no_group()
             rendezvous, host = world.fresh_rendezvous(f"{key}/port", timeout)
             os.environ.update(rendezvous)
         else:
             world.group(backend, timeout)
-        os.environ.update(env or {})
         mine = _run_here(world, key, fn, args, fn_kwargs or {}, timeout)
         answers = world.channel.gather(key, mine, timeout + ANSWER_GRACE)
     finally:

@@ -16,12 +16,16 @@ What pytest calls, in the order it calls it:
 
 ``pytest_addoption``
     the command-line options (``--rank-timeout``, ``--init-method``, ``--require-gpu``,
-    ``--check-collectives``) and
+    ``--check-collectives``, ``--rank-pdb``, ``--launcher``) and
     ini values (``rank_timeout``, ``rank_preload``), shown under "torch.distributed
     multi-rank harness" in ``pytest --help``.
+``pytest_cmdline_main``
+    under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
     registers the markers (so ``--strict-markers`` accepts them and ``pytest --markers``
-    lists them) and sets up what ranks preload.
+    lists them) and sets up what ranks preload; under torchrun (``--launcher``), joins the
+    job and registers ``launched_session.LaunchedSession``, whose hooks keep the ranks in
+    lockstep and let rank 0 report for all.
 ``pytest_generate_tests``
     the world-size matrix: ``@pytest.mark.world_size(1, 2, 4)`` becomes one item per size
     (see ``matrix``).
@@ -199,7 +203,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def _launch(config: pytest.Config) -> launched.Launch | None:
     """This run's place in a torchrun job (``--launcher``), or None for forked ranks."""
     choice = config.getoption("--launcher")
-    if choice == "fork" or os.environ.get("PYTEST_XDIST_WORKER"):
+    if choice == "fork":
         return None
     try:
         launch = launched.detect()
