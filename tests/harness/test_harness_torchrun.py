@@ -14,7 +14,8 @@ What each job proves:
 * ``test_one_file_forked_or_under_torchrun``: a passing test is reported once; a test that
   fails on rank 3 only fails on every rank with rank 3's traceback in rank 0's report; a hang
   on one rank ends at its deadline with the stacks of all four ranks, and the next test runs
-  on a fresh process group; the world-size matrix runs its size-4 entry and skips size 2
+  on a fresh process group; an RPC test (``backend=None``) gets a rendezvous of its own; the
+  world-size matrix runs its size-4 entry and skips size 2
   (documented: no subgroups); a cross-rank assertion names the odd rank out; plain tests
   failing, erroring in setup or skipping on one rank have one verdict everywhere; a plain
   test hanging on rank 0 is stopped by the watchdog; junit XML comes from rank 0 only; every
@@ -53,6 +54,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.rpc as rpc
 
 from tutorial_impl.testing import assert_equal_across_ranks
 
@@ -100,6 +102,23 @@ def test_the_next_test_runs_on_a_fresh_group(run_ranks, world_size):
 @pytest.mark.world_size(2, 4)
 def test_matrix(run_ranks, world_size):
     assert run_ranks(sum_of_ranks) == [sum(range(world_size))] * world_size
+
+
+def add(a, b):
+    return a + b
+
+
+def rpc_ring(rank, world_size):
+    # backend=None: no group from the harness; RPC rendezvous on MASTER_ADDR/MASTER_PORT
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    try:
+        return rpc.rpc_sync(f"worker{(rank + 1) % world_size}", add, args=(rank, 10))
+    finally:
+        rpc.shutdown()
+
+
+def test_rpc_gets_a_rendezvous_of_its_own(run_ranks, world_size):
+    assert run_ranks(rpc_ring, backend=None) == [rank + 10 for rank in range(world_size)]
 
 
 def two_says_seven(rank, world_size):
@@ -277,6 +296,7 @@ def test_one_file_forked_or_under_torchrun(pytester: pytest.Pytester) -> None:
             assert f"Python stacks of rank {rank}" in hang.group(0), hang.group(0)
         assert "rank 1 at test_user.py" in hang.group(0) and "in sleep_on_rank_1" in hang.group(0)
         assert "test_the_next_test_runs_on_a_fresh_group PASSED" in report
+        assert "test_rpc_gets_a_rendezvous_of_its_own PASSED" in report
 
         # Plain tests: one verdict everywhere, the failing rank named (junit has whole lines).
         launched = _verdicts(pytester.path / "job.xml")
