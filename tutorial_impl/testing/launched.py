@@ -202,6 +202,7 @@ class World:
         self.dirty = False  # the last call failed: its group is not reused
         self.abandoned: list[threading.Thread] = []  # rank functions still running
         self.in_call = False  # a run_ranks call is on: it keeps its own deadline
+        self.stale: list[Any] = []  # rendezvous stores of failed backend=None calls
 
     def group(self, backend: str, timeout: float) -> None:
         """Make sure the default group has ``backend``, is clean, and times out at ``timeout``."""
@@ -357,8 +358,10 @@ def run(
     world.dirty = not all(isinstance(o, _o.Returned) for o in outcomes.values()) or (
         len(answers) < launch.world_size
     )
-    if host is not None and not world.dirty:
-        host.close()  # a failed call's store stays up: a rank may still be using it
+    if host is not None and world.dirty:
+        world.stale.append(host)  # a failed call's store stays up: a rank may still use it
+    elif host is not None:
+        host.close()
     outputs = {r: a.output for r, a in answers.items()}
     _raise_for_failure(launch.world_size, answers, timeout)
     results = RankResults(outcomes[r].value for r in range(launch.world_size))

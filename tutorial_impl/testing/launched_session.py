@@ -187,6 +187,8 @@ class LaunchedSession:
     def _interrupted(self, signum: int, frame: Any) -> None:
         __tracebackhide__ = True
         phase = self._phase
+        if phase is None or not phase.dumped:
+            return  # the phase ended as the watchdog fired: nothing to stop any more
         raise PhaseDeadline(
             f"rank {self.launch.rank} ran past the harness deadline "
             f"({phase.limit if phase else 0:g} s) outside any run_ranks call; the watchdog "
