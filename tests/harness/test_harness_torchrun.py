@@ -22,6 +22,8 @@ What each job proves:
   worker exits non-zero, within the deadlines plus a few seconds, and nothing is left.
 * ``test_ranks_that_collect_different_tests_refuse_together``: no test runs, the difference
   is named, every worker exits with a usage error.
+* ``test_misuses_are_refused_with_the_reason``: ``--launcher torchrun`` outside torchrun,
+  ``-n`` under it, a malformed variable; ``may_exit`` in a launched job fails its test.
 """
 
 from __future__ import annotations
@@ -169,6 +171,14 @@ def test_plain_hang_on_rank_0():
 
 def test_after_the_plain_hang():
     pass
+
+
+def nothing(rank, world_size):
+    pass
+
+
+def test_may_exit_is_refused(run_ranks):
+    run_ranks(nothing, may_exit={1})  # a worker that exits would end the whole job
 """
 
 
@@ -319,6 +329,9 @@ def test_one_file_forked_or_under_torchrun(pytester: pytest.Pytester) -> None:
             "rank 0 ran past the harness deadline (2 s)" in launched["test_plain_hang_on_rank_0"][1]
         )
         assert launched["test_after_the_plain_hang"][0] == "passed"
+        assert (
+            "may_exit cannot be honoured under torchrun" in launched["test_may_exit_is_refused"][1]
+        )
 
         # junit from rank 0 only; every worker exits with the agreed (failing) status, in time.
         assert not (pytester.path / "job.xml.1").exists()
@@ -368,3 +381,29 @@ def test_ranks_that_collect_different_tests_refuse_together(pytester: pytest.Pyt
     assert "passed" not in report.split("no test was run")[-1]
     assert codes == [1], (codes, report)
     assert _worker_statuses(outputs) == dict.fromkeys(range(2), 4), report
+
+
+def test_misuses_are_refused_with_the_reason(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any test runs (status 4, a message naming the problem), in this process:
+    ``--launcher torchrun`` outside torchrun, ``-n`` under torchrun, a malformed variable."""
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest("--launcher", "torchrun")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--launcher torchrun: this pytest was not started by torchrun*"])
+
+    job = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    for name, value in {**job, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    result = pytester.runpytest("-n", "2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*-n/--numprocesses cannot be used under torchrun*"])
+
+    monkeypatch.setenv("RANK", "two")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*torchrun variable RANK='two' is not a number*"])
+    # --launcher fork: torchrun's variables are ignored, the test runs forked as usual
+    result = pytester.runpytest("--launcher", "fork")
+    assert result.ret == pytest.ExitCode.OK
