@@ -1,10 +1,10 @@
 """Warm worlds (``tutorial_impl/testing/warm.py``): reused only when as good as new.
 
 A warm world keeps its ranks between tests, so the danger is a test that poisons it: fails,
-hangs, kills a rank, or leaves a process group, an RPC agent, a thread or a child process
-behind, or replaces
-the default group. The promise: the *next* test in that warm world runs in a fresh world and
-passes, nothing is skipped, and no rank outlives the run.
+hangs, kills a rank, or leaves a process group, an RPC agent, a thread, a child process or an
+``irecv`` nobody sends to behind, or replaces the default group. The promise: the *next* test
+in that warm world runs in a fresh world and passes, nothing is skipped, and no rank outlives
+the run.
 
 The proof is one pytest run of a stranger's project (only the installed package, no
 conftest): every rank records its pid and start time (``proctable``), the poisoning tests
@@ -23,6 +23,7 @@ pytest_plugins = ["pytester"]
 POISONED = """
 import os, signal, subprocess, threading, time
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from tutorial_impl.testing import proctable
@@ -59,6 +60,8 @@ def poison(rank, world_size, how, tmp):
         proctable.record(PIDS, f"child-process.{rank}", subprocess.Popen(["sleep", "600"]).pid)
     if how == "thread":
         threading.Thread(target=time.sleep, args=(600,)).start()
+    if how == "irecv" and rank == 0:
+        dist.irecv(torch.zeros(1), src=1)  # never waited, and rank 1 sends nothing
     if how == "default":
         dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=f"file://{tmp}/default", rank=rank,
@@ -75,7 +78,7 @@ def test_01_plain_again(run_ranks):
 def test_02_opted_out(run_ranks):
     assert run_ranks(plain, "02_opted_out") == [0, 1]
 
-HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "child", "default", "parent"]
+HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "child", "default", "parent"]
 
 @pytest.mark.parametrize("how", HOW)
 def test_10_poison_then_next(run_ranks, how, tmp_path):
@@ -92,6 +95,7 @@ def test_11_after(run_ranks, how):
 
 # The poisoning tests that fail as such; the others pass and leave their world dirty.
 FAILING = {"fails", "hangs", "kills", "parent"}
+HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "child", "default", "parent"]
 
 
 def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytester, tmp_path):
@@ -100,7 +104,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytest
     pytester.makepyfile(test_poison=POISONED)
     # Order: test_10[x] then test_11[x] for each x (so each 'after' follows its poison).
     order = []
-    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "child", "default", "parent"]:
+    for how in HOW:
         order += [f"test_poison.py::test_10_poison_then_next[{how}]"]
         order += [f"test_poison.py::test_11_after[{how}]"]
     args = ["test_poison.py::test_00_plain", "test_poison.py::test_01_plain_again"]
@@ -113,7 +117,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytest
     # Nothing skipped: each poisoning test that fails is reported as failed, the rest pass.
     assert outcomes.get("skipped", 0) == 0, result.stdout.str()
     assert outcomes.get("failed") == len(FAILING), result.stdout.str()
-    assert outcomes.get("passed") == 3 + 18 - len(FAILING), result.stdout.str()
+    assert outcomes.get("passed") == 3 + 2 * len(HOW) - len(FAILING), result.stdout.str()
     out = result.stdout.str()
     # ... each with the report a fresh world gives: the cause first.
     assert "rank 0 raised ValueError: boom" in out or "raised ValueError: boom" in out
@@ -129,7 +133,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytest
     assert world("00_plain") == world("01_plain_again")
     # ... and warm_world(False) gave its test fresh ranks.
     assert not set(world("02_opted_out")) & set(world("00_plain"))
-    for how in ["fails", "hangs", "kills", "group", "rpc", "thread", "child", "default"]:
+    for how in HOW[:-1]:  # all but "parent"
         # The poison ran in the world that served the test before it (it was warm) ...
         assert world(how) == world(f"before_{how}"), how
         # ... and the next test got fresh ranks, and passed (counted above).

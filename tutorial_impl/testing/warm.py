@@ -14,7 +14,8 @@ hanging the run; leaked groups), so a world is reused only when it is as good as
 every task each rank checks itself and answers within ``CHECK_DEADLINE`` seconds (the
 answers are read when the world is next wanted, so the check runs while pytest moves on):
 
-* no process group, RPC agent, non-daemon thread or child process was left behind;
+* no process group, RPC agent, non-daemon thread, child process or pending ``isend`` /
+  ``irecv`` was left behind;
 * the default group is the one the world made (not destroyed, not replaced);
 * grad mode and the default dtype are as the world started (and torch's and ``random``'s
   generators are reset to a fresh rank's state before each test);
@@ -274,11 +275,14 @@ class Baseline:
         self.threads = set(threading.enumerate())
         self.dtype = torch.get_default_dtype()
         self.rng = torch.get_rng_state(), random.getstate()
+        self.works: list[Any] = []  # this test's isend/irecv work (see ``_track_work``)
+        _track_work(self.works)
 
     def restore(self) -> None:
         """Give the next test the random state a fresh rank starts with (the forkserver's)."""
         import torch
 
+        self.works.clear()
         torch.set_rng_state(self.rng[0])
         random.setstate(self.rng[1])
 
@@ -308,12 +312,47 @@ class Baseline:
             return f"child process(es) left running: {children}"
         if not torch.is_grad_enabled() or torch.get_default_dtype() != self.dtype:
             return "grad mode or the default dtype changed"
+        pending = [w for w in self.works if not w.is_completed()]
+        if pending:
+            return (
+                f"{len(pending)} isend/irecv never completed (a receive nobody sent to, or a "
+                "send nobody received): it would take the next test's message"
+            )
         if self.default is not None:
             try:
                 dist.barrier(async_op=True).wait(timedelta(seconds=CHECK_DEADLINE))
             except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
                 return f"the world's barrier did not complete: {exc}"
         return None
+
+
+def _track_work(works: list[Any]) -> None:
+    """Record every point-to-point work a test starts (``dist.isend``, ``dist.irecv``,
+    ``dist.batch_isend_irecv``), so the check after it can ask whether any is still pending.
+
+    gloo has no list of a group's pending operations to ask instead. A test that leaves an
+    ``irecv`` unwaited, with no matching send, leaves it posted: in a fresh world it dies with
+    its rank, but in a warm one it would swallow the next test's message from that peer.
+    (Found only through ``torch.distributed``'s attributes, as ``dist.irecv(...)`` calls them;
+    a function imported by name before the world started is not seen.)"""
+    import torch.distributed as dist
+
+    def tracked(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            for work in result if isinstance(result, list) else [result]:
+                if work is not None:
+                    works.append(work)
+            return result
+
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        call.__name__ = original.__name__
+        call.__doc__ = original.__doc__
+        return call
+
+    for name in ("isend", "irecv", "batch_isend_irecv"):
+        original = getattr(dist, name)
+        setattr(dist, name, tracked(getattr(original, "__wrapped__", original)))
 
 
 def _children() -> list[int]:
