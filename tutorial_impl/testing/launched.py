@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -284,8 +284,7 @@ class Answer:
 
     outcome: Any  # an outcome.Outcome, or Busy
     output: str
-    stacks: str = ""  # this rank's threads, when its function had not ended
-    extra: dict[str, Any] = field(default_factory=dict)
+    stacks: str = ""  # the function's thread, when it had not ended
 
 
 class _Tee(io.TextIOBase):
