@@ -19,7 +19,8 @@ What each job proves:
   (documented: no subgroups); a cross-rank assertion names the odd rank out; plain tests
   failing, erroring in setup or skipping on one rank have one verdict everywhere; a plain
   test hanging on rank 0 is stopped by the watchdog; junit XML comes from rank 0 only; every
-  worker exits non-zero, within the deadlines plus a few seconds, and nothing is left.
+  worker exits non-zero, within the deadlines plus a few seconds, and nothing is left. Then
+  the same file forked gives the same verdicts, test by test.
 * ``test_ranks_that_collect_different_tests_refuse_together``: no test runs, the difference
   is named, every worker exits with a usage error.
 * ``test_misuses_are_refused_with_the_reason``: ``--launcher torchrun`` outside torchrun,
@@ -267,95 +268,79 @@ def _verdicts(junit: Path) -> dict[str, tuple[str, str]]:
 
 def test_one_file_forked_or_under_torchrun(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_user=USER_TESTS, test_plain=PLAIN_TESTS)
-    forked_log = pytester.path / "forked.log"
-    with open(forked_log, "wb") as out:  # pytest -n 2 on the same file, beside the job
-        forked_run = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider"]
-            + ["--junitxml=forked.xml", "test_user.py"],
-            cwd=pytester.path,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        store = _rendezvous_store()
-        args = ["-v", "-rA", "--rank-timeout=30", "--junitxml=job.xml", "test_user.py"]
-        codes, outputs, wall = _run_job(
-            _agents(2, 2, store.port, [*args, "test_plain.py"]), pytester.path
-        )
-        report = next((out for out in outputs if "test session starts" in out), "")
-        quiet = next((out for out in outputs if out is not report), "")
+    store = _rendezvous_store()
+    args = ["-v", "-rA", "--rank-timeout=30", "--junitxml=job.xml", "test_user.py"]
+    codes, outputs, wall = _run_job(
+        _agents(2, 2, store.port, [*args, "test_plain.py"]), pytester.path
+    )
+    report = next((out for out in outputs if "test session starts" in out), "")
+    quiet = next((out for out in outputs if out is not report), "")
 
-        # One report, from rank 0; the other agent's two workers printed no test results.
-        assert report, outputs
-        assert "test session starts" not in quiet and "PASSED" not in quiet, quiet
-        assert "torchrun: 4 ranks" in report
-        assert report.count("test_user.py::test_all_reduce_sums_the_ranks PASSED") == 1, report
+    # One report, from rank 0; the other agent's two workers printed no test results.
+    assert report, outputs
+    assert "test session starts" not in quiet and "PASSED" not in quiet, quiet
+    assert "torchrun: 4 ranks" in report
+    assert report.count("test_user.py::test_all_reduce_sums_the_ranks PASSED") == 1, report
 
-        # Rank 3's failure fails the test, with rank 3's traceback, and where the others waited.
-        assert "rank 3 raised ValueError: boom from rank 3" in report
-        assert 'raise ValueError("boom from rank 3")' in report
-        section = re.search(r"_ test_fails_on_rank_3_only _.*?(?=\n_{5,} )", report, re.S)
-        assert section and "Python stacks of rank 0" in section.group(0), report
-        assert "in barrier" in section.group(0) or "line" in section.group(0)
+    # Rank 3's failure fails the test, with rank 3's traceback, and where the others waited.
+    assert "rank 3 raised ValueError: boom from rank 3" in report
+    assert 'raise ValueError("boom from rank 3")' in report
+    section = re.search(r"_ test_fails_on_rank_3_only _.*?(?=\n_{5,} )", report, re.S)
+    assert section and "Python stacks of rank 0" in section.group(0), report
+    assert "in barrier" in section.group(0) or "line" in section.group(0)
 
-        # The hang: at its 2 s deadline, with the stacks of all four ranks (rank 1 in its sleep,
-        # the others in the barrier), and the next test passes on a fresh process group.
-        hang = re.search(r"_ test_hangs_on_rank_1 _.*?(?=\n_{5,} )", report, re.S)
-        assert hang, report
-        for rank in range(4):
-            assert f"Python stacks of rank {rank}" in hang.group(0), hang.group(0)
-        assert "rank 1 at test_user.py" in hang.group(0) and "in sleep_on_rank_1" in hang.group(0)
-        assert "test_the_next_test_runs_on_a_fresh_group PASSED" in report
-        assert "test_rpc_gets_a_rendezvous_of_its_own PASSED" in report
+    # The hang: at its 2 s deadline, with the stacks of all four ranks (rank 1 in its sleep,
+    # the others in the barrier), and the next test passes on a fresh process group.
+    hang = re.search(r"_ test_hangs_on_rank_1 _.*?(?=\n_{5,} )", report, re.S)
+    assert hang, report
+    for rank in range(4):
+        assert f"Python stacks of rank {rank}" in hang.group(0), hang.group(0)
+    assert "rank 1 at test_user.py" in hang.group(0) and "in sleep_on_rank_1" in hang.group(0)
+    assert "test_the_next_test_runs_on_a_fresh_group PASSED" in report
+    assert "test_rpc_gets_a_rendezvous_of_its_own PASSED" in report
 
-        # Plain tests: one verdict everywhere, the failing rank named (junit has whole lines).
-        launched = _verdicts(pytester.path / "job.xml")
-        assert launched["test_plain_fails_on_rank_3_only"] == (
-            "failed",
-            "rank 3: AssertionError: rank 3 disagrees\nassert 3 != 3",
-        )
-        assert launched["test_setup_fails_on_rank_2"][0] == "error"
-        assert (
-            "rank 2: RuntimeError: fixture broke on rank 2"
-            in launched["test_setup_fails_on_rank_2"][1]
-        )
-        assert launched["test_skips_on_rank_1"] == (
-            "skipped",
-            "rank 1: Skipped: rank 1 has no such device",
-        )
-        assert launched["test_plain_passes"][0] == "passed"
-        assert "plain hello from rank 3" in report  # the other ranks' output, in rank 0's report
-        assert (
-            "rank 0 ran past the harness deadline (2 s)" in launched["test_plain_hang_on_rank_0"][1]
-        )
-        assert launched["test_after_the_plain_hang"][0] == "passed"
-        assert (
-            "may_exit cannot be honoured under torchrun" in launched["test_may_exit_is_refused"][1]
-        )
+    # Plain tests: one verdict everywhere, the failing rank named (junit has whole lines).
+    launched = _verdicts(pytester.path / "job.xml")
+    assert launched["test_plain_fails_on_rank_3_only"] == (
+        "failed",
+        "rank 3: AssertionError: rank 3 disagrees\nassert 3 != 3",
+    )
+    assert launched["test_setup_fails_on_rank_2"][0] == "error"
+    assert (
+        "rank 2: RuntimeError: fixture broke on rank 2" in launched["test_setup_fails_on_rank_2"][1]
+    )
+    assert launched["test_skips_on_rank_1"] == (
+        "skipped",
+        "rank 1: Skipped: rank 1 has no such device",
+    )
+    assert launched["test_plain_passes"][0] == "passed"
+    assert "plain hello from rank 3" in report  # the other ranks' output, in rank 0's report
+    assert "rank 0 ran past the harness deadline (2 s)" in launched["test_plain_hang_on_rank_0"][1]
+    assert launched["test_after_the_plain_hang"][0] == "passed"
+    assert "may_exit cannot be honoured under torchrun" in launched["test_may_exit_is_refused"][1]
 
-        # junit from rank 0 only; every worker exits with the agreed (failing) status, in time.
-        assert not (pytester.path / "job.xml.1").exists()
-        assert "generated xml file" in report and "generated xml file" not in quiet
-        # torchrun exits 1 when a worker failed; each worker's own status is in its summary.
-        assert codes == [1, 1], (codes, outputs)
-        assert _worker_statuses(outputs) == dict.fromkeys(range(4), 1), outputs
-        assert wall < 60, f"the job took {wall:.0f} s: its deadlines are 2 s and 1 s"
+    # junit from rank 0 only; every worker exits with the agreed (failing) status, in time.
+    assert not (pytester.path / "job.xml.1").exists()
+    assert "generated xml file" in report and "generated xml file" not in quiet
+    # torchrun exits 1 when a worker failed; each worker's own status is in its summary.
+    assert codes == [1, 1], (codes, outputs)
+    assert _worker_statuses(outputs) == dict.fromkeys(range(4), 1), outputs
+    assert wall < 60, f"the job took {wall:.0f} s: its deadlines are 2 s and 1 s"
 
-        # The same file forked: the same verdicts, test by test, but for the documented
-        # difference: under torchrun a world size other than the job's is skipped. (That run
-        # went on beside the job, started before it.)
-        assert forked_run.wait(JOB_DEADLINE) == pytest.ExitCode.TESTS_FAILED, forked_log.read_text()
-        forked = _verdicts(pytester.path / "forked.xml")
-        user = {name: v for name, v in launched.items() if name in forked}
-        assert set(user) == set(forked), (launched, forked)
-        assert user.pop("test_matrix[world_size2]")[0] == "skipped"
-        assert forked.pop("test_matrix[world_size2]")[0] == "passed"
-        assert {n: v[0] for n, v in user.items()} == {n: v[0] for n, v in forked.items()}
-        assert user["test_fails_on_rank_3_only"] == forked["test_fails_on_rank_3_only"]
-    finally:
-        if forked_run.poll() is None:  # the test failed before waiting for it
-            forked_run.kill()
-        forked_run.wait(10)
+    # The same file forked: the same verdicts, test by test, but for the documented
+    # difference: under torchrun a world size other than the job's is skipped. (In this
+    # process: xdist would only add two more interpreters, and it decides no verdict.)
+    forked_run = pytester.runpytest(
+        "-p", "no:cacheprovider", "--junitxml=forked.xml", "test_user.py"
+    )
+    assert forked_run.ret == pytest.ExitCode.TESTS_FAILED
+    forked = _verdicts(pytester.path / "forked.xml")
+    user = {name: v for name, v in launched.items() if name in forked}
+    assert set(user) == set(forked), (launched, forked)
+    assert user.pop("test_matrix[world_size2]")[0] == "skipped"
+    assert forked.pop("test_matrix[world_size2]")[0] == "passed"
+    assert {n: v[0] for n, v in user.items()} == {n: v[0] for n, v in forked.items()}
+    assert user["test_fails_on_rank_3_only"] == forked["test_fails_on_rank_3_only"]
 
 
 COLLECTS_BY_RANK = """
