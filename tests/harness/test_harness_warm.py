@@ -94,6 +94,7 @@ def test_11_after(run_ranks, how):
 FAILING = {"fails", "hangs", "kills", "parent"}
 
 
+@pytest.mark.slow
 def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytester, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
