@@ -14,6 +14,15 @@ so the long tests start at once, on whichever worker is free, and the hundreds o
 ones fill in behind them: the workers end together. xdist's default hands each worker a
 quarter of its share in one consecutive chunk, which left a long test to start near the
 end on one worker while the other sat idle (14 s of 82 in one measured run).
+
+``-n auto`` starts one worker more than there are cores: a worker spends much of a test
+waiting (for its ranks to start and rendezvous, for a deadline, for a subprocess to import
+torch), and on 2 cores 2 workers left the machine idle about 20 s of a 100 s run. Measured
+on 2 cores, alternating: 3 workers 88 s and 81 s, 2 workers 104 s, 115 s and 103 s (and 4
+workers, before the scheduling above, slower than 2: each worker imports torch and starts a
+forkserver of its own, seconds of CPU). Ranks keep one intra-op thread each, so more
+processes do not multiply threads. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` still
+decide when given.
 """
 
 import os
@@ -23,6 +32,14 @@ import pytest
 os.environ.setdefault("RES_OPTIONS", "use-vc")
 
 pytest_plugins = ["tutorial_impl.testing.plugin"]
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist (-p no:xdist) never called
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own implementation reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) + 1
 
 
 def pytest_configure(config: pytest.Config) -> None:
