@@ -15,14 +15,14 @@ ones fill in behind them: the workers end together. xdist's default hands each w
 quarter of its share in one consecutive chunk, which left a long test to start near the
 end on one worker while the other sat idle (14 s of 82 in one measured run).
 
-``-n auto`` starts one worker more than there are cores: a worker spends much of a test
+``-n auto`` starts one worker more than there are cores: a worker spends part of a test
 waiting (for its ranks to start and rendezvous, for a deadline, for a subprocess to import
-torch), and on 2 cores 2 workers left the machine idle about 20 s of a 100 s run. Measured
-on 2 cores, alternating: 3 workers 88 s and 81 s, 2 workers 104 s, 115 s and 103 s (and 4
-workers, before the scheduling above, slower than 2: each worker imports torch and starts a
-forkserver of its own, seconds of CPU). Ranks keep one intra-op thread each, so more
-processes do not multiply threads. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` still
-decide when given.
+torch), and with 2 workers the 2-core machine sat idle 15-20 s of an 80-100 s run; with 3,
+about 9 s. The gain in wall time is small and hard to see beside other jobs on the machine
+(one quiet alternating pair, all of the above against neither: 76 s against 78 s); 4 workers
+were slower than 2 (each worker imports torch and starts a forkserver of its own, seconds of
+CPU: the suite is mostly CPU-bound). Ranks keep one intra-op thread each, so more processes
+do not multiply threads. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` still decide when given.
 """
 
 import os
