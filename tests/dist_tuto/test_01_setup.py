@@ -34,6 +34,7 @@ from tutorial_impl.dist_tuto.process import init_process, select_gpu
 from tutorial_impl.testing import proctable
 
 
+@pytest.mark.slow
 def test_the_tutorials_run_py_as_written(tmp_path):
     """``run.py`` itself: two spawned interpreters join a group and rank 0's 1.0 reaches rank 1.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 # Imported here, in the outer pytest: pytester's in-process runs drop every module they
 # imported afterwards, and torch cannot be imported twice in one process.
+import pytest
 import torch.distributed  # noqa: F401
 
 from tutorial_impl.testing import proctable
@@ -187,6 +188,7 @@ def test_unmarked(run_ranks):
 """
 
 
+@pytest.mark.slow
 def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
     pytester, tmp_path, monkeypatch
 ):

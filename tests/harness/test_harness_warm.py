@@ -98,6 +98,7 @@ FAILING = {"fails", "hangs", "kills", "parent"}
 HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "child", "default", "parent"]
 
 
+@pytest.mark.slow
 def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytester, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
