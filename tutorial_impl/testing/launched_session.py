@@ -267,8 +267,8 @@ class LaunchedSession:
         """Exit with the agreed status; rank 0 last, once the others are leaving, so the
         agent sees every worker end by itself rather than SIGTERM the slower ones."""
         channel = self.world.channel
+        channel.publish("leaving", self.status)
         if self.launch.rank != 0:
-            channel.publish("leaving", self.status)
             _exit(self.status)
         channel.set("done")
         channel.collect("leaving", GIVE_UP)
