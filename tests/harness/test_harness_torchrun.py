@@ -280,6 +280,7 @@ def test_one_file_forked_or_under_torchrun(pytester: pytest.Pytester) -> None:
     assert report, outputs
     assert "test session starts" not in quiet and "PASSED" not in quiet, quiet
     assert "torchrun: 4 ranks" in report
+    assert re.search(r"torchrun: 4 ranks on 1 host\(s\): \S+: ranks 0, 1, 2, 3", report), report
     assert report.count("test_user.py::test_all_reduce_sums_the_ranks PASSED") == 1, report
 
     # Rank 3's failure fails the test, with rank 3's traceback, and where the others waited.
@@ -326,6 +327,13 @@ def test_one_file_forked_or_under_torchrun(pytester: pytest.Pytester) -> None:
     assert codes == [1, 1], (codes, outputs)
     assert _worker_statuses(outputs) == dict.fromkeys(range(4), 1), outputs
     assert wall < 60, f"the job took {wall:.0f} s: its deadlines are 2 s and 1 s"
+    took = {
+        c.get("name"): float(c.get("time"))
+        for c in ET.parse(pytester.path / "job.xml").iter("testcase")
+    }
+    # The hangs end at their deadlines (2 s; 1 s plus the watchdog's 1 s), plus a few seconds.
+    assert took["test_hangs_on_rank_1"] < 2 + 8, took
+    assert took["test_plain_hang_on_rank_0"] < 2 + 8, took
 
     # The same file forked: the same verdicts, test by test, but for the documented
     # difference: under torchrun a world size other than the job's is skipped. (In this

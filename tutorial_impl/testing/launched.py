@@ -180,6 +180,7 @@ class World:
     """
 
     def __init__(self, launch: Launch, timeout: float) -> None:
+        import torch
         import torch.distributed as dist
 
         avoid_reverse_dns_stalls()
@@ -195,6 +196,8 @@ class World:
             timeout=timedelta(seconds=timeout),
         )
         self.channel = Channel(launch, self.store)
+        if torch.cuda.is_available() and torch.cuda.device_count() > launch.local_rank:
+            torch.cuda.set_device(launch.local_rank)  # one worker per GPU, as torchrun means
         self.calls = 0  # run_ranks calls so far: the same count on every rank (lockstep)
         self.generation = 0  # process groups made so far
         self.current: tuple[str, float, str] | None = None  # backend, timeout, debug level

@@ -17,8 +17,8 @@
     one rank thus fails on all, and no rank runs the test body alone.
 ``pytest_sessionfinish`` / ``pytest_unconfigure``
     the ranks agree on one exit status, and each worker exits with it through ``os._exit``
-    (no interpreter teardown around gloo's threads: see ``dist_tuto/process.py``), so the
-    agents and the scheduler see the truth.
+    (no interpreter teardown around gloo's threads: see ``dist_tuto/process.py``), once rank
+    0's report is written, so the agents and the scheduler see the truth.
 
 Ranks other than 0 write nothing to the terminal and no junit XML: rank 0's report is the
 job's.
@@ -52,6 +52,7 @@ PHASE_GRACE = 1.0
 REPORT_MARGIN = 60.0
 GIVE_UP = 10.0  # after the others gave up on it, a stuck rank waits this long, then exits
 STATUS_TIMEOUT = 30.0
+REPORT_WAIT = 60.0  # how long the other ranks wait at exit for rank 0 to finish its report
 _INTERRUPT = getattr(signal, "SIGUSR2", None)
 
 
@@ -133,6 +134,14 @@ class LaunchedSession:
         ]
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        by_host: dict[str, list[int]] = {}
+        for rank, host in sorted(self.hosts.items()):
+            by_host.setdefault(host, []).append(rank)
+        if by_host:
+            terminalreporter.write_line(
+                f"torchrun: {self.launch.world_size} ranks on {len(by_host)} host(s): "
+                + "; ".join(f"{h}: ranks {', '.join(map(str, r))}" for h, r in by_host.items())
+            )
         for title, text in (("torchrun: no test ran", self.refusal), ("torchrun", self.broken)):
             if text:
                 terminalreporter.section(title, sep="=", red=True, bold=True)
@@ -191,7 +200,7 @@ class LaunchedSession:
             return  # the phase ended as the watchdog fired: nothing to stop any more
         raise PhaseDeadline(
             f"rank {self.launch.rank} ran past the harness deadline "
-            f"({phase.limit if phase else 0:g} s) outside any run_ranks call; the watchdog "
+            f"({phase.limit:g} s) outside any run_ranks call; the watchdog "
             "stopped it here"
         )
 
@@ -264,15 +273,20 @@ class LaunchedSession:
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self) -> None:
-        """Exit with the agreed status; rank 0 last, once the others are leaving, so the
-        agent sees every worker end by itself rather than SIGTERM the slower ones."""
+        """Exit with the agreed status, once rank 0's report is written: the agent SIGTERMs
+        the workers still running as soon as one exits non-zero, and rank 0 must not be cut
+        off mid-report. Rank 0 then waits briefly for the others to leave first, so the
+        agent sees every worker end by itself."""
         channel = self.world.channel
-        channel.publish("leaving", self.status)
         if self.launch.rank != 0:
+            stop = time.monotonic() + REPORT_WAIT
+            while not channel.has("done") and time.monotonic() < stop:
+                time.sleep(0.05)
+            channel.publish("leaving", self.status)
             _exit(self.status)
         channel.set("done")
+        channel.publish("leaving", self.status)
         channel.collect("leaving", GIVE_UP)
-        time.sleep(0.2)  # their exit, after their last store write
         _exit(self.status)
 
 
