@@ -28,7 +28,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from tutorial_impl.dist_tuto.process import under_torchrun
+from tutorial_impl.dist_tuto.process import print_line, under_torchrun
 from tutorial_impl.rpc import hybrid_world as world
 from tutorial_impl.rpc.hybrid_data import DATASETS, Batch, trainer_generator
 from tutorial_impl.rpc.hybrid_model import (
@@ -143,7 +143,7 @@ def run_master(
         config.trainers, remote_emb_module, trainer_fn, args, config.train_timeout
     )
     if config.verbose:
-        print("Training complete", flush=True)
+        print_line("Training complete")
     return {"trainers": reports, "initial_table": initial, "table": remote_emb_module.weight()}
 
 
@@ -209,7 +209,8 @@ def _run_trainer(
         ]
         epoch_losses.append(sum(losses) / max(len(losses), 1))
         if config.verbose:
-            print(f"Trainer {rank} - Epoch {epoch} - Loss: {epoch_losses[-1]:.4f}", flush=True)
+            # One write per line: torchrun's workers share a pipe (see ``print_line``).
+            print_line(f"Trainer {rank} - Epoch {epoch} - Loss: {epoch_losses[-1]:.4f}")
     return {"losses": epoch_losses, "device": str(model.device)}
 
 
