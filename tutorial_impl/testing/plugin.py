@@ -212,8 +212,8 @@ def _launch(config: pytest.Config) -> launched.Launch | None:
     if launch is None:
         if choice == "torchrun":
             raise pytest.UsageError(
-                "--launcher torchrun: this pytest was not started by torchrun (none of "
-                f"{', '.join(launched.LAUNCH_ENV)} may be missing); run `torchrun "
+                "--launcher torchrun: this pytest was not started by torchrun (it needs all "
+                f"of {', '.join(launched.LAUNCH_ENV)} in its environment); run `torchrun "
                 "--nproc-per-node=N -m pytest ...`"
             )
         return None
