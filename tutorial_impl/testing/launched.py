@@ -131,7 +131,9 @@ class Channel:
         self._store = dist.PrefixStore(prefix, store)
 
     def publish(self, key: str, obj: Any) -> None:
-        self._store.set(f"{key}/{self.launch.rank}", _dumps(obj))
+        """``key/RANK`` = ``obj``, pickled (or ``obj`` itself, if it is pickled already)."""
+        data = obj if isinstance(obj, bytes) else _dumps(obj)
+        self._store.set(f"{key}/{self.launch.rank}", data)
 
     def set(self, key: str, obj: Any = True) -> None:
         self._store.set(key, pickle.dumps(obj))
@@ -351,7 +353,7 @@ def run(
         else:
             world.group(backend, timeout)
         mine = _run_here(world, key, fn, args, fn_kwargs or {}, timeout)
-        answers = world.channel.gather(key, mine, timeout + ANSWER_GRACE)
+        answers = world.channel.gather(key, _pickled(mine), timeout + ANSWER_GRACE)
     finally:
         world.in_call = False
         os.environ.clear()
@@ -371,6 +373,16 @@ def run(
     return results
 
 
+def _pickled(answer: Answer) -> bytes:
+    """``answer`` as the store carries it (pickled once); a return value that cannot be
+    pickled is this rank's failure, named as such, as for a forked rank."""
+    try:
+        return _dumps(answer)
+    except Exception as exc:  # noqa: BLE001
+        outcome = _o.unpicklable("returned a value that cannot be pickled", exc)
+        return _dumps(Answer(outcome, answer.output, answer.stacks))
+
+
 def _run_here(
     world: World,
     key: str,
@@ -386,12 +398,7 @@ def _run_here(
 
     def rank_function() -> None:  # the name the stacks show for this thread's entry
         try:
-            value = fn(launch.rank, launch.world_size, *args, **kwargs)
-            try:
-                _dumps(value)
-                box["outcome"] = _o.Returned(value)
-            except Exception as exc:  # noqa: BLE001
-                box["outcome"] = _o.unpicklable("returned a value that cannot be pickled", exc)
+            box["outcome"] = _o.Returned(fn(launch.rank, launch.world_size, *args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - pytest.skip, exit() and all
             box["outcome"] = _o.from_exception(exc)
         finally:
