@@ -26,9 +26,10 @@ from tutorial_impl.testing import (
     RankTimeout,
     assert_equal_across_ranks,
     proctable,
-    ranks,
     run_ranks,
 )
+
+pytest_plugins = ["pytester"]
 
 GONE_WITHIN = 5.0  # seconds; the kill is immediate, this is slack for a loaded machine
 
@@ -128,7 +129,9 @@ def test_a_module_that_fails_to_import_in_the_ranks_leaves_nothing(tmp_path, mon
     assert proctable.wait_until_gone(pid_dir, GONE_WITHIN) == {}
 
 
-def skip_on_1(rank: int, world_size: int) -> None:
+def skip_on_1(rank: int, world_size: int, pid_dir: str) -> None:
+    proctable.record_self(pid_dir, f"rank{rank}")
+    dist.barrier()  # both have recorded themselves before rank 1 ends the run
     if rank == 1:
         pytest.skip("rank 1 has no work here")
     dist.barrier()
@@ -137,11 +140,11 @@ def skip_on_1(rank: int, world_size: int) -> None:
 def test_a_skip_leaves_nothing_behind(tmp_path):
     """A skip ends the run early too: the rank that did not skip must not be left waiting."""
     with pytest.raises(RankSkipped):
-        run_ranks(skip_on_1, world_size=2, log_dir=tmp_path / "logs")
-    # skip_on records nothing itself; the harness's log files tell which ranks existed,
-    # and the forkserver's children are checked through /proc.
-    assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == ["rank0.log", "rank1.log"]
-    assert _forkserver_children_alive() == []
+        run_ranks(skip_on_1, str(tmp_path), world_size=2)
+    # Asked of the kernel by pid, not "children of the forkserver": under xdist the server
+    # is shared by every worker, and the other workers' ranks are its children too.
+    assert set(proctable.recorded(tmp_path)) == {"rank0", "rank1"}
+    assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
 
 
 def _wait_until_gone(pid_dir: Path, names: set[str], timeout: float) -> dict[str, int]:
@@ -151,27 +154,6 @@ def _wait_until_gone(pid_dir: Path, names: set[str], timeout: float) -> dict[str
         left = {name: pid for name, pid in proctable.alive(pid_dir).items() if name in names}
         if not left or time.monotonic() >= deadline:
             return left
-        time.sleep(0.05)
-
-
-def _forkserver_children_alive() -> list[int]:
-    """Children of this process's rank forkserver that are still alive (not zombies)."""
-    server = ranks.forkserver_pid()
-    assert server is not None
-    deadline = time.monotonic() + GONE_WITHIN
-    while True:
-        alive = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            except OSError:
-                continue
-            if int(ppid) == server and state not in ("Z", "X"):
-                alive.append(int(entry.name))
-        if not alive or time.monotonic() > deadline:
-            return alive
         time.sleep(0.05)
 
 
@@ -291,3 +273,81 @@ def test_an_environment_mark_finds_a_process_that_left_its_session():
             os.kill(grandchild, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# A stranger's project (no conftest) run with two xdist workers. Each worker's test records
+# the worker's pid, and its ranks record themselves and their parent, the forkserver; gw0's
+# ranks then hang, gw1's return and gw1 waits for the go to finish (keeping the controller,
+# and so the shared forkserver, alive while gw0 is killed).
+TWO_WORKERS = """
+import os, time
+from tutorial_impl.testing import proctable
+
+PIDS = os.environ["PID_DIR"]
+
+
+def record(rank, world_size, worker):
+    proctable.record(PIDS, f"{worker}-server{rank}", os.getppid())
+    proctable.record_self(PIDS, f"{worker}-rank{rank}")  # last: then every record is written
+    while worker == "gw0":
+        time.sleep(0.05)
+
+
+def test_on_each_worker(run_ranks):
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    proctable.record_self(PIDS, worker)
+    run_ranks(record, worker, timeout=120)
+    while not os.path.exists(os.path.join(PIDS, "go")):
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_xdist_workers_share_one_forkserver_and_ranks_die_with_their_worker(
+    pytester, tmp_path, monkeypatch
+):
+    """Under ``-n 2`` both workers' ranks come from one forkserver, the controller's child;
+    SIGKILL of one worker, while its ranks hang and the controller (so the server) lives
+    on, leaves none of that worker's ranks alive: each rank watches the worker that asked
+    for it (``ranks._die_with_owner``)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    monkeypatch.setenv("PID_DIR", str(pid_dir))
+    pytester.makepyfile(test_two_workers=TWO_WORKERS)
+    run = pytester.popen(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "each", "--max-worker-restart",
+         "0", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    ranks_of = {w: {f"{w}-rank0", f"{w}-rank1"} for w in ("gw0", "gw1")}
+    expected = {"gw0", "gw1", *ranks_of["gw0"], *ranks_of["gw1"]}
+    output = b""
+    try:
+        deadline = time.monotonic() + 120
+        while not expected <= set(proctable.recorded(pid_dir)):  # (servers are recorded too)
+            assert run.poll() is None, "the run ended before its ranks started"
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        records = {name: pid for name, (pid, _) in proctable.recorded(pid_dir).items()}
+        servers = {pid for name, pid in records.items() if "-server" in name}
+        assert len(servers) == 1, records  # one forkserver for both workers...
+        (server,) = servers
+        parent = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert parent == run.pid not in (records["gw0"], records["gw1"])  # ...the controller's
+        assert set(proctable.alive(pid_dir)) >= ranks_of["gw0"]  # hanging: the check can fail
+        os.kill(records["gw0"], signal.SIGKILL)
+        left = _wait_until_gone(pid_dir, ranks_of["gw0"], GONE_WITHIN)
+        session_alive = run.poll() is None and proctable.running(server)
+        assert left == {}, f"gw0's ranks outlived it: {left}"
+        assert session_alive  # they died with their worker, not with the session
+    finally:
+        (pid_dir / "go").touch()
+        try:
+            output = run.communicate(timeout=60 if sys.exc_info()[0] is None else 10)[0]
+        except subprocess.TimeoutExpired:  # a check above failed and gw0 still hangs
+            os.killpg(run.pid, signal.SIGKILL)
+            output = run.communicate()[0]
+        print(output.decode(errors="replace"))  # in the report's captured output
+    assert "worker 'gw0' crashed" in output.decode(), output.decode()
+    assert proctable.wait_until_gone(pid_dir, GONE_WITHIN) == {}  # the server too

@@ -23,9 +23,12 @@ What pytest calls, in the order it calls it:
     under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
     registers the markers (so ``--strict-markers`` accepts them and ``pytest --markers``
-    lists them) and sets up what ranks preload; under torchrun (``--launcher``), joins the
+    lists them) and sets up what ranks preload (in an xdist worker: which forkserver they
+    come from); under torchrun (``--launcher``), joins the
     job and registers ``launched_session.LaunchedSession``, whose hooks keep the ranks in
     lockstep and let rank 0 report for all.
+``pytest_configure_node``
+    xdist's hook, in the controller: starts one rank forkserver for all its workers.
 ``pytest_generate_tests``
     the world-size matrix: ``@pytest.mark.world_size(1, 2, 4)`` becomes one item per size
     (see ``matrix``).
@@ -198,6 +201,28 @@ def pytest_configure(config: pytest.Config) -> None:
         )
         return
     _ranks.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
+    shared = getattr(config, "workerinput", {}).get(_ranks.WORKERINPUT_KEY)
+    if shared is not None:  # an xdist worker: its ranks come from the controller's server
+        _ranks.use_shared_forkserver(shared)
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist (-p no:xdist) never called
+def pytest_configure_node(node: Any) -> None:
+    """In the xdist controller, for each worker it is about to start: share one forkserver.
+
+    xdist calls this once per worker, before the worker process runs any of pytest; what
+    goes into ``node.workerinput`` (a dict of plain values) arrives in that worker as
+    ``config.workerinput``, where ``pytest_configure`` reads it. The first call starts the
+    server (``ranks.start_shared_forkserver``: it returns without waiting for the server's
+    torch import, which then overlaps the workers' own start-up); later calls, and workers
+    xdist restarts, reuse it. Only for workers on this machine with this interpreter (a
+    ``--tx ssh=...`` or ``popen//python=...`` worker keeps a server of its own); under
+    torchrun there are no workers (``-n`` is refused), so this is never called there.
+    """
+    spec = node.gateway.spec
+    if not spec.popen or spec.python or _world in node.config.stash:
+        return
+    node.workerinput[_ranks.WORKERINPUT_KEY] = _ranks.start_shared_forkserver()
 
 
 def _launch(config: pytest.Config) -> launched.Launch | None:

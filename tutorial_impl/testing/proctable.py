@@ -27,6 +27,11 @@ def _start_time(pid: int) -> str | None:
     return fields[19]  # field 22: start time in clock ticks since boot
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has: it is only unreaped)."""
+    return _start_time(pid) is not None
+
+
 def record_self(directory: str | os.PathLike[str], name: str) -> None:
     """Write ``<directory>/<name>.pid`` holding this process's pid and start time."""
     record(directory, name, os.getpid())

@@ -2,9 +2,20 @@
 
 Spawning a fresh interpreter per rank costs seconds here, almost all of it ``import torch``.
 So we use multiprocessing's *forkserver*: one clean, single-threaded server process is
-started once per pytest process, imports torch once (the "preload"), and then forks a copy
+started once per pytest session, imports torch once (the "preload"), and then forks a copy
 of itself for every rank. Forking an interpreter that has already imported torch takes a few
 milliseconds.
+
+**One server per xdist session.** Under ``pytest -n N`` the xdist *controller* starts the
+server before its workers exist (``start_shared_forkserver``, from the plugin's
+``pytest_configure_node``) and hands each worker the server's address through
+``workerinput``; a worker's ranks then come from that one server (``use_shared_forkserver``)
+instead of a server of its own, saving the worker a torch import (~3 s of CPU each). A
+server only forks: what a rank runs with (environment, ``sys.path``, directory, coverage)
+travels in its ``RankSpec`` from the worker that asked. Its death chain has three links:
+the test's supervisor kills its ranks; the server kills every rank when the controller is
+gone (``forkserver_init``); and each rank watches the worker that asked for it and kills
+its own process group when that worker dies (``_die_with_owner``).
 
 Why not plain ``fork`` of the test process itself? A pytest(-xdist) process has threads
 (execnet, the TCPStore server, pytest-timeout), and forking a threaded process can copy a
@@ -25,18 +36,24 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
+import time
 import types
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import forkserver as _mp_forkserver
 from multiprocessing import popen_forkserver as _mp_popen_forkserver
+from multiprocessing import resource_tracker as _mp_resource_tracker
 from typing import Any
 
 from tutorial_impl.testing import coverage as _coverage
 from tutorial_impl.testing import debugging as _debugging
 from tutorial_impl.testing import outcome as _outcome
+from tutorial_impl.testing import proctable as _proctable
 from tutorial_impl.testing import torchenv as _torchenv
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl  # noqa: F401 (old home)
 from tutorial_impl.testing.lookup import FunctionRef, resolve
@@ -79,30 +96,94 @@ class _OwnForkServer:
     one; everything else (``read_signed``...) is the module's own.
     """
 
-    def __init__(self, server: Any) -> None:
-        self._server = server
-
     def __getattr__(self, name: str) -> Any:
         if name in ("connect_to_new_process", "ensure_running", "get_inherited_fds"):
-            return getattr(self._server, name)
+            return getattr(_server, name)  # read at each call: a fallback may replace it
         return getattr(_mp_forkserver, name)
 
 
-def _own_popen(server: Any) -> type:
+def _own_popen() -> type:
     """``popen_forkserver.Popen``, its ``_launch`` reading ``forkserver`` as our server."""
     base = _mp_popen_forkserver.Popen
     launch = base._launch
-    names = {**launch.__globals__, "forkserver": _OwnForkServer(server)}
+    names = {**launch.__globals__, "forkserver": _OwnForkServer()}
     own_launch = types.FunctionType(launch.__code__, names, launch.__name__, launch.__defaults__)
     return type("RankPopen", (base,), {"_launch": own_launch, "__module__": __name__})
 
 
 _rank_popen: Any = None
 _server: Any = None  # the harness's ForkServer, once ``context`` has made it
+_shared: dict[str, Any] | None = None  # an xdist worker: the controller's server to use
+# The key of ``workerinput`` (xdist's dict sent from the controller to each worker).
+WORKERINPUT_KEY = "tutorial_impl_forkserver"
+
+
+class ForkServerFallbackWarning(RuntimeWarning):
+    """The xdist controller's rank forkserver could not be reached; this worker started
+    one of its own (the run goes on, at the cost of one more torch import)."""
+
+
+class _SharedForkServer(_mp_forkserver.ForkServer):
+    """A client of a forkserver another process started: the xdist controller's.
+
+    multiprocessing's ``ForkServer`` is both the server's starter and its client: the client
+    part (``connect_to_new_process``) only needs the server's socket address, an "alive" fd
+    to hand each child (its ``release_forkserver`` closes it at once, so any write end does:
+    here one of a pipe of our own) and, from Python 3.14, the authkey of the server's
+    handshake. ``ensure_running`` would start a server; here it only starts this process's
+    resource tracker, whose fd every child gets (each worker keeps its own). If the server
+    cannot be reached (gone, refused), this process starts a server of its own and goes on.
+    """
+
+    def __init__(self, shared: dict[str, Any]) -> None:
+        super().__init__()
+        self._forkserver_address = shared["address"]
+        self._forkserver_pid = shared["pid"]
+        if shared.get("authkey") is not None:
+            self._forkserver_authkey = shared["authkey"]
+        alive_r, self._forkserver_alive_fd = os.pipe()
+        os.close(alive_r)  # nobody reads it: it only stands in for the owner's alive fd
+
+    def ensure_running(self) -> None:
+        _mp_resource_tracker.ensure_running()
+
+    def connect_to_new_process(self, fds: Any) -> Any:
+        try:
+            return super().connect_to_new_process(fds)
+        except OSError as exc:  # refused, no such socket: the controller's server is gone
+            return _fall_back(exc).connect_to_new_process(fds)
+
+
+def _fall_back(exc: OSError) -> Any:
+    """Replace the unreachable shared server by one of this process's own; say so once."""
+    global _server, _shared
+    _shared = None
+    _server = _own_server()
+    with warnings.catch_warnings():  # a warning, never an error (-W error): the run goes on
+        warnings.simplefilter("default")
+        warnings.warn(
+            f"the xdist controller's rank forkserver could not be reached ({exc}); this "
+            "worker starts a forkserver of its own",
+            ForkServerFallbackWarning,
+            stacklevel=2,
+        )
+    return _server
+
+
+def _own_server() -> Any:
+    """A new, not yet started ``ForkServer`` with the harness's preload."""
+    server = _mp_forkserver.ForkServer()
+    # Ranks measure coverage when we do (see ``coverage``); then import it once, there.
+    measuring = ["coverage"] if _coverage.parent_settings() is not None else []
+    # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
+    # ``forkserver_ready`` goes last: it freezes everything the others imported.
+    server.set_forkserver_preload([*_preload, *measuring, "tutorial_impl.testing.forkserver_ready"])
+    return server
 
 
 def forkserver_pid() -> int | None:
-    """The pid of the harness's own forkserver, or None before it has started."""
+    """The pid of the forkserver this process's ranks come from (under xdist, the one the
+    controller started and every worker shares), or None before it has started."""
     return getattr(_server, "_forkserver_pid", None)
 
 
@@ -119,22 +200,40 @@ class _RankContext(mp.context.ForkServerContext):
 
 
 def context() -> Any:
-    """The multiprocessing context ranks are started with: our own forkserver, lazily."""
-    global _context
+    """The multiprocessing context ranks are started with: our own forkserver, lazily (in an
+    xdist worker given the controller's, a client of that one)."""
+    global _context, _server, _rank_popen
     if _context is None:
-        global _server
-        server = _server = _mp_forkserver.ForkServer()
-        # Ranks measure coverage when we do (see ``coverage``); then import it once, here.
-        measuring = ["coverage"] if _coverage.parent_settings() is not None else []
-        # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
-        # ``forkserver_ready`` goes last: it freezes everything the others imported.
-        server.set_forkserver_preload(
-            [*_preload, *measuring, "tutorial_impl.testing.forkserver_ready"]
-        )
-        global _rank_popen
-        _rank_popen = _own_popen(server)
+        _server = _SharedForkServer(_shared) if _shared is not None else _own_server()
+        _rank_popen = _own_popen()
         _context = _RankContext()
     return _context
+
+
+def start_shared_forkserver() -> dict[str, Any]:
+    """In the xdist controller: start the rank forkserver now; what a worker needs to use it.
+
+    ``ensure_running`` returns as soon as the server process is spawned: its listening socket
+    exists already (the starter binds it), and the server accepts on it once its preload is
+    imported, so a worker that asks for a rank earlier just waits in the socket's queue. The
+    controller keeps the server's "alive" fd: the server exits when the controller is gone.
+    Address, pid and authkey (Python 3.14+) are plain values: they travel in ``workerinput``.
+    """
+    context()
+    _server.ensure_running()
+    return {
+        "address": _server._forkserver_address,
+        "pid": _server._forkserver_pid,
+        "authkey": getattr(_server, "_forkserver_authkey", None),
+    }
+
+
+def use_shared_forkserver(shared: dict[str, Any]) -> None:
+    """In an xdist worker, before its first rank: take ranks from the controller's server
+    (``start_shared_forkserver``'s answer) instead of starting one of its own."""
+    global _shared
+    if _context is None:  # a server already in use (an in-process pytester run) stays
+        _shared = dict(shared)
 
 
 @dataclass
@@ -160,6 +259,7 @@ class RankSpec:
     parent_path: list[str] | None = None
     parent_cwd: str | None = None
     coverage: dict[str, Any] | None = None  # the parent's coverage settings, if measuring
+    owner_pid: int | None = None  # the process that asked for the rank: it dies with it
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,7 +286,7 @@ def release_forkserver() -> None:
 def _die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this rank when its parent (the forkserver) dies.
 
-    The forkserver exits as soon as the pytest process that owns it is gone, even after a
+    The forkserver exits as soon as the pytest process that started it is gone, even after a
     SIGKILL (once ranks have released its "alive" pipe), killing the ranks' process groups
     on its way out (``forkserver_init``); this is the backstop for a rank that was still
     starting then. ``parent`` is the pid read before prctl, to close the race.
@@ -197,6 +297,38 @@ def _die_with_parent(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _die_with_owner(owner: int | None) -> None:
+    """Kill this rank's process group as soon as ``owner`` (the process that asked for the
+    rank: a pytest process, an xdist worker) is gone.
+
+    ``_die_with_parent`` ties the rank to the forkserver, and the forkserver lives as long
+    as *its* owner; under xdist that is the controller, shared by every worker, so a worker
+    SIGKILLed while its ranks hang would leave them running. So a daemon thread waits for
+    the owner: on a pidfd (Linux 5.3+: it becomes readable when the process exits, even
+    while it is an unreaped zombie), else by polling every half second. A daemon thread
+    blocked in ``select`` holds no lock and no GIL, and warm worlds' leftover checks ignore
+    daemon threads (and this one starts before their baseline anyway).
+    """
+    if owner is None:
+        return
+    threading.Thread(
+        target=_watch_owner, args=(owner,), name="rank-owner-watch", daemon=True
+    ).start()
+
+
+def _watch_owner(owner: int) -> None:
+    try:
+        pidfd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        pass  # gone already
+    except (AttributeError, OSError):  # no pidfd here: poll (a zombie counts as gone)
+        while _proctable.running(owner):
+            time.sleep(0.5)
+    else:
+        select.select([pidfd], [], [])
+    os.killpg(0, signal.SIGKILL)  # this rank leads its group: it and all it started
 
 
 def _redirect_output(spec: RankSpec) -> None:
@@ -266,6 +398,7 @@ def enter_rank(spec: RankSpec) -> dict[str, str]:
     os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
     release_forkserver()
     _die_with_parent(parent)
+    _die_with_owner(spec.owner_pid)
     imported_with = dict(os.environ)  # the forkserver's: what torch saw at import
     take_task(spec)
     import torch

@@ -291,6 +291,7 @@ def task_spec(
         parent_path=list(sys.path),
         parent_cwd=os.getcwd(),
         coverage=call.coverage,
+        owner_pid=os.getpid(),
     )
 
 
