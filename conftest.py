@@ -20,8 +20,9 @@ waiting (for its ranks to start and rendezvous, for a deadline, for a subprocess
 torch), and with 2 workers the 2-core machine sat idle 15-20 s of an 80-100 s run; with 3,
 about 9 s. The gain in wall time is small and hard to see beside other jobs on the machine
 (one quiet alternating pair, all of the above against neither: 76 s against 78 s); 4 workers
-were slower than 2 (each worker imports torch and starts a forkserver of its own, seconds of
-CPU: the suite is mostly CPU-bound). Ranks keep one intra-op thread each, so more processes
+were slower than 2 (each worker imports torch and collects every test module, seconds of
+CPU: the suite is mostly CPU-bound; the rank forkserver is one for all workers, started by the
+controller). Ranks keep one intra-op thread each, so more processes
 do not multiply threads. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` still decide when given.
 """
 
