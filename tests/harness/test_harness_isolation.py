@@ -10,10 +10,12 @@ from __future__ import annotations
 
 # Imported here, in the outer pytest: pytester's in-process runs drop every module they
 # imported afterwards, and torch cannot be imported twice in one process.
+import os
+
 import pytest
 import torch.distributed  # noqa: F401
 
-from tutorial_impl.testing import proctable
+from tutorial_impl.testing import proctable, ranks
 
 pytest_plugins = ["pytester"]
 
@@ -211,3 +213,30 @@ def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
     # pytest has exited: its ranks and their forkserver with it.
     assert set(proctable.recorded(pid_dir)) == {"rank0", "rank1", "forkserver0", "forkserver1"}
     assert proctable.wait_until_gone(pid_dir, 10.0) == {}
+
+
+def test_a_worker_that_cannot_reach_the_shared_forkserver_starts_its_own(monkeypatch, tmp_path):
+    """Under xdist a worker's ranks come from the controller's forkserver (``ranks.py``).
+    Should that server be unreachable (its socket gone), the worker must not fail or hang:
+    it starts a server of its own and says so, once, as a warning. The real server is not
+    started here (it would cost a torch import): a stand-in records that it was asked for
+    the rank instead."""
+    asked = []
+
+    class OwnServer:
+        def connect_to_new_process(self, fds):
+            asked.append(fds)
+            return "sentinel", "pipe"
+
+    monkeypatch.setattr(ranks, "_server", None)
+    monkeypatch.setattr(ranks, "_shared", None)
+    monkeypatch.setattr(ranks, "_own_server", OwnServer)
+    shared = {"address": str(tmp_path / "no-such-socket"), "pid": 0, "authkey": None}
+    unreachable = ranks._SharedForkServer(shared)
+    try:
+        with pytest.warns(ranks.ForkServerFallbackWarning, match="could not be reached"):
+            assert unreachable.connect_to_new_process([]) == ("sentinel", "pipe")
+    finally:
+        os.close(unreachable._forkserver_alive_fd)
+    assert asked == [[]]  # the rank was asked of the worker's own server...
+    assert isinstance(ranks._server, OwnServer)  # ...which serves every rank from now on
