@@ -308,7 +308,7 @@ def _die_with_owner(owner: int | None) -> None:
     SIGKILLed while its ranks hang would leave them running. So a daemon thread waits for
     the owner: on a pidfd (Linux 5.3+: it becomes readable when the process exits, even
     while it is an unreaped zombie), else by polling every half second. A daemon thread
-    blocked in ``select`` holds no lock and no GIL, and warm worlds' leftover checks ignore
+    blocked in ``poll`` holds no lock and no GIL, and warm worlds' leftover checks ignore
     daemon threads (and this one starts before their baseline anyway).
     """
     if owner is None:
@@ -327,7 +327,10 @@ def _watch_owner(owner: int) -> None:
         while _proctable.running(owner):
             time.sleep(0.5)
     else:
-        select.select([pidfd], [], [])
+        waiter = select.poll()  # not select.select: that refuses an fd number above 1023
+        waiter.register(pidfd, select.POLLIN)
+        while not waiter.poll():  # an empty answer only if a signal woke it: wait again
+            pass
     os.killpg(0, signal.SIGKILL)  # this rank leads its group: it and all it started
 
 
