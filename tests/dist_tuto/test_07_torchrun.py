@@ -27,8 +27,9 @@ forgets the group, but gloo's threads stop only when the last reference to the g
 a worker that then returns from ``main`` lets the interpreter shut down around threads that
 may still touch Python objects, and aborts ("terminate called without an active exception")
 after all its work was done. The first test shows the threads outliving the group (no timing
-involved: a reference we hold keeps them for certain); the second shows how our workers end
-instead (``process.exit_process``: flush, then ``os._exit``, no finalization).
+involved: a reference we hold keeps them for certain); the torchrun job then shows how our
+workers end instead (``process.exit_process``: flush, then ``os._exit``, no finalization): an
+``atexit`` hook, planted in every worker through the environment, never runs.
 """
 
 from __future__ import annotations
@@ -95,42 +96,19 @@ def test_gloo_threads_outlive_destroy_process_group_while_referenced(run_ranks):
         assert after_release == before  # dropping the last reference joins them
 
 
-def test_a_torchrun_worker_ends_without_interpreter_finalization(tmp_path: Path) -> None:
-    """Our demos' ``main`` under torchrun ends with ``exit_process``: output flushed, exit
-    status kept, and no interpreter shutdown (an ``atexit`` hook never runs) for gloo's
-    threads to race. One worker of a one-rank job, with torchrun's environment made by hand.
-    """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    worker_env = {
-        **os.environ,
-        "TORCHELASTIC_RUN_ID": "lesson",  # what makes launch.under_torchrun() true
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the store we host, as torchrun's agent
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-    }
-    worker = (
-        "import atexit, runpy, sys;"
-        "atexit.register(print, 'the interpreter finalized');"
-        "sys.argv = ['tutorial_impl', 'setup'];"
-        "runpy.run_module('tutorial_impl', run_name='__main__', alter_sys=True)"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", worker],
-        cwd=REPO,
-        env=worker_env,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Rank 0 of 1 is in a gloo group" in proc.stdout  # flushed before os._exit
-    assert "the interpreter finalized" not in proc.stdout
-
-
 MARK = "TUTORIAL_TORCHRUN_JOB"  # in the agents' environment, inherited by every worker
+
+
+# Planted in every process of the job through PYTHONPATH (Python imports ``sitecustomize`` at
+# start-up, if one is on the path): a worker (torchrun gives it LOCAL_RANK, the agent has
+# none) that goes through interpreter finalization prints this line. The command itself
+# stays exactly what a learner types.
+FINALIZED = "the interpreter finalized"
+OBSERVER = f"""
+import atexit, os
+if "LOCAL_RANK" in os.environ:
+    atexit.register(print, "{FINALIZED}", flush=True)
+"""
 
 
 def _run_agents(commands: list[list[str]], log_dir: Path) -> list[str]:
@@ -145,7 +123,12 @@ def _run_agents(commands: list[list[str]], log_dir: Path) -> list[str]:
     which cannot fill up and block like a pipe.
     """
     job = uuid.uuid4().hex
+    observer = log_dir / "observer"
+    observer.mkdir()
+    (observer / "sitecustomize.py").write_text(OBSERVER)
+    path = os.pathsep.join(p for p in (str(observer), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MARK: job}
+    env["PYTHONPATH"] = path
     logs = [log_dir / f"agent{i}.log" for i in range(len(commands))]
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -193,8 +176,11 @@ def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     """Two agents, one worker each, meet at a c10d rendezvous and train as ranks 0 and 1.
 
     One job proves what a single-node run would too: the workers train in lockstep with
-    the world size torchrun gave them, and none outlives its agent. (The one-node form,
-    ``--standalone``, runs in ``tests/rpc/test_hybrid_cli.py``: four workers, one agent.)
+    the world size torchrun gave them, and none outlives its agent. And how each worker
+    ended: with its output flushed and exit status 0 (the agents exit 0 only if every
+    worker did), but without interpreter finalization (the planted ``atexit`` hook never
+    printed). (The one-node form, ``--standalone``, runs in
+    ``tests/rpc/test_hybrid_cli.py``: four workers, one agent.)
     """
     # The test owns the rendezvous store, bound to a port the kernel chose (see the module
     # docstring); the agents are clients, so no process has to guess a free port.
@@ -224,3 +210,4 @@ def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     assert "2 ranks on cpu" in "\n".join(outputs)  # rank 0 saw the world size torchrun set
     ranks = [sorted(int(r) for r, _ in EPOCH_LINE.findall(out)) for out in outputs]
     assert sorted(ranks) == [[0], [1]], "each agent should run exactly one of the two ranks"
+    assert FINALIZED not in "\n".join(outputs), "a worker went through interpreter shutdown"
