@@ -104,9 +104,11 @@ MARK = "TUTORIAL_TORCHRUN_JOB"  # in the agents' environment, inherited by every
 # none) that goes through interpreter finalization prints this line. The command itself
 # stays exactly what a learner types.
 FINALIZED = "the interpreter finalized"
+WATCHING = "observer watching a worker"  # proves the hook was planted, so its silence counts
 OBSERVER = f"""
 import atexit, os
 if "LOCAL_RANK" in os.environ:
+    print("{WATCHING}", flush=True)
     atexit.register(print, "{FINALIZED}", flush=True)
 """
 
@@ -210,4 +212,5 @@ def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     assert "2 ranks on cpu" in "\n".join(outputs)  # rank 0 saw the world size torchrun set
     ranks = [sorted(int(r) for r, _ in EPOCH_LINE.findall(out)) for out in outputs]
     assert sorted(ranks) == [[0], [1]], "each agent should run exactly one of the two ranks"
+    assert "\n".join(outputs).count(WATCHING) == 2, "the observer was not planted in both workers"
     assert FINALIZED not in "\n".join(outputs), "a worker went through interpreter shutdown"
