@@ -156,14 +156,14 @@ def test_backend_none_leaves_the_group_to_the_function(run_ranks, how):
 INIT_METHOD_SPY = """
 import torch
 import torch.distributed as dist
-from tutorial_impl.testing import plugin
+from tutorial_impl.testing.forked import FORKED
 
 seen = []
-real = plugin.run_ranks
+real = FORKED.run
 
-def spy(fn, *args, **options):
-    seen.append(options["init_method"])
-    return real(fn, *args, **options)
+def spy(call):
+    seen.append(call.init_method)
+    return real(call)
 
 def rank_sum(rank, world_size):
     t = torch.tensor([rank + 1.0])
@@ -171,7 +171,7 @@ def rank_sum(rank, world_size):
     return t.item()
 
 def test_uses_the_option(run_ranks, monkeypatch):
-    monkeypatch.setattr(plugin, "run_ranks", spy)
+    monkeypatch.setattr(FORKED, "run", spy)
     assert run_ranks(rank_sum) == [3.0, 3.0]
     assert seen == [{expected!r}]
 """

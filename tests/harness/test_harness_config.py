@@ -211,11 +211,11 @@ def test_two_tests_never_lease_the_same_gpu(tmp_path):
 
 
 def test_the_defaults_live_in_one_place():
-    """The supervisor's and the CLI's defaults are config's (a second copy would drift)."""
-    from tutorial_impl.testing import supervisor
+    """run_ranks's and the CLI's defaults are config's (a second copy would drift)."""
+    from tutorial_impl.testing import forked, timing
 
-    assert supervisor.DEFAULT_TIMEOUT == config.DEFAULT_DEADLINE
-    defaults = supervisor.run_ranks.__kwdefaults__
+    assert timing.DEFAULT_DEADLINE == config.DEFAULT_DEADLINE
+    defaults = forked.run_ranks.__kwdefaults__
     assert defaults["world_size"] == config.DEFAULT_WORLD_SIZE
     assert defaults["backend"] == config.DEFAULT_BACKEND
     assert defaults["init_method"] == config.DEFAULT_INIT_METHOD

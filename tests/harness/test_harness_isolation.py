@@ -15,7 +15,7 @@ import os
 import pytest
 import torch.distributed  # noqa: F401
 
-from tutorial_impl.testing import proctable, ranks
+from tutorial_impl.testing import forkserver, proctable
 
 pytest_plugins = ["pytester"]
 
@@ -150,7 +150,8 @@ from multiprocessing import forkserver
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import proctable, ranks
+from tutorial_impl.testing import forkserver as rank_server
+from tutorial_impl.testing import proctable
 
 
 def facts(rank, world_size, pid_dir):
@@ -172,7 +173,7 @@ def test_a_pool_starts_the_global_forkserver_before_any_rank(run_ranks, tmp_path
     global_server = forkserver._forkserver._forkserver_pid
     assert global_server is not None  # multiprocessing's own server is up now
     for got in run_ranks(facts, os.environ["PID_DIR"]):
-        assert got["server"] == ranks.forkserver_pid() != global_server  # the harness's own...
+        assert got["server"] == rank_server.forkserver_pid() != global_server  # ours...
         assert got["preloaded_in"] == got["server"]  # ...which did the preloads,
         assert got["death_chain"] and got["frozen"]  # the death chain and gc.freeze
 
@@ -216,7 +217,7 @@ def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
 
 
 def test_a_worker_that_cannot_reach_the_shared_forkserver_starts_its_own(monkeypatch, tmp_path):
-    """Under xdist a worker's ranks come from the controller's forkserver (``ranks.py``).
+    """Under xdist a worker's ranks come from the controller's forkserver (``forkserver.py``).
     Should that server be unreachable (its socket gone), the worker must not fail or hang:
     it starts a server of its own and says so, once, as a warning. The real server is not
     started here (it would cost a torch import): a stand-in records that it was asked for
@@ -228,15 +229,15 @@ def test_a_worker_that_cannot_reach_the_shared_forkserver_starts_its_own(monkeyp
             asked.append(fds)
             return "sentinel", "pipe"
 
-    monkeypatch.setattr(ranks, "_server", None)
-    monkeypatch.setattr(ranks, "_shared", None)
-    monkeypatch.setattr(ranks, "_own_server", OwnServer)
+    server = forkserver.RankServer()  # this process's own stays untouched
+    monkeypatch.setattr(forkserver, "SERVER", server)
+    monkeypatch.setattr(server, "_own_server", OwnServer)
     shared = {"address": str(tmp_path / "no-such-socket"), "pid": 0, "authkey": None}
-    unreachable = ranks._SharedForkServer(shared)
+    unreachable = forkserver._SharedForkServer(shared)
     try:
-        with pytest.warns(ranks.ForkServerFallbackWarning, match="could not be reached"):
+        with pytest.warns(forkserver.ForkServerFallbackWarning, match="could not be reached"):
             assert unreachable.connect_to_new_process([]) == ("sentinel", "pipe")
     finally:
         os.close(unreachable._forkserver_alive_fd)
     assert asked == [[]]  # the rank was asked of the worker's own server...
-    assert isinstance(ranks._server, OwnServer)  # ...which serves every rank from now on
+    assert isinstance(server.server, OwnServer)  # ...which serves every rank from now on

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from tutorial_impl.testing import (
     RankCrashed,
     RankFailed,
-    RankSkipped,
     RankTimeout,
     assert_equal_across_ranks,
     proctable,
     run_ranks,
+    supervise,
 )
 
 pytest_plugins = ["pytester"]
@@ -137,9 +137,14 @@ def skip_on_1(rank: int, world_size: int, pid_dir: str) -> None:
     dist.barrier()
 
 
-def test_a_skip_leaves_nothing_behind(tmp_path):
-    """A skip ends the run early too: the rank that did not skip must not be left waiting."""
-    with pytest.raises(RankSkipped):
+def test_a_skip_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A skip the other rank outlives ends the run too (a failure: the other rank might still
+    have failed, see ``verdict``), after ``SKIP_GRACE``: the rank left waiting in its
+    barrier must not be left behind."""
+    monkeypatch.setattr(supervise, "SKIP_GRACE", 0.5)
+    with pytest.raises(
+        RankTimeout, match=r"rank 1 skipped \(rank 1 has no work here\) but rank\(s\) 0"
+    ):
         run_ranks(skip_on_1, str(tmp_path), world_size=2)
     # Asked of the kernel by pid, not "children of the forkserver": under xdist the server
     # is shared by every worker, and the other workers' ranks are its children too.

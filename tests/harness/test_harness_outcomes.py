@@ -17,6 +17,7 @@ import pytest
 
 from tutorial_impl.testing import errors, forensics, outcome, proctable, run_ranks
 from tutorial_impl.testing.errors import RankCrashed, RankFailed, RankSkipped, RankXFailed
+from tutorial_impl.testing.forensics import Place
 
 # --- 1. outcomes and the exceptions built from them ------------------------------------------
 
@@ -77,7 +78,9 @@ def test_every_exception_survives_pickling_with_its_fields():
         errors.error_for(0, outcome.died(-9), "fatal", {}),
         errors.error_for(2, outcome.Skipped("s"), "", {}),
         errors.error_for(2, outcome.XFailed("x"), "", {}),
-        errors.timeout_error([0, 1], 5.0, {0: "a", 1: "b"}, {}, {0: "in all_reduce at t.py:3"}),
+        errors.timeout_error(
+            [0, 1], 5.0, {0: "a", 1: "b"}, {}, {0: Place("t.py", 3, "f", "all_reduce")}
+        ),
     ]
     for error in built:
         copy = pickle.loads(pickle.dumps(error))
@@ -102,27 +105,31 @@ Current thread 0x00007e (most recent call first):
 def test_where_reads_the_innermost_user_line_and_the_call_it_sits_in():
     """Library frames (torch, the harness, decorators' ``wrapper``) are looked through."""
     dump = DUMP.format(op="all_reduce", line=12, fn="step")
-    assert forensics.where(dump) == "in all_reduce at test_sum.py:12"
+    assert forensics.where(dump) == Place("test_sum.py", 12, "step", "all_reduce")
+    assert str(forensics.where(dump)) == "in all_reduce at test_sum.py:12"
     own = 'Current thread 0x1 (most recent call first):\n  File "/p/t.py", line 5 in spin\n'
-    own += '  File "/x/tutorial_impl/testing/ranks.py", line 9 in rank_main\n'
-    assert forensics.where(own) == "at t.py:5 in spin"
-    assert forensics.where("") == ""
+    own += '  File "/x/tutorial_impl/testing/rank.py", line 9 in rank_main\n'
+    assert str(forensics.where(own)) == "at t.py:5 in spin"
+    assert forensics.where("") is None
 
 
 def test_a_hang_in_different_collectives_says_so():
-    where = {0: "in all_reduce at t.py:3", 1: "in broadcast at t.py:5"}
+    where = {0: Place("t.py", 3, "f", "all_reduce"), 1: Place("t.py", 5, "f", "broadcast")}
     line = errors.hang_headline([0, 1], 5, where)
     assert line.startswith("rank(s) 0, 1 still running after the harness deadline of 5 s: ")
     assert "rank 0 in all_reduce at t.py:3, rank 1 in broadcast at t.py:5" in line
     assert "the ranks are in different collectives (" + errors.CHECK_COLLECTIVES in line
-    same = errors.hang_headline([0, 1], 5, {0: where[0], 1: "in all_reduce at t.py:3"})
+    same = errors.hang_headline([0, 1], 5, {0: where[0], 1: Place("t.py", 3, "f", "all_reduce")})
     assert "different collectives" not in same
     # A rank sitting in something that is no collective (a debugger's trace_dispatch) is
     # not in "a different collective": only torch.distributed's calls count.
-    debugging = {0: where[0], 1: "in trace_dispatch at t.py:5"}
+    debugging = {0: where[0], 1: Place("t.py", 5, "f", "trace_dispatch")}
     assert "different collectives" not in errors.hang_headline([0, 1], 5, debugging)
-    three = {**where, 2: "at t.py:9 in spin"}  # ranks 0 and 1 still differ
+    three = {**where, 2: Place("t.py", 9, "spin")}  # ranks 0 and 1 still differ
     assert "different collectives" in errors.hang_headline([0, 1, 2], 5, three)
+    # Ranks that had already ended are named, so a rank that returned early is seen.
+    ended = errors.hang_headline([0], 5, {0: where[0]}, {1: "returned"})
+    assert ended.endswith("rank 0 in all_reduce at t.py:3; rank 1 had returned")
 
 
 # --- 4. a result the parent cannot unpickle ---------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tutorial_impl.testing import proctable, supervisor, warm
+from tutorial_impl.testing import call, proctable, warm
 
 pytest_plugins = ["pytester"]
 
@@ -151,23 +151,35 @@ def _pid_dir(tmp_path, monkeypatch):
 
 
 def test_only_calls_a_warm_world_can_serve_run_warm():
-    # may_exit, debug_rank and stream change how ranks are run or watched: fresh worlds.
-    assert warm.suits({"world_size": 2, "env": {}, "timeout": 5.0})
-    assert not warm.suits({"may_exit": {1}})
-    assert not warm.suits({"debug_rank": 0})
-    assert not warm.suits({"stream": None})
+    # may_exit, debug_rank and stream change how ranks are run or watched: fresh worlds,
+    # and the refusal names the field.
+    pool = warm.WarmPool()
+    assert pool.refusal(call.build(len, world_size=2, env={}, timeout=5.0)) is None
+    for field, value in (
+        ("may_exit", {1}),
+        ("debug_rank", 0),
+        ("stream", __import__("io").StringIO()),
+    ):
+        refusal = pool.refusal(call.build(len, **{field: value}))
+        assert refusal is not None and refusal.startswith(field), refusal
 
 
 def test_worlds_are_keyed_by_what_must_not_differ(monkeypatch):
     def key(**options):
-        call = dict(world_size=2, backend="gloo", init_method="env", timeout=60.0, env=None)
-        call.update(options)
-        return warm.key_of(supervisor.prepare(len, (), None, **call))
+        fields = dict(world_size=2, backend="gloo", init_method="env", timeout=60.0, env=None)
+        fields.update(options)
+        return warm.key_of(call.build(len, **fields))
 
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     plain = key()
     assert key() == plain
-    for different in ({"world_size": 3}, {"env": {"A": "1"}}, {"timeout": 5.0}):
+    for different in (
+        {"world_size": 3},
+        {"env": {"A": "1"}},
+        {"timeout": 5.0},
+        {"init_method": "file"},  # a warm test asking for file:// must not run on env://
+        {"backend": None},
+    ):
         assert key(**different) != plain, different
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # torch reads it at group init
     assert key() != plain
@@ -188,11 +200,12 @@ def test_misused(run_ranks):
 def test_a_misused_marker_fails_its_test_naming_it(pytester):
     pytester.makepyfile(test_misused=MISUSED)
     result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*warm_world takes one True or False*'yes'*"])
+    result.assert_outcomes(errors=1)  # in setup, before any rank starts
+    result.stdout.fnmatch_lines(["*warm_world('yes'): takes one True or False*"])
 
 
 def test_a_bad_call_is_refused_before_any_world_starts():
+    pool = warm.WarmPool()
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
-        warm.run(len, world_size=0)
-    assert warm.pids() == []
+        pool.run(call.build(len, world_size=0))
+    assert pool.pids() == []

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from tutorial_impl.testing import ranks as _ranks
-from tutorial_impl.testing import run_ranks
-from tutorial_impl.testing import warm as _warm
+from tutorial_impl.testing import call as _call
+from tutorial_impl.testing import forkserver, run_ranks
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
 from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.warm import WarmPool
 
 
 def all_reduce_once(rank: int, world_size: int) -> float:
@@ -107,15 +107,17 @@ def time_warm(world_size: int, repeats: int) -> list[float]:
     test, its ranks and group kept from the test before, checked after each test."""
     expected = [world_size * (world_size + 1) / 2] * world_size
     times = []
+    pool = WarmPool()
+    call = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     for i in range(repeats + 1):
         start = time.perf_counter()
-        results = _warm.run(all_reduce_once, world_size=world_size, timeout=60)
+        results = pool.run(call)
         elapsed = (time.perf_counter() - start) * 1e3
         if results != expected:
             raise AssertionError(f"warm all_reduce gave {results}, expected {expected}")
         if i:  # the first call starts the world: once per module of tests, not per test
             times.append(elapsed)
-    _warm.close_all()
+    pool.close_all()
     return times
 
 
@@ -129,13 +131,16 @@ def time_replace(world_size: int, repeats: int) -> list[float]:
     """Milliseconds a poisoned warm world costs: the poisoning test, its check and the
     fresh world started for the next test, minus one warm test (what reuse would cost)."""
     times = []
+    pool = WarmPool()
+    good = _call.build(all_reduce_once, world_size=world_size, timeout=60)
+    poisoned = _call.build(leave_a_group, world_size=world_size, timeout=60)
     for _ in range(repeats):
-        _warm.run(all_reduce_once, world_size=world_size, timeout=60)  # a warm world
-        _warm.run(leave_a_group, world_size=world_size, timeout=60)  # ... poisoned
+        pool.run(good)  # a warm world
+        pool.run(poisoned)  # ... poisoned
         start = time.perf_counter()
-        _warm.run(all_reduce_once, world_size=world_size, timeout=60)  # ... replaced
+        pool.run(good)  # ... replaced
         times.append((time.perf_counter() - start) * 1e3)
-    _warm.close_all()
+    pool.close_all()
     return times
 
 
@@ -158,7 +163,7 @@ def time_spawn(world_size: int, repeats: int) -> list[float]:
 def measure(
     world_sizes: list[int], repeats: int, spawn_repeats: int, collectives: int = 200
 ) -> dict[str, dict]:
-    _ranks.add_preload([__name__])  # ranks find all_reduce_once already imported
+    forkserver.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
     for world_size in world_sizes:
         # Warm first: the fresh runs' killed ranks are still being torn down for a while.

@@ -32,7 +32,7 @@ from tutorial_impl.testing.errors import (
     RankSkipped,
     RankTimeout,
 )
-from tutorial_impl.testing.supervisor import run_ranks
+from tutorial_impl.testing.forked import run_ranks
 
 __all__ = [
     "RankCrashed",

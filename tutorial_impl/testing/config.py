@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tutorial_impl.testing import backends, matrix
+from tutorial_impl.testing.timing import BACKSTOP_MARGIN, DEFAULT_DEADLINE
 
-# The defaults, the only place they are written (the CLI and the plugin read them here).
-DEFAULT_DEADLINE = 60.0  # seconds a run_ranks call may take before stacks are taken
+# The defaults, the only place they are written (the CLI and the plugin read them here; the
+# deadline and every other clock live in ``timing``).
 DEFAULT_WORLD_SIZE = matrix.DEFAULT_WORLD_SIZE
 DEFAULT_BACKEND = "gloo"
 DEFAULT_INIT_METHOD = "env"
-# pytest-timeout must fire only after the harness has reported: kept this far above it.
-BACKSTOP_MARGIN = 30.0
+__all__ = ["BACKSTOP_MARGIN", "DEFAULT_DEADLINE"]  # re-exported: the settings' one path
 
 # Old marker names, still honoured on harness tests: new name for each.
 DEPRECATED_MARKERS = {"backend": "dist_backend", "gpu": "dist_gpu"}
@@ -64,6 +64,7 @@ class Settings:
     gpus: int
     uses_harness: bool
     check_collectives: bool = False  # the check_collectives marker (see torchenv)
+    warm: bool | None = None  # the warm_world marker: None without one
 
 
 def _call(marker: Any) -> str:
@@ -118,12 +119,36 @@ def uses_the_harness(item: Any) -> bool:
     return any(name in getattr(item, "fixturenames", ()) for name in HARNESS_FIXTURES)
 
 
+SINGLE = ("world_size", "dist_backend", "dist_gpu", "rank_timeout", "warm_world")
+
+
+def stacked(item: Any) -> None:
+    """Refuse two markers of one name stacked on one function: only one would count."""
+    own = getattr(getattr(item, "obj", None), "pytestmark", [])
+    for name in SINGLE:
+        found = [m for m in own if getattr(m, "name", None) == name]
+        if len(found) > 1:
+            raise ConfigError(
+                f"{item.nodeid}: {len(found)} {name} markers on one test "
+                f"({', '.join(_call(m) for m in found)}); only one would count: keep one"
+            )
+
+
 def world_size_of(item: Any, default: int = DEFAULT_WORLD_SIZE) -> int:
     """The world size: a parametrized ``world_size``, a matrix entry, the marker, or
     ``default`` (2; under torchrun, the job's size)."""
     callspec = getattr(item, "callspec", None)
     params = callspec.params if callspec is not None else {}
     marker = item.get_closest_marker("world_size")
+    if marker is not None and len(marker.args) > 1 and matrix.FIXTURE not in params:
+        try:
+            matrix.sizes(marker)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        raise ConfigError(
+            f"{_call(marker)} makes one test per size for the run_ranks or world_size "
+            "fixture, and this test uses neither"
+        )
     if "world_size" in params:
         size = params["world_size"]
         if marker is not None or matrix.FIXTURE in params:
@@ -160,6 +185,23 @@ def deadline_option(value: Any, source: str) -> float | None:
     return seconds
 
 
+def warm_marker(item: Any) -> bool | None:
+    """The closest ``warm_world`` marker's value (None without one), checked."""
+    marker = item.get_closest_marker("warm_world")
+    if marker is None:
+        return None
+    given = [*marker.args, *marker.kwargs.values()]
+    if (
+        len(given) > 1
+        or set(marker.kwargs) - {"enabled"}
+        or any(type(v) is not bool for v in given)
+    ):
+        raise ConfigError(
+            f"{_call(marker)}: takes one True or False (enabled=...), or nothing for True"
+        )
+    return given[0] if given else True
+
+
 def read(
     item: Any,
     default_deadline: float,
@@ -168,6 +210,7 @@ def read(
 ) -> Settings:
     """Every harness marker of ``item``, checked, over the session's defaults."""
     uses_harness = uses_the_harness(item)
+    stacked(item)
     world_size = world_size_of(item, default_world_size)
 
     backend: str | None = DEFAULT_BACKEND
@@ -207,6 +250,7 @@ def read(
             "(leave the marker out for no checking)"
         )
     return Settings(
+        warm=warm_marker(item),
         world_size=world_size,
         backend=backend,
         deadline=float(deadline),

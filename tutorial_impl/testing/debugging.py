@@ -36,6 +36,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tutorial_impl.testing.outcome import skip_kind
+
 # The rank to debug, as the ranks see it: set by run_ranks(debug_rank=N) and --rank-pdb N.
 ENV = "TUTORIAL_IMPL_RANK_PDB"
 # A process-group timeout that holds the other ranks while one is debugged (a day).
@@ -107,7 +109,7 @@ class Debugging:
 
     def post_mortem(self, exc: BaseException) -> None:
         """Open the post-mortem debugger on ``exc`` (not for skips or a quit debugger)."""
-        if not self.active or type(exc).__name__ in ("BdbQuit", "Skipped", "SkipTest"):
+        if not self.active or type(exc).__name__ == "BdbQuit" or skip_kind(exc) is not None:
             return
         debugger = self._debugger()
         debugger.message("".join(traceback.format_exception(exc)).rstrip())

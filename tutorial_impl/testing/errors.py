@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.forensics import Place
 
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
 # The advice a hang between different collectives gets (``--check-collectives`` is the option
@@ -64,6 +65,8 @@ class RankError(Exception):
         self.outputs = outputs
         self.stacks = stacks or {}
         self.in_message = True  # stacks and outputs in str(error)
+        self.failed_ranks: list[int] = []  # every rank that failed (raised or died)
+        self.thread_errors: dict[int, tuple[str, ...]] = {}  # exceptions in rank threads
 
     @property
     def headline(self) -> str:
@@ -139,7 +142,7 @@ class RankTimeout(RankError):
         message: str,
         outputs: dict[int, str],
         pending: list[int] | None = None,
-        where: dict[int, str] | None = None,
+        where: dict[int, Place] | None = None,
         timeout: float | None = None,
     ) -> None:
         super().__init__(message, outputs, stacks)
@@ -183,9 +186,11 @@ class RankExited:
 
 
 class RankResults(list):  # type: ignore[type-arg]
-    """The ranks' return values in rank order, plus what each rank printed (``outputs``)."""
+    """The ranks' return values in rank order, plus what each rank printed (``outputs``)
+    and the exceptions raised in each rank's own threads (``thread_errors``)."""
 
     outputs: list[str]
+    thread_errors: dict[int, tuple[str, ...]] = {}  # noqa: RUF012 - replaced per instance
 
 
 def prefixed(rank: int, text: str, limit: int = OUTPUT_TAIL_LINES) -> str:
@@ -228,17 +233,24 @@ def _others_section(failed: int, stacks: dict[int, str]) -> str:
     )
 
 
-def hang_headline(pending: list[int], timeout: float, where: dict[int, str]) -> str:
+def hang_headline(
+    pending: list[int],
+    timeout: float,
+    where: dict[int, Place],
+    ended: dict[int, str] | None = None,
+) -> str:
     """``rank(s) 0, 1 still running after the harness deadline of 5 s: rank 0 in all_reduce
-    at t.py:9, rank 1 in broadcast at t.py:11: the ranks are in different collectives (...)``."""
+    at t.py:9, rank 1 in broadcast at t.py:11: the ranks are in different collectives (...)``;
+    ``ended`` says how the ranks that were no longer running had ended (``returned``)."""
     names = ", ".join(str(r) for r in sorted(pending))
     line = f"rank(s) {names} still running after the harness deadline of {timeout:g} s"
     places = [f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r)]
     if places:
         line += ": " + ", ".join(places)
-    calls = [where.get(r, "").split()[1:2] for r in pending if where.get(r, "").startswith("in ")]
-    in_collectives = {call[0] for call in calls if call and call[0] in COLLECTIVES}
-    if len(in_collectives) > 1:
+    if ended:
+        line += "; " + ", ".join(f"rank {r} had {how}" for r, how in sorted(ended.items()))
+    calls = {where[r].call for r in pending if where.get(r) and where[r].call in COLLECTIVES}
+    if len(calls) > 1:
         line += f": the ranks are in different collectives ({CHECK_COLLECTIVES})"
     return line
 
@@ -248,12 +260,40 @@ def timeout_error(
     timeout: float,
     stacks: dict[int, str],
     outputs: dict[int, str],
-    where: dict[int, str] | None = None,
+    where: dict[int, Place] | None = None,
+    ended: dict[int, str] | None = None,
 ) -> RankTimeout:
     """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps."""
     where = where or {}
-    message = hang_headline(pending, timeout, where)
+    message = hang_headline(pending, timeout, where, ended)
     return RankTimeout(stacks, message, outputs, list(pending), where, timeout)
+
+
+def skip_outlived_error(
+    skipped: int,
+    reason: str,
+    pending: list[int],
+    waited: float,
+    stacks: dict[int, str],
+    outputs: dict[int, str],
+    where: dict[int, Place],
+) -> RankTimeout:
+    """Rank ``skipped`` skipped, and ``pending`` were still running ``waited`` s later: not a
+    skip (the others might still have failed), a failure that says why."""
+    names = ", ".join(str(r) for r in sorted(pending))
+    places = ", ".join(f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r))
+    message = (
+        f"rank {skipped} skipped ({reason}) but rank(s) {names} were still running "
+        f"{waited:g} s later" + (f": {places}" if places else "") + "; a skip must be taken "
+        "by every rank (or before the ranks start), so this test is failed, not skipped"
+    )
+    return RankTimeout(stacks, message, outputs, list(pending), where, None)
+
+
+def _describe(result: _o.Outcome) -> str:
+    if isinstance(result, _o.Raised):
+        return f"raised {result.summary}"
+    return f"{result.how}" if isinstance(result, _o.Died) else repr(result)
 
 
 def error_for(
@@ -262,26 +302,44 @@ def error_for(
     fatal_stack: str,
     outputs: dict[int, str],
     stacks: dict[int, str] | None = None,
+    also: dict[int, _o.Outcome] | None = None,
 ) -> RankError:
     """The exception for one rank's bad outcome; the one place they are built.
 
     The failing rank comes first (the cause in one line, then its traceback or how it died),
-    then ``stacks``: where each other running rank was at that moment, then what every rank
+    then every other rank that failed too (``also``: named on the first line as well), then
+    ``stacks``: where each other running rank was at that moment, then what every rank
     printed.
     """
     if isinstance(result, _o.Skipped):
         return RankSkipped(rank, result.reason, outputs)
     if isinstance(result, _o.XFailed):
         return RankXFailed(rank, result.reason, outputs)
+    also = also or {}
+    named = f" (rank(s) {', '.join(map(str, sorted(also)))} failed too)" if also else ""
+    others = "".join(
+        f"\n\n----- rank {r} failed too: {_describe(o)} -----\n"
+        + (o.traceback.rstrip() if isinstance(o, _o.Raised) else "")
+        for r, o in sorted(also.items())
+    )
     if isinstance(result, _o.Raised):
-        message = f"rank {rank} raised {result.summary}\n\n{result.traceback.rstrip()}"
-        return RankFailed(
-            rank, result.traceback, message, outputs, stacks, result.exc_type, result.message
+        message = f"rank {rank} raised {result.summary}{named}\n\n{result.traceback.rstrip()}"
+        error: RankError = RankFailed(
+            rank,
+            result.traceback,
+            message + others,
+            outputs,
+            stacks,
+            result.exc_type,
+            result.message,
         )
-    if isinstance(result, (_o.Exited, _o.Killed)):
+    elif isinstance(result, _o.Died):
         extra = ""
         if fatal_stack.strip():
             extra = f"\n\n----- fatal-signal stack of rank {rank} -----\n{fatal_stack}"
-        message = f"rank {rank} {result.how} before returning a result" + extra
-        return RankCrashed(rank, result.exitcode, message, outputs, stacks)
-    raise TypeError(f"rank {rank}: {result!r} is not a failure")
+        message = f"rank {rank} {result.how} before returning a result{named}" + extra
+        error = RankCrashed(rank, result.exitcode, message + others, outputs, stacks)
+    else:
+        raise TypeError(f"rank {rank}: {result!r} is not a failure")
+    error.failed_ranks = sorted([rank, *also])
+    return error

@@ -24,11 +24,12 @@ import signal
 import sysconfig
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-DUMP_BUDGET = 1.0  # seconds the supervisor may wait for stacks, at most
-_POLL = 0.05
+from tutorial_impl.testing.timing import DUMP_BUDGET, STACK_POLL
+
 _ENTRY = " in rank_main"  # the harness frame every rank's stack ends in
 
 
@@ -61,7 +62,7 @@ def dump_stacks(ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET) -> dict[
     sizes: dict[int, int] = {}
     stop = time.monotonic() + budget
     while ranks and time.monotonic() < stop:
-        time.sleep(_POLL)
+        time.sleep(STACK_POLL)
         now = {r.rank: _size(r.stack_path) for r in ranks}
         if now == sizes and all(now.values()):
             break
@@ -100,6 +101,7 @@ def _read(path: Path) -> str:
 
 # --- reading a dump: where was the rank's own code? -------------------------------------------
 
+Frame = tuple[str, int, str]  # (path, line, function), most recent call first
 _FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 # Library frames: a user's question is "which of *my* lines", so these are looked through.
 _LIBRARY = ("/site-packages/", "/dist-packages/", "/tutorial_impl/testing/", "<frozen ")
@@ -107,26 +109,60 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 _WRAPPERS = {"wrapper", "inner", "_fn", "decorate_context", "_wrapped_call_impl", "_call_impl"}
 
 
+@dataclass(frozen=True)
+class Place:
+    """A rank's innermost line of user code, and the library call it sits in (if any)."""
+
+    file: str  # the file's base name
+    line: int
+    func: str  # the user's function at that line
+    call: str | None = None  # e.g. "all_reduce": what that line called, still running
+
+    def __str__(self) -> str:
+        if self.call:
+            return f"in {self.call} at {self.file}:{self.line}"
+        return f"at {self.file}:{self.line} in {self.func}"
+
+
 def _is_user(path: str) -> bool:
     return not path.startswith(_STDLIB) and not any(part in path for part in _LIBRARY)
 
 
-def where(dump: str) -> str:
-    """The rank's innermost line of user code and the library call it sits in.
-
-    ``"in all_reduce at test_x.py:12"`` for a rank blocked in a collective called from line
-    12 of the user's file; ``"at test_x.py:30 in wait_here"`` when the innermost frame is the
-    user's own (a C call like ``time.sleep`` leaves no frame of its own). Read from the main
-    thread, the one that ends in the harness's ``rank_main``; "" when nothing matches.
-    """
-    threads = [block for block in dump.split("\n\n") if _ENTRY in block] or [dump]
-    frames = [m.groupdict() for m in map(_FRAME.match, threads[0].splitlines()) if m]
-    for i, frame in enumerate(frames):  # most recent call first
-        if not _is_user(frame["path"]):
+def place(frames: list[Frame]) -> Place | None:
+    """The innermost frame of user code in ``frames`` (most recent first) and the
+    outermost library call below it, or None when no frame is the user's."""
+    for i, (path, line, func) in enumerate(frames):
+        if not _is_user(path):
             continue
-        location = f"{os.path.basename(frame['path'])}:{frame['line']}"
-        called = [f["func"] for f in reversed(frames[:i]) if f["func"] not in _WRAPPERS]
-        if called:
-            return f"in {called[0]} at {location}"
-        return f"at {location} in {frame['func']}"
-    return ""
+        called = [f for _, _, f in reversed(frames[:i]) if f not in _WRAPPERS]
+        return Place(os.path.basename(path), line, func, called[0] if called else None)
+    return None
+
+
+def frames_of_dump(dump: str) -> list[Frame]:
+    """The frames of the main thread of a faulthandler dump (the one that ends in the
+    harness's ``rank_main``), most recent call first."""
+    threads = [block for block in dump.split("\n\n") if _ENTRY in block] or [dump]
+    matches = (_FRAME.match(line) for line in threads[0].splitlines())
+    return [(m["path"], int(m["line"]), m["func"]) for m in matches if m]
+
+
+def frames_of(frame: Any, stop: str) -> list[Frame]:
+    """A live thread's frames from ``frame`` outwards, most recent first, down to the
+    first frame of a function named ``stop`` (excluded)."""
+    frames: list[Frame] = []
+    while frame is not None and frame.f_code.co_name != stop:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return frames
+
+
+def format_frames(title: str, frames: list[Frame]) -> str:
+    """``frames`` as a stack dump reads, under ``title``."""
+    lines = [title] + [f'  File "{path}", line {line} in {func}' for path, line, func in frames]
+    return "\n".join(lines) + "\n"
+
+
+def where(dump: str) -> Place | None:
+    """Where a rank was, read from its faulthandler dump (see ``place``)."""
+    return place(frames_of_dump(dump))

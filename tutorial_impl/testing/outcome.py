@@ -8,21 +8,36 @@ A rank ends in exactly one of these ways, and the supervisor decides from the ty
 ``XFailed(reason)``            it called ``pytest.xfail``: the test is an expected failure
 ``Exited(exitcode)``           the process ended without reporting (``os._exit``, a crash)
 ``Killed(signal)``             ... or a signal killed it (the OOM killer's SIGKILL, a segfault)
+``Lost()``                     a torchrun worker that is gone (its heartbeat stopped)
 ``TimedOut(where)``            it was still running at the deadline; ``where`` is its
                                innermost frame of user code, from its stack dump
+``Stopped(where)``             it was still running when the run ended for another rank's
+                               sake (a failure elsewhere, or a skip the others outlived)
 
-The exceptions that ``run_ranks`` raises are built from these, in one place
-(``errors.error_for``). Everything here pickles: the exception is carried as text, because
-the exception object itself may not unpickle in the parent (a class defined in a test
-module, a constructor with other arguments).
+``capture`` is the one place a rank's result is caught, for every way of starting ranks
+(forked, warm, under torchrun): it calls the rank function, turns what happened into one of
+the above, and wraps it in a ``Report`` that says which process answered (only the rank
+itself may: a child it forked that returns from the function is a failure of that rank),
+when, and which exceptions the rank's own threads raised meanwhile. ``verdict.decide`` turns
+every rank's report into one verdict. Everything here pickles: the exception is carried as
+text, because the exception object itself may not unpickle in the parent (a class defined in
+a test module, a constructor with other arguments).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
+import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tutorial_impl.testing.forensics import Place
 
 HEADLINE_CHARS = 300  # an exception message longer than this is cut in the headline
 
@@ -82,12 +97,42 @@ class Killed:
 
 
 @dataclass(frozen=True)
+class Lost:
+    """A torchrun worker that is gone: its heartbeat stopped; its exit code is its agent's."""
+
+    exitcode: None = None
+
+    @property
+    def how(self) -> str:
+        return "exited (its worker process is gone: no heartbeat in the job's store)"
+
+
+@dataclass(frozen=True)
 class TimedOut:
-    where: str  # "in all_reduce (test_x.py:12)", or "" when the stack said nothing
+    where: Place | None  # "in all_reduce at test_x.py:12"; None when the stack said nothing
 
 
-Outcome = Returned | Raised | Skipped | XFailed | Exited | Killed | TimedOut
-Died = (Exited, Killed)  # ended without reporting: isinstance(o, Died)
+@dataclass(frozen=True)
+class Stopped:
+    where: Place | None  # as for TimedOut: where it was when the run was ended around it
+
+
+Outcome = Returned | Raised | Skipped | XFailed | Exited | Killed | Lost | TimedOut | Stopped
+Died = (Exited, Killed, Lost)  # ended without reporting: isinstance(o, Died)
+Failure = (Raised, Exited, Killed, Lost)  # beats everything else, wherever it happens
+Unfinished = (TimedOut, Stopped)
+FORKED_CHILD = "tutorial_impl.testing.ForkedChildReturned"  # Raised.exc_type of an intruder
+
+
+@dataclass(frozen=True)
+class Report:
+    """One rank's answer: its outcome, the process that gave it, when, and the exceptions
+    its own threads raised meanwhile (formatted; the plugin turns them into warnings)."""
+
+    outcome: Outcome
+    pid: int
+    at: float  # time.time() when the function ended
+    thread_errors: tuple[str, ...] = ()
 
 
 def died(exitcode: int | None) -> Exited | Killed:
@@ -104,19 +149,81 @@ def _type_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def from_exception(exc: BaseException) -> Raised | Skipped | XFailed:
-    """The outcome of a rank function that raised ``exc`` (called inside its except block).
+def skip_kind(exc: BaseException) -> type[Skipped] | type[XFailed] | None:
+    """``Skipped`` for ``pytest.skip`` (and ``unittest.SkipTest``, which pytest also skips
+    on), ``XFailed`` for ``pytest.xfail``, else None: decided by pytest's own exception
+    types, never by a class name (an application's ``class Skipped(Exception)`` is a
+    failure). A rank that raised pytest's exception has pytest imported; one that has not
+    cannot have raised it, so nothing here imports pytest."""
+    outcomes = sys.modules.get("_pytest.outcomes")
+    if outcomes is not None:
+        if isinstance(exc, outcomes.Skipped):
+            return Skipped
+        if isinstance(exc, outcomes.XFailed):
+            return XFailed
+    unittest = sys.modules.get("unittest")
+    if unittest is not None and isinstance(exc, unittest.SkipTest):
+        return Skipped
+    return None
 
-    ``pytest.skip`` and ``pytest.xfail`` raise exceptions too; they are told apart by name,
-    so that a rank need not import pytest.
-    """
-    name = type(exc).__name__
-    reason = str(getattr(exc, "msg", None) or exc)
-    if name in ("Skipped", "SkipTest"):
-        return Skipped(reason)
-    if name == "XFailed":
-        return XFailed(reason)
+
+def from_exception(exc: BaseException) -> Raised | Skipped | XFailed:
+    """The outcome of a rank function that raised ``exc`` (called inside its except block)."""
+    kind = skip_kind(exc)
+    if kind is not None:
+        return kind(str(getattr(exc, "msg", None) or exc))
     return Raised(_type_name(exc), str(exc), traceback.format_exc())
+
+
+def capture(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> Report:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` and report how it ended: the one
+    rank-side capture of every strategy. Never raises (``exit()`` and Ctrl-C included).
+
+    If the function forked and the *child* comes back here, its report is a failure of the
+    rank that says so (the parent tells it apart by ``pid``): a child answering for its rank
+    would hide whatever the rank itself did.
+    """
+    owner = os.getpid()
+    thread_errors: list[str] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda hook_args: thread_errors.append(_thread_error(hook_args))
+    try:
+        outcome: Outcome = Returned(fn(rank, world_size, *args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported, even exit()
+        outcome = from_exception(exc)
+        if on_error is not None and os.getpid() == owner:
+            try:
+                on_error(exc)
+            except BaseException:  # noqa: BLE001 - the debugger went away: report the error
+                pass
+    finally:
+        threading.excepthook = hook
+    if os.getpid() != owner:
+        outcome = forked_child(rank, os.getpid())
+    return Report(outcome, os.getpid(), time.time(), tuple(thread_errors))
+
+
+def forked_child(rank: int, pid: int) -> Raised:
+    message = (
+        f"a process forked inside rank {rank} (pid {pid}) returned from the rank function "
+        "instead of ending with os._exit; only the rank itself answers for its rank"
+    )
+    return Raised(FORKED_CHILD, message, f"{FORKED_CHILD}: {message}\n")
+
+
+def _thread_error(hook_args: Any) -> str:
+    name = getattr(hook_args.thread, "name", "?")
+    text = "".join(
+        traceback.format_exception(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+    )
+    return f"Exception in thread {name}\n{text}"
 
 
 def unpicklable(what: str, exc: BaseException) -> Raised:

@@ -16,9 +16,10 @@ What pytest calls, in the order it calls it:
 
 ``pytest_addoption``
     the command-line options (``--rank-timeout``, ``--init-method``, ``--require-gpu``,
-    ``--check-collectives``, ``--rank-pdb``, ``--launcher``) and
-    ini values (``rank_timeout``, ``rank_preload``), shown under "torch.distributed
-    multi-rank harness" in ``pytest --help``.
+    ``--check-collectives``, ``--rank-pdb``, ``--launcher``, ``--warm-worlds``,
+    ``--warm-audit``) and ini values (``rank_timeout``, ``rank_preload``, ``warm_worlds``),
+    shown under "torch.distributed multi-rank harness" in ``pytest --help``; their help
+    texts are the constants below.
 ``pytest_cmdline_main``
     under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
@@ -40,7 +41,7 @@ What pytest calls, in the order it calls it:
 ``pytest_runtest_setup`` / ``pytest_runtest_teardown``
     fails a misconfigured test, or one ``--require-gpu`` refused to skip, before its
     fixtures run; leases a GPU test's GPUs for its run (``backends.lease``).
-fixtures ``run_ranks`` and ``world_size``
+fixtures ``run_ranks`` and ``world_size`` (``fixtures``)
     run a rank function on N processes; the size of this test's world.
 
 Markers: ``world_size(n)`` or ``world_size(n1, n2, ...)``, ``dist_backend(name)``,
@@ -54,20 +55,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, launched, matrix, report, warm
+from tutorial_impl.testing import backends, forkserver, job, matrix, report
 from tutorial_impl.testing import config as _config
-from tutorial_impl.testing import ranks as _ranks
-from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
+from tutorial_impl.testing.fixtures import (
+    DEADLINE_CAP,
+    SESSION,
+    SETTINGS,
+    Session,
+    _run_ranks,
+    _world_size_matrix,
+    default_size,
+    world_size,
+)
 from tutorial_impl.testing.rendezvous import INIT_METHODS
-from tutorial_impl.testing.supervisor import run_ranks
-from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.warm import WarmPool
+
+__all__ = ["_run_ranks", "_world_size_matrix", "world_size"]  # the fixtures pytest finds here
 
 MARKERS = {
     "world_size(n, ...)": "run the test's ranks with world size n (default 2); several sizes "
@@ -81,23 +88,58 @@ MARKERS = {
     "backend(name)": "deprecated: dist_backend(name); honoured on tests using run_ranks only",
     "gpu(n=1)": "deprecated: dist_gpu(n); honoured on tests using run_ranks only",
     "warm_world(enabled=True)": "run this module's or class's rank functions in warm worlds: "
-    "ranks and process group kept between tests, checked before each reuse, replaced by a "
-    "fresh world after anything wrong (see tutorial_impl.testing.warm); warm_world(False) "
-    "opts one test out",
+    "ranks and process group kept between tests, reset and checked before each reuse, "
+    "replaced by a fresh world after anything wrong (see docs/harness.md); "
+    "warm_world(False) opts one test out",
     "check_collectives": "check before every collective that all ranks call the same one "
     "(TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks): a mismatch fails in seconds, not at the "
     "deadline",
 }
+HELP_RANK_TIMEOUT = (
+    "harness deadline in seconds for every multi-rank test without its own rank_timeout "
+    "marker (default: the rank_timeout ini value, else 60). At the deadline every live rank's "
+    "Python stacks go into the report, then the ranks are killed"
+)
+HELP_INIT_METHOD = "how ranks rendezvous: env (default), tcp or file; all are race-free"
+HELP_REQUIRE_GPU = (
+    "fail, instead of skipping, every test marked dist_gpu or using the nccl backend that this "
+    "machine cannot run (no CUDA, too few GPUs, no NCCL), with the reason: for GPU CI jobs, "
+    "which must not pass by skipping every GPU test"
+)
+HELP_CHECK_COLLECTIVES = (
+    "check before every collective of every multi-rank test that all ranks call the same one "
+    "with the same shapes (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks in different "
+    "collectives then fail in seconds, naming both, instead of hanging until the deadline. "
+    "Costs a few times a small collective; the check_collectives marker turns it on for one test"
+)
+HELP_RANK_PDB = (
+    "debug rank N of every multi-rank test: its breakpoint() and the post-mortem of its "
+    "exception wait on a local port (printed on the terminal and in the rank's log) for "
+    "`python -m tutorial_impl.testing.attach PORT`; the other ranks are held and the harness "
+    "deadline paused meanwhile (pytest-timeout still counts: add --timeout 0)"
+)
+HELP_LAUNCHER = (
+    "where rank functions run. fork: fresh ranks forked for each test (the default outside "
+    "torchrun). torchrun: this pytest is one worker of a torchrun job (`torchrun "
+    "--nproc-per-node=N -m pytest`), run_ranks runs the function here as this rank, the ranks "
+    "agree on every verdict, and rank 0 reports. auto (default): torchrun when torchrun's "
+    "variables (TORCHELASTIC_RUN_ID, RANK, ...) are set"
+)
+HELP_WARM_WORLDS = (
+    "run every multi-rank test in warm worlds (ranks and process group kept between tests, "
+    "reset and checked before each reuse), as the warm_world marker does for a module; "
+    "warm_world(False) opts a test out (default: the warm_worlds ini value, else off)"
+)
+HELP_WARM_AUDIT = (
+    "run every warm call on fresh ranks too and fail the test if the two verdicts differ: "
+    "proof, for a CI job, that no test depends on what a warm world carried over"
+)
 # Imported once by the rank forkserver under pytest: a rank that runs a function of a test
 # file imports that file, and the file imports pytest (~0.3 s a rank otherwise).
 PYTEST_PRELOAD = ["pytest", __name__]
 _refused_skip = pytest.StashKey[str]()  # reason a --require-gpu test would have been skipped
 _bad_config = pytest.StashKey[str]()  # a marker the harness cannot honour: fails the test
-_settings = pytest.StashKey[_config.Settings]()  # what the test's ranks run with
-_deadline_cap = pytest.StashKey[float]()  # no run_ranks call may wait longer (pytest-timeout)
-_default_deadline = pytest.StashKey[float]()  # --rank-timeout, else rank_timeout ini, else 60
 _leases = pytest.StashKey[contextlib.ExitStack]()
-_world = pytest.StashKey[Any]()  # launched.World: this pytest is one rank of a torchrun job
 LAUNCHERS = ("auto", "fork", "torchrun")
 
 
@@ -108,62 +150,18 @@ class HarnessDeprecationWarning(DeprecationWarning):
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Options and ini values. pytest calls this once per plugin, before parsing argv."""
     group = parser.getgroup("dist-harness", "torch.distributed multi-rank harness")
+    group.addoption("--rank-timeout", type=float, default=None, help=HELP_RANK_TIMEOUT)
+    group.addoption("--init-method", choices=INIT_METHODS, default=None, help=HELP_INIT_METHOD)
+    group.addoption("--require-gpu", action="store_true", default=False, help=HELP_REQUIRE_GPU)
     group.addoption(
-        "--rank-timeout",
-        type=float,
-        default=None,
-        help="harness deadline in seconds for every multi-rank test without its own "
-        "rank_timeout marker (default: the rank_timeout ini value, else 60). At the deadline "
-        "every live rank's Python stacks go into the report, then the ranks are killed",
+        "--check-collectives", action="store_true", default=False, help=HELP_CHECK_COLLECTIVES
     )
-    group.addoption(
-        "--init-method",
-        choices=INIT_METHODS,
-        default=None,
-        help="how ranks rendezvous: env (default), tcp or file; all are race-free",
-    )
-    group.addoption(
-        "--require-gpu",
-        action="store_true",
-        default=False,
-        help="fail, instead of skipping, every test marked dist_gpu or using the nccl backend "
-        "that this machine cannot run (no CUDA, too few GPUs, no NCCL), with the reason: "
-        "for GPU CI jobs, which must not pass by skipping every GPU test",
-    )
-    group.addoption(
-        "--check-collectives",
-        action="store_true",
-        default=False,
-        help="check before every collective of every multi-rank test that all ranks call the "
-        "same one with the same shapes (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks in "
-        "different collectives then fail in seconds, naming both, instead of hanging until "
-        "the deadline. Costs a few times a small collective; the check_collectives marker "
-        "turns it on for one test",
-    )
-    group.addoption(
-        "--rank-pdb",
-        type=int,
-        default=None,
-        metavar="N",
-        help="debug rank N of every multi-rank test: its breakpoint() and the post-mortem of "
-        "its exception wait on a local port (printed on the terminal and in the rank's log) "
-        "for `python -m tutorial_impl.testing.attach PORT`; the other ranks are held and the "
-        "harness deadline paused meanwhile (pytest-timeout still counts: add --timeout 0)",
-    )
-    group.addoption(
-        "--launcher",
-        choices=LAUNCHERS,
-        default="auto",
-        help="where rank functions run. fork: fresh ranks forked for each test (the default "
-        "outside torchrun). torchrun: this pytest is one worker of a torchrun job "
-        "(`torchrun --nproc-per-node=N -m pytest`), run_ranks runs the function here as this "
-        "rank, the ranks agree on every verdict, and rank 0 reports. auto (default): "
-        "torchrun when torchrun's variables (TORCHELASTIC_RUN_ID, RANK, ...) are set",
-    )
+    group.addoption("--rank-pdb", type=int, default=None, metavar="N", help=HELP_RANK_PDB)
+    group.addoption("--launcher", choices=LAUNCHERS, default="auto", help=HELP_LAUNCHER)
+    group.addoption("--warm-worlds", action="store_true", default=None, help=HELP_WARM_WORLDS)
+    group.addoption("--warm-audit", action="store_true", default=False, help=HELP_WARM_AUDIT)
     parser.addini(
-        "rank_timeout",
-        "default harness deadline in seconds",
-        default=str(_config.DEFAULT_DEADLINE),
+        "rank_timeout", "default harness deadline in seconds", default=str(_config.DEFAULT_DEADLINE)
     )
     parser.addini(
         "rank_preload",
@@ -171,12 +169,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="linelist",
         default=[],
     )
+    parser.addini(
+        "warm_worlds", "run every multi-rank test in warm worlds", type="bool", default=False
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists (launched ranks quiet it)
 def pytest_configure(config: pytest.Config) -> None:
     """Register the markers; check the options; tell the forkserver what to preload; under
-    torchrun, join the job and register its session hooks (``launched_session``).
+    torchrun, join the job and register its session hooks (``torchrun_session``).
 
     A bad option or ini value raises ``pytest.UsageError``: pytest prints the message and
     exits with status 4 before collecting anything, as for its own options.
@@ -189,21 +190,43 @@ def pytest_configure(config: pytest.Config) -> None:
             deadline = _config.deadline_option(config.getini("rank_timeout"), "rank_timeout ini")
     except _config.ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[_default_deadline] = deadline or _config.DEFAULT_DEADLINE
+    warm_worlds = config.getoption("--warm-worlds")
+    session = Session(
+        pool=WarmPool(),
+        launched=None,
+        default_deadline=_config.DEFAULT_DEADLINE if deadline is None else deadline,
+        init_method=config.getoption("--init-method"),
+        warm_worlds=bool(config.getini("warm_worlds") if warm_worlds is None else warm_worlds),
+        warm_audit=config.getoption("--warm-audit"),
+        check_collectives=config.getoption("--check-collectives"),
+        debug_rank=config.getoption("--rank-pdb"),
+    )
+    config.stash[SESSION] = session
     launch = _launch(config)
     if launch is not None:
-        from tutorial_impl.testing.launched_session import LaunchedSession
-
-        world = launched.World(launch, config.stash[_default_deadline])
-        config.stash[_world] = world
-        config.pluginmanager.register(
-            LaunchedSession(config, world, _deadline_of), "tutorial-impl-launched-session"
-        )
+        _join_the_job(config, session, launch)
         return
-    _ranks.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
-    shared = getattr(config, "workerinput", {}).get(_ranks.WORKERINPUT_KEY)
+    forkserver.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
+    shared = getattr(config, "workerinput", {}).get(forkserver.WORKERINPUT_KEY)
     if shared is not None:  # an xdist worker: its ranks come from the controller's server
-        _ranks.use_shared_forkserver(shared)
+        forkserver.SERVER.use_shared(shared)
+
+
+def _join_the_job(config: pytest.Config, session: Session, launch: job.Launch) -> None:
+    """This pytest is one worker of a torchrun job: join it, register its session hooks."""
+    from tutorial_impl.testing.torchrun import Launched
+    from tutorial_impl.testing.torchrun_session import LaunchedSession
+
+    if session.init_method is not None:
+        raise pytest.UsageError(
+            "--init-method cannot be honoured under torchrun: the job has torchrun's own "
+            "rendezvous; drop the option (or use --launcher fork)"
+        )
+    the_job = job.Job(launch, session.default_deadline)
+    session.launched = Launched(the_job)
+    config.pluginmanager.register(
+        LaunchedSession(config, the_job, _deadline_of), "tutorial-impl-launched-session"
+    )
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist (-p no:xdist) never called
@@ -211,34 +234,32 @@ def pytest_configure_node(node: Any) -> None:
     """In the xdist controller, for each worker it is about to start: share one forkserver.
 
     xdist calls this once per worker, before the worker process runs any of pytest; what
-    goes into ``node.workerinput`` (a dict of plain values) arrives in that worker as
-    ``config.workerinput``, where ``pytest_configure`` reads it. The first call starts the
-    server (``ranks.start_shared_forkserver``: it returns without waiting for the server's
-    torch import, which then overlaps the workers' own start-up); later calls, and workers
-    xdist restarts, reuse it. Only for workers on this machine with this interpreter (a
-    ``--tx ssh=...`` or ``popen//python=...`` worker keeps a server of its own); under
-    torchrun there are no workers (``-n`` is refused), so this is never called there.
+    goes into ``node.workerinput`` arrives in that worker as ``config.workerinput``, where
+    ``pytest_configure`` reads it. The first call starts the server (``forkserver``), later
+    calls reuse it. Only for workers on this machine with this interpreter; under torchrun
+    there are no workers (``-n`` is refused), so this is never called there.
     """
     spec = node.gateway.spec
-    if not spec.popen or spec.python or _world in node.config.stash:
+    session = node.config.stash.get(SESSION, None)
+    if not spec.popen or spec.python or (session is not None and session.launched):
         return
-    node.workerinput[_ranks.WORKERINPUT_KEY] = _ranks.start_shared_forkserver()
+    node.workerinput[forkserver.WORKERINPUT_KEY] = forkserver.SERVER.start_shared()
 
 
-def _launch(config: pytest.Config) -> launched.Launch | None:
+def _launch(config: pytest.Config) -> job.Launch | None:
     """This run's place in a torchrun job (``--launcher``), or None for forked ranks."""
     choice = config.getoption("--launcher")
     if choice == "fork":
         return None
     try:
-        launch = launched.detect()
+        launch = job.detect()
     except ValueError as exc:
         raise pytest.UsageError(f"--launcher {choice}: {exc}") from None
     if launch is None:
         if choice == "torchrun":
             raise pytest.UsageError(
                 "--launcher torchrun: this pytest was not started by torchrun (it needs all "
-                f"of {', '.join(launched.LAUNCH_ENV)} in its environment); run `torchrun "
+                f"of {', '.join(job.LAUNCH_ENV)} in its environment); run `torchrun "
                 "--nproc-per-node=N -m pytest ...`"
             )
         return None
@@ -250,12 +271,6 @@ def _launch(config: pytest.Config) -> launched.Launch | None:
     return launch
 
 
-def _default_size(config: pytest.Config) -> int:
-    """A test's world size when nothing sets one: 2, or under torchrun the whole job."""
-    world = config.stash.get(_world, None)
-    return world.launch.world_size if world is not None else _config.DEFAULT_WORLD_SIZE
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Before pytest configures anything: under torchrun, give each rank a ``--basetemp`` of
@@ -264,20 +279,20 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     if config.getoption("--launcher") == "fork" or config.option.basetemp:
         return
     try:
-        launch = launched.detect()
+        launch = job.detect()
     except ValueError:
         return  # pytest_configure reports it
     if launch is not None:
-        config.option.basetemp = launched.basetemp(launch)
+        config.option.basetemp = job.basetemp(launch)
 
 
 def _deadline_of(item: pytest.Item) -> float:
     """The harness deadline of ``item``: its rank_timeout, else the session's (under
-    torchrun every test has one, ``run_ranks`` or not: see ``launched_session``)."""
-    settings = item.stash.get(_settings, None)
+    torchrun every test has one, ``run_ranks`` or not: see ``torchrun_session``)."""
+    settings = item.stash.get(SETTINGS, None)
     if settings is not None:
         return settings.deadline
-    default = item.config.stash[_default_deadline]
+    default = item.config.stash[SESSION].default_deadline
     try:
         return _config.read(item, default, _config.DEFAULT_INIT_METHOD).deadline
     except _config.ConfigError:
@@ -285,20 +300,16 @@ def _deadline_of(item: pytest.Item) -> float:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``@pytest.mark.world_size(1, 2, 4)``: one item per size (see ``matrix``)."""
+    """``@pytest.mark.world_size(1, 2, 4)``: one item per size (see ``matrix``). A bad
+    matrix is not parametrized: that test fails in its own setup (``config``), and the
+    session goes on."""
     marker = metafunc.definition.get_closest_marker("world_size")
     try:
         sizes = matrix.sizes(marker)
-    except ValueError as exc:
-        pytest.fail(f"{metafunc.definition.nodeid}: {exc}", pytrace=False)
-    if sizes is None:
+    except ValueError:
         return
-    if matrix.FIXTURE not in metafunc.fixturenames:
-        pytest.fail(
-            f"{metafunc.definition.nodeid}: world_size{tuple(sizes)} makes one test per size "
-            "for the run_ranks or world_size fixture, and the test uses neither",
-            pytrace=False,
-        )
+    if sizes is None or matrix.FIXTURE not in metafunc.fixturenames:
+        return
     params = [
         pytest.param(n, id=matrix.item_id(n), marks=pytest.mark.world_size(n=n)) for n in sizes
     ]
@@ -306,12 +317,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _pytest_timeout(item: pytest.Item) -> float | None:
-    """The test's pytest-timeout, from any of its four sources, or None without the plugin.
-
-    pytest-timeout reads, in order: the closest ``timeout`` marker, ``--timeout``, the
-    ``PYTEST_TIMEOUT`` variable, the ``timeout`` ini value; its ``_get_item_settings`` does
-    exactly that, and is what it calls itself.
-    """
+    """The test's pytest-timeout, from any of its four sources, or None without the plugin
+    (``pytest_timeout._get_item_settings`` reads them as pytest-timeout itself does)."""
     if not item.config.pluginmanager.hasplugin("timeout"):
         return None
     try:
@@ -322,6 +329,16 @@ def _pytest_timeout(item: pytest.Item) -> float | None:
         return None
 
 
+def _ours(item: pytest.Item) -> bool:
+    """Whether the harness reads this test's markers: it uses the harness, or carries one of
+    its markers that another project's could not mean otherwise."""
+    names = ("dist_backend", "dist_gpu", "warm_world", "rank_timeout")
+    if _config.uses_the_harness(item) or any(item.get_closest_marker(n) for n in names):
+        return True
+    marker = item.get_closest_marker("world_size")
+    return marker is not None and len(marker.args) > 1  # a matrix for no fixture
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Read and check every harness test's markers once; skip what cannot run here.
 
@@ -329,17 +346,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     and fails that one test in ``pytest_runtest_setup`` (raising here would be an
     INTERNALERROR that ends the whole session). A test this machine cannot run (no CUDA, too
     few GPUs, no NCCL or MPI) is skipped with the reason, or refused under --require-gpu.
-    The harness, which reports stacks and kills ranks, must fire before pytest-timeout: a
-    session-wide pytest-timeout (``--timeout``, ``PYTEST_TIMEOUT``, ini) is raised above the
-    test's deadline, and a test's own ``timeout`` marker lowers the harness deadline under it.
+    The harness, which reports stacks and kills ranks, must fire before pytest-timeout
+    (``timing``): a session-wide pytest-timeout is raised above the test's deadline, and a
+    test's own ``timeout`` marker lowers the harness deadline under it.
     """
-    require_gpu = config.getoption("--require-gpu")
-    init_method = config.getoption("--init-method") or _config.DEFAULT_INIT_METHOD
-    world = config.stash.get(_world, None)
+    session = config.stash[SESSION]
     for item in items:
-        if not _config.uses_the_harness(item) and not any(
-            item.get_closest_marker(name) for name in ("dist_backend", "dist_gpu")
-        ):
+        if not _ours(item):
             continue  # not ours: a foreign gpu or backend marker keeps its own meaning
         for old in _config.deprecated_markers_on(item):
             new = _config.DEPRECATED_MARKERS[old]
@@ -351,33 +364,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
         try:
             settings = _config.read(
-                item, config.stash[_default_deadline], init_method, _default_size(config)
+                item,
+                session.default_deadline,
+                session.init_method or _config.DEFAULT_INIT_METHOD,
+                default_size(config),
             )
-            if world is not None:  # one process of the job per rank, on LOCAL_RANK's GPU
-                reason = launched.why_not_here(world.launch, settings)
-            else:
-                reason = backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
+            reason = _why_not_here(session, settings)
         except _config.ConfigError as exc:
             item.stash[_bad_config] = str(exc)
             continue
-        if reason and require_gpu and settings.gpus:
+        if reason and config.getoption("--require-gpu") and settings.gpus:
             item.stash[_refused_skip] = reason  # failed in pytest_runtest_setup
             continue
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
             continue
-        limit = _pytest_timeout(item)
-        if item.get_closest_marker("timeout") is not None:
-            # The test's own limit stands: the harness reports first, inside it.
-            cap = _config.under_backstop(float("inf"), limit)
-            item.stash[_deadline_cap] = cap
-            settings = dataclasses.replace(settings, deadline=min(settings.deadline, cap))
-        elif limit and _config.uses_the_harness(item):
-            # A session-wide limit is a backstop: keep it above this test's deadline.
-            wanted = settings.deadline + _config.BACKSTOP_MARGIN
-            if limit < wanted:
-                item.add_marker(pytest.mark.timeout(wanted), append=False)
-        item.stash[_settings] = settings
+        item.stash[SETTINGS] = _within_pytest_timeout(item, settings)
+
+
+def _why_not_here(session: Session, settings: _config.Settings) -> str | None:
+    if session.launched is not None:  # one process of the job per rank, on LOCAL_RANK's GPU
+        return job.why_not_here(session.launched.job.launch, settings)  # type: ignore[attr-defined]
+    return backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
+
+
+def _within_pytest_timeout(item: pytest.Item, settings: _config.Settings) -> _config.Settings:
+    limit = _pytest_timeout(item)
+    if item.get_closest_marker("timeout") is not None:
+        # The test's own limit stands: the harness reports first, inside it.
+        cap = _config.under_backstop(float("inf"), limit)
+        item.stash[DEADLINE_CAP] = cap
+        return dataclasses.replace(settings, deadline=min(settings.deadline, cap))
+    if limit and _config.uses_the_harness(item):
+        # A session-wide limit is a backstop: keep it above this test's deadline.
+        wanted = settings.deadline + _config.BACKSTOP_MARGIN
+        if limit < wanted:
+            item.add_marker(pytest.mark.timeout(wanted), append=False)
+    return settings
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -390,8 +413,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = item.stash.get(_refused_skip, None)
     if reason is not None:
         pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
-    settings = item.stash.get(_settings, None)
-    if settings is not None and settings.gpus and _world not in item.config.stash:
+    settings = item.stash.get(SETTINGS, None)
+    if settings is not None and settings.gpus and not item.config.stash[SESSION].launched:
         _lease_gpus(item, settings)
 
 
@@ -430,137 +453,22 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if stack is not None:
         stack.close()
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
-        warm.close_all()
+        item.config.stash[SESSION].pool.close_all()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """No warm rank outlives the session."""
-    warm.close_all()
-
-
-def _warm(item: pytest.Item, settings: _config.Settings, options: dict[str, Any]) -> bool:
-    """Whether this call runs in a warm world: the test asks for one (``warm_world``
-    marker, not ``warm_world(False)``), leases no GPU, and uses only options warm serves."""
-    marker = item.get_closest_marker(warm.MARKER)
-    if marker is None:
-        return False
-    given = [*marker.args, *marker.kwargs.values()]
-    if (
-        len(given) > 1
-        or set(marker.kwargs) - {"enabled"}
-        or any(type(v) is not bool for v in given)
-    ):
-        pytest.fail(
-            f"harness configuration: @pytest.mark.warm_world takes one True or False "
-            f"(enabled=...), got args {marker.args!r} kwargs {marker.kwargs!r}",
-            pytrace=False,
-        )
-    return (given or [True])[0] and not settings.gpus and warm.suits(options)
-
-
-RunRanks = Callable[..., RankResults]
-
-
-@pytest.fixture(name=matrix.FIXTURE)
-def _world_size_matrix(request: pytest.FixtureRequest) -> int | None:
-    """This item's entry of a world-size matrix (``request.param``), or None."""
-    return getattr(request, "param", None)
-
-
-@pytest.fixture
-def world_size(request: pytest.FixtureRequest, _world_size_matrix: int | None) -> int:
-    """The number of ranks this test runs with: its world-size matrix entry, else its
-    ``world_size`` marker, else 2. For computing what every rank should have returned.
-
-    A test may also parametrize it, ``@pytest.mark.parametrize("world_size", [3, 5])``:
-    pytest then passes each value in place of this fixture, and ``run_ranks`` (which
-    depends on it) runs that many ranks."""
-    return _config.world_size_of(request.node, _default_size(request.config))
-
-
-@pytest.fixture(name="run_ranks")
-def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> RunRanks:
-    """Run a rank function on N processes and return each rank's return value.
-
-    ``run_ranks(fn, *args, **options)`` calls ``fn(rank, world_size, *args)`` in every rank,
-    inside a fresh process group, and returns a list of the return values (rank order) with
-    the ranks' printed output in ``.outputs``. ``fn`` may be defined in the test file itself.
-    Defaults come from the test's markers and the command line; keyword options
-    (``world_size``, ``backend``, ``init_method``, ``timeout``, ``fn_kwargs``, ``env``)
-    override them for one call. ``backend=None`` starts the ranks without a process group,
-    for functions that set up their own (RPC, several groups). ``may_exit={rank, ...}`` names
-    ranks whose death is part of the test: theirs is recorded as a ``RankExited`` result.
-
-    A rank that calls ``pytest.skip`` skips the test; any other failure fails it with that
-    rank's traceback, where the other ranks were, and every rank's output. The logs live
-    in the test's ``tmp_path``.
-    """
-    item = request.node
-    settings = item.stash.get(_settings, None)
-    if settings is None:  # an item our collection hook did not see: read it now
-        try:
-            settings = _config.read(
-                item,
-                request.config.stash[_default_deadline],
-                request.config.getoption("--init-method") or _config.DEFAULT_INIT_METHOD,
-                _default_size(request.config),
-            )
-        except _config.ConfigError as exc:
-            pytest.fail(f"harness configuration: {exc}", pytrace=False)
-    cap = item.stash.get(_deadline_cap, float("inf"))
-    calls = iter(range(1_000_000))
-    checking_collectives = request.config.getoption("--check-collectives") or (
-        settings.check_collectives
-    )
-
-    def run(fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
-        __tracebackhide__ = True
-        options.setdefault("world_size", world_size)
-        options.setdefault("backend", settings.backend)
-        options.setdefault("init_method", settings.init_method)
-        options.setdefault("timeout", settings.deadline)
-        # Never wait past pytest-timeout: the harness must report (stacks) before it fires.
-        if isinstance(options["timeout"], (int, float)) and options["timeout"] > cap:
-            options["timeout"] = cap
-        options.setdefault("log_dir", tmp_path / f"ranks-{next(calls)}")
-        if request.config.getoption("--rank-pdb") is not None:
-            options.setdefault("debug_rank", request.config.getoption("--rank-pdb"))
-        if checking_collectives:  # the caller's own env= entries win
-            options["env"] = {**CHECK_COLLECTIVES, **(options.get("env") or {})}
-        world = request.config.stash.get(_world, None)
-        try:
-            if world is not None:
-                if options["world_size"] != world.launch.world_size:
-                    pytest.skip(launched.size_mismatch(options["world_size"], world.launch))
-                results = launched.run(world, fn, *args, **options)
-            elif _warm(item, settings, options):
-                results = warm.run(fn, *args, **options)
-            else:
-                results = run_ranks(fn, *args, **options)
-        except RankSkipped as skip:
-            pytest.skip(f"rank {skip.rank}: {skip.reason}")
-        except RankXFailed as xfail:
-            pytest.xfail(f"rank {xfail.rank}: {xfail.reason}")
-        except RankError as error:
-            error.in_message = False  # stacks and outputs go to report sections instead
-            raise
-        if world is not None:  # each rank's own capture has it; rank 0 shows them all
-            return results
-        # Show what the ranks printed in pytest's "Captured stdout" section.
-        for rank, text in enumerate(results.outputs):
-            if text.strip():
-                sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-        return results
-
-    return run
+    found = session.config.stash.get(SESSION, None)
+    if found is not None:
+        found.pool.close_all()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Lead a failed multi-rank test's report with its cause; details in sections (``report``)."""
     rep = yield
-    if call.when == "call":
-        warm.test_ended(failed=rep.failed)  # a failed test's warm world is not reused
+    if call.when == "call":  # a failed test's warm world is not reused
+        item.config.stash[SESSION].pool.test_ended(failed=rep.failed)
     if call.excinfo is not None:
         report.rewrite(rep, call.excinfo.value)
     return rep

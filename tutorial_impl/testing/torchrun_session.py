@@ -1,7 +1,7 @@
 """The pytest side of a torchrun job: the same tests everywhere, one verdict each, one report.
 
 ``plugin.py`` registers a ``LaunchedSession`` when pytest runs as a worker of a torchrun job
-(see ``launched``). Its hooks, in the order pytest calls them:
+(see ``job``; ``torchrun`` runs the ``run_ranks`` calls). Its hooks, in the order pytest calls them:
 
 ``pytest_collection_finish``
     every rank publishes the test ids it collected (and its collection errors) and reads
@@ -9,7 +9,9 @@
     them, with the first difference named, before any test runs.
 ``pytest_runtest_setup`` / ``_call`` / ``_teardown`` (wrappers)
     start and stop the watchdog's clock for the phase: past the deadline it publishes this
-    rank's stacks to the store and interrupts the main thread (``PhaseDeadline``).
+    rank's stacks to the store and interrupts the main thread (``PhaseDeadline``). The same
+    watchdog thread beats this worker's heartbeat (``job.Heartbeats``), so that the others
+    name a worker that exits within seconds, instead of waiting out their deadlines.
 ``pytest_runtest_makereport`` (wrapper)
     every rank publishes how the phase went and reads everyone's; every rank then reports the
     same outcome: failed if any rank failed, else skipped if any skipped, else passed. Rank 0
@@ -38,21 +40,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from _pytest._code.code import ReprFileLocation
 
 from tutorial_impl.testing import forensics
-from tutorial_impl.testing.launched import ANSWER_GRACE, World, main_thread_stack
+from tutorial_impl.testing.job import Job
+from tutorial_impl.testing.timing import (
+    ANSWER_GRACE,
+    COLLECT_TIMEOUT,
+    GIVE_UP,
+    HEARTBEAT,
+    PHASE_GRACE,
+    REPORT_MARGIN,
+    REPORT_WAIT,
+    STATUS_TIMEOUT,
+)
 
-COLLECT_TIMEOUT = 300.0  # seconds the ranks wait for each other's collection (imports, slow FS)
-# A test phase may run this long past the test's deadline (time in run_ranks calls, which
-# keep deadlines of their own, not counted) before the watchdog takes its stacks and stops it.
-PHASE_GRACE = 1.0
-# How long a rank that has finished a phase waits for the slowest one: its deadline, run_ranks
-# calls' own deadlines and grace, and this margin. Only a main thread stuck in C++ outside
-# any collective (the watchdog's interrupt cannot reach it) makes anyone wait this long.
-REPORT_MARGIN = 60.0
-GIVE_UP = 10.0  # after the others gave up on it, a stuck rank waits this long, then exits
-STATUS_TIMEOUT = 30.0
-REPORT_WAIT = 60.0  # how long the other ranks wait at exit for rank 0 to finish its report
 _INTERRUPT = getattr(signal, "SIGUSR2", None)
 
 
@@ -79,7 +81,7 @@ class RemoteRepr:
 
     def __init__(self, text: str, headline: str) -> None:
         self.text = text
-        self.reprcrash = _Crash(headline)
+        self.reprcrash = ReprFileLocation("", 0, headline)
 
     def toterminal(self, tw: Any) -> None:
         for line in self.text.splitlines():
@@ -87,13 +89,6 @@ class RemoteRepr:
 
     def __str__(self) -> str:
         return self.text
-
-
-@dataclass
-class _Crash:
-    message: str
-    path: str = ""
-    lineno: int = 0
 
 
 @dataclass
@@ -107,10 +102,10 @@ class _Phase:
 class LaunchedSession:
     """Hooks of a pytest run that is one rank of a torchrun job (registered by the plugin)."""
 
-    def __init__(self, config: pytest.Config, world: World, deadline_of: Any) -> None:
+    def __init__(self, config: pytest.Config, job: Job, deadline_of: Any) -> None:
         self.config = config
-        self.world = world
-        self.launch = world.launch
+        self.job = job
+        self.launch = job.launch
         self.deadline_of = deadline_of  # item -> its harness deadline, in seconds
         self.seq = 0  # report exchanges so far, the same count on every rank
         self.refusal: str | None = None  # why no test ran (collection differs)
@@ -158,7 +153,7 @@ class LaunchedSession:
         ]
         mine = {"ids": [item.nodeid for item in session.items], "errors": errors}
         mine["host"] = socket.gethostname()
-        got = self.world.channel.gather("collected", mine, COLLECT_TIMEOUT)
+        got = self.job.channel.gather("collected", mine, COLLECT_TIMEOUT, self.job.heartbeats)
         self.hosts = {r: g["host"] for r, g in got.items()}
         self.refusal = collection_problem(got, self.launch.world_size)
         if self.refusal:
@@ -207,17 +202,21 @@ class LaunchedSession:
     def _watch(self) -> None:
         """Past a phase's deadline: publish this rank's stacks, interrupt the main thread;
         if the others gave up on us meanwhile, end this worker (it cannot report)."""
-        channel = self.world.channel
+        channel = self.job.channel
+        beaten = 0.0
         while True:
             time.sleep(0.1)
+            if time.monotonic() - beaten >= HEARTBEAT:
+                self.job.heartbeats.beat()
+                beaten = time.monotonic()
             phase = self._phase
-            if phase is not None and self.world.in_call:  # run_ranks keeps its own time
+            if phase is not None and self.job.in_call:  # run_ranks keeps its own time
                 phase.stop = max(phase.stop, time.monotonic() + phase.limit)
             if phase is None or time.monotonic() < phase.stop:
                 continue
             if not phase.dumped:
                 phase.dumped = True
-                channel.set(f"stacks/{phase.seq}/{self.launch.rank}", main_thread_stack())
+                channel.set(f"stacks/{phase.seq}/{self.launch.rank}", _main_thread_stack())
                 if _INTERRUPT is not None and self._main is not None:
                     signal.pthread_kill(self._main, _INTERRUPT)
             elif time.monotonic() > phase.stop + GIVE_UP and channel.has("abort"):
@@ -237,23 +236,24 @@ class LaunchedSession:
             if crash is not None:
                 crash.message = str(call.excinfo.value)
         mine = _verdict(rep)
-        got = self.world.channel.gather(
-            f"report/{self.seq}", mine, self._limit(item) + ANSWER_GRACE + REPORT_MARGIN
-        )
-        agree(rep, mine, got, self.launch.rank, self.launch.world_size, self._stacks_of)
-        problem = lockstep_problem(mine, got, self.launch.world_size)
+        wait = self._limit(item) + ANSWER_GRACE + REPORT_MARGIN
+        got = self.job.channel.gather(f"report/{self.seq}", mine, wait, self.job.heartbeats)
+        gone = [r for r in range(self.launch.world_size) if r not in got]
+        lost = [r for r in gone if self.job.heartbeats.lost(r)]
+        agree(rep, mine, got, self.launch.rank, self.launch.world_size, self._stacks_of, lost)
+        problem = lockstep_problem(mine, got, self.launch.world_size, lost)
         if problem and not self.broken:
             self.broken = problem
-            self.world.channel.set("abort")
+            self.job.channel.set("abort")
             item.session.shouldstop = problem
         return rep
 
     def _stacks_of(self, rank: int) -> str:
         key = f"stacks/{self.seq}/{rank}"
         stop = time.monotonic() + 2.0  # its watchdog publishes them at its deadline
-        while not self.world.channel.has(key) and time.monotonic() < stop:
+        while not self.job.channel.has(key) and time.monotonic() < stop:
             time.sleep(0.05)
-        return self.world.channel.get(key) if self.world.channel.has(key) else ""
+        return self.job.channel.get(key) if self.job.channel.has(key) else ""
 
     # --- one exit status ------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ class LaunchedSession:
         mine = int(exitstatus)
         if self.refusal:  # not "no tests collected": the ranks refused to run them
             mine = int(pytest.ExitCode.USAGE_ERROR)
-        got = self.world.channel.gather("status", mine, STATUS_TIMEOUT)
+        got = self.job.channel.gather("status", mine, STATUS_TIMEOUT, self.job.heartbeats)
         missing = self.launch.world_size - len(got)
         statuses = [got[r] for r in sorted(got)] + [int(pytest.ExitCode.TESTS_FAILED)] * missing
         self.status = next((s for s in statuses if s), 0)
@@ -277,7 +277,7 @@ class LaunchedSession:
         the workers still running as soon as one exits non-zero, and rank 0 must not be cut
         off mid-report. Rank 0 then waits briefly for the others to leave first, so the
         agent sees every worker end by itself."""
-        channel = self.world.channel
+        channel = self.job.channel
         if self.launch.rank != 0:
             stop = time.monotonic() + REPORT_WAIT
             while not channel.has("done") and time.monotonic() < stop:
@@ -288,6 +288,20 @@ class LaunchedSession:
         channel.publish("leaving", self.status)
         channel.collect("leaving", GIVE_UP)
         _exit(self.status)
+
+
+def _main_thread_stack() -> str:
+    """The main thread's Python stack (where pytest is in the test), most recent call first,
+    without pytest's and pluggy's own frames below the test."""
+    main = threading.main_thread()
+    frames = forensics.frames_of(sys._current_frames().get(main.ident or -1), "")
+    own = []
+    for frame in frames:
+        if "/_pytest/" in frame[0] or "/pluggy/" in frame[0]:
+            break
+        own.append(frame)
+    title = f"Thread {main.ident:#x} (main thread: the test, most recent call first):"
+    return forensics.format_frames(title, own)
 
 
 def _exit(status: int) -> None:
@@ -378,17 +392,27 @@ def agree(
     rank: int,
     world_size: int,
     stacks_of: Any,
+    lost: list[int] | None = None,
 ) -> None:
     """Make ``rep`` the verdict every rank reaches: failed if any rank failed (or did not
-    answer), else skipped if any skipped, else passed. Rank 0's report carries the rest."""
-    silent = [r for r in range(world_size) if r not in got]
+    answer), else skipped if any skipped, else passed. Rank 0's report carries the rest.
+    ``lost``: the silent ranks whose worker is gone (named as exited, not as stuck)."""
+    lost = lost or []
+    silent = [r for r in range(world_size) if r not in got and r not in lost]
+    if lost:
+        names = ", ".join(map(str, lost))
+        headline = (
+            f"rank(s) {names} exited during the {mine.when} phase (the worker process is "
+            "gone: no heartbeat in the job's store); the session stops here"
+        )
+        rep.outcome = "failed"
+        rep.longrepr = RemoteRepr(headline, headline)
+        silent = []
     failed = [r for r, v in sorted(got.items()) if v.outcome == "failed"]
     skipped = [r for r, v in sorted(got.items()) if v.outcome == "skipped"]
     if silent:
         where = {r: stacks_of(r) for r in silent} if rank == 0 else {}
-        places = ", ".join(
-            f"rank {r} {forensics.where(text) or '(no stacks)'}" for r, text in where.items()
-        )
+        places = ", ".join(f"rank {r} {_place(text)}" for r, text in where.items())
         headline = (
             f"rank(s) {', '.join(map(str, silent))} did not finish the {mine.when} phase "
             "within the harness deadline" + (f": {places}" if places else "")
@@ -398,7 +422,7 @@ def agree(
             rep.longrepr = RemoteRepr(headline, headline)
             for r, text in where.items():
                 rep.sections.append((f"Python stacks of rank {r}", text or "(none published)"))
-    elif failed:
+    elif failed and not lost:
         rep.outcome = "failed"
         if mine.outcome != "failed":  # it failed elsewhere: show where, and why
             other = got[failed[0]]
@@ -416,7 +440,8 @@ def agree(
         return
     # The same failure (a run_ranks error every rank raised) is shown once; so are the
     # report sections every rank has alike (the stacks of a run_ranks error).
-    shown = got[0] if got[0].outcome == "failed" else got[failed[0]] if failed else None
+    first = got.get(0)
+    shown = first if first and first.outcome == "failed" else got[failed[0]] if failed else None
     have = set(rep.sections)
     for r, v in sorted(got.items()):
         if r == 0:
@@ -428,8 +453,21 @@ def agree(
                 rep.sections.append((f"{title} (rank {r})", text))
 
 
-def lockstep_problem(mine: Verdict, got: dict[int, Verdict], world_size: int) -> str | None:
-    """Why the session cannot go on: a rank stuck in a test, or ranks in different tests."""
+def _place(dump: str) -> str:
+    found = forensics.place(forensics.frames_of_dump(dump)) if dump else None
+    return str(found) if found else "(no stacks)"
+
+
+def lockstep_problem(
+    mine: Verdict, got: dict[int, Verdict], world_size: int, lost: list[int] | None = None
+) -> str | None:
+    """Why the session cannot go on: a rank gone or stuck in a test, or ranks in different
+    tests."""
+    if lost:
+        return (
+            f"rank(s) {', '.join(map(str, lost))} exited in {mine.nodeid} ({mine.when}): the "
+            "session stops here, and every worker exits non-zero"
+        )
     silent = [r for r in range(world_size) if r not in got]
     if silent:
         return (

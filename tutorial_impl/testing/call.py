@@ -1,0 +1,218 @@
+"""One ``run_ranks`` call, checked once into a typed value, and what each rank is given.
+
+Markers, options and ``run_ranks`` keyword arguments all end up here: ``build`` checks every
+field (a ``ValueError`` or ``TypeError`` naming the field and what is accepted) and returns
+a frozen ``Call``. Every way of starting ranks takes a ``Call``; a runner that cannot honour
+a field the caller gave (``Call.given``) refuses it by name (``runner.refusal``), it never
+drops it. ``rank_spec`` turns a call into what one rank receives (``RankSpec``).
+
+Nothing here imports torch at import time (the pytest plugin imports this module).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from tutorial_impl.testing import backends
+from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing.config import (
+    DEFAULT_BACKEND,
+    DEFAULT_DEADLINE,
+    DEFAULT_INIT_METHOD,
+    DEFAULT_WORLD_SIZE,
+)
+from tutorial_impl.testing.debugging import check_rank
+from tutorial_impl.testing.lookup import FunctionRef, function_ref
+from tutorial_impl.testing.rendezvous import INIT_METHODS
+
+# The options of run_ranks, beside the function and its positional arguments.
+OPTIONS = (
+    "world_size",
+    "backend",
+    "init_method",
+    "timeout",
+    "fn_kwargs",
+    "env",
+    "log_dir",
+    "stream",
+    "stream_prefix",
+    "may_exit",
+    "debug_rank",
+)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One run, checked: the function, where it runs, and for how long."""
+
+    function: FunctionRef
+    payload: bytes  # pickle of (args, fn_kwargs): unpickled inside each rank
+    world_size: int
+    backend: str | None
+    init_method: str
+    deadline: float  # seconds for the whole run (``timeout=`` of run_ranks)
+    env: dict[str, str]
+    may_exit: frozenset[int]
+    debug_rank: int | None
+    log_dir: Path | None
+    stream: TextIO | None
+    stream_prefix: bool
+    coverage: dict[str, Any] | None
+    given: frozenset[str] = frozenset()  # the options the caller named itself
+
+    @property
+    def debug_env(self) -> dict[str, str]:
+        return check_rank(self.debug_rank, self.world_size)
+
+
+def build(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    world_size: int = DEFAULT_WORLD_SIZE,
+    backend: str | None = DEFAULT_BACKEND,
+    init_method: str = DEFAULT_INIT_METHOD,
+    timeout: float = DEFAULT_DEADLINE,
+    fn_kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    stream: TextIO | None = None,
+    stream_prefix: bool = True,
+    may_exit: Collection[int] = (),
+    debug_rank: int | None = None,
+    given: Collection[str] = (),
+) -> Call:
+    """Check a call's every field and pickle what the ranks need."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if init_method not in INIT_METHODS:
+        raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be positive: a number of seconds, got {timeout!r}")
+    backends.check(backend)
+    refusal = backends.mpi_refusal(backend, world_size)
+    if refusal:
+        raise ValueError(refusal)
+    _check_env(env)
+    check_rank(debug_rank, world_size)
+    _check_gpus(backend, world_size, env)
+    ref = function_ref(fn)
+    if fn_kwargs is not None and not isinstance(fn_kwargs, dict):
+        raise TypeError(f"fn_kwargs must be a dict of keyword arguments, got {fn_kwargs!r}")
+    try:
+        payload = pickle.dumps((tuple(args), fn_kwargs or {}))
+    except Exception as exc:
+        raise TypeError(f"arguments for {ref.qualname} cannot be sent to the ranks: {exc}") from exc
+    return Call(
+        function=ref,
+        payload=payload,
+        world_size=world_size,
+        backend=backend,
+        init_method=init_method,
+        deadline=float(timeout),
+        env=dict(env or {}),
+        may_exit=_check_ranks(may_exit, world_size),
+        debug_rank=debug_rank,
+        log_dir=Path(log_dir) if log_dir is not None else None,
+        stream=stream,
+        stream_prefix=bool(stream_prefix),
+        coverage=_coverage.parent_settings(),
+        given=frozenset(given),
+    )
+
+
+def unknown_options(options: Collection[str]) -> list[str]:
+    """The keyword arguments of a run_ranks call that are no option of it."""
+    return sorted(set(options) - set(OPTIONS))
+
+
+def _check_env(env: Any) -> None:
+    if env is None:
+        return
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise TypeError(f"env must be a dict of str to str, got {env!r}")
+
+
+def _check_ranks(may_exit: Collection[int], world_size: int) -> frozenset[int]:
+    """``may_exit`` as a set, or a ValueError naming what is not a rank of this world."""
+    if isinstance(may_exit, (str, bytes)) or not isinstance(may_exit, Collection):
+        raise ValueError(f"may_exit must be a collection of ranks, got {may_exit!r}")
+    bad = [r for r in may_exit if type(r) is not int or not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"may_exit names {bad!r}, not ranks of a world of {world_size}")
+    return frozenset(may_exit)
+
+
+def _check_gpus(backend: str | None, world_size: int, env: dict[str, str] | None) -> None:
+    """Refuse, in the parent, more NCCL ranks than GPUs (ranks check again: see rank.py)."""
+    if not backends.uses_nccl(backend) or "CUDA_VISIBLE_DEVICES" in (env or {}):
+        return  # the ranks see other GPUs than we do: they will judge for themselves
+    import torch
+
+    shortage = backends.gpu_shortage(backend, world_size, torch.cuda.device_count())
+    if shortage:
+        raise ValueError(shortage)
+
+
+@dataclass
+class RankSpec:
+    """Everything one rank needs, sent to it by pickle. The function travels *by name*."""
+
+    rank: int
+    world_size: int
+    function: FunctionRef
+    payload: bytes  # pickle of (args, kwargs): unpickled inside the rank, errors reported
+    env: dict[str, str]
+    log_path: str
+    stack_path: str
+    backend: str | None = DEFAULT_BACKEND  # None: the function initialises what it needs
+    init_method: str = DEFAULT_INIT_METHOD
+    tmp_dir: str | None = None
+    timeout: float = DEFAULT_DEADLINE
+    extra: dict[str, Any] = field(default_factory=dict)
+    # The parent's environment, import path and working directory at the call (the
+    # forkserver's date from its start: a variable a test set since then, or the directory
+    # of a test file pytest put on sys.path since then, would otherwise be missing).
+    parent_env: dict[str, str] | None = None
+    parent_path: list[str] | None = None
+    parent_cwd: str | None = None
+    coverage: dict[str, Any] | None = None  # the parent's coverage settings, if measuring
+    owner_pid: int | None = None  # the process that asked for the rank: it dies with it
+
+
+def rank_spec(
+    call: Call,
+    rank: int,
+    work: Path,
+    rank_env: dict[str, str],
+    extra_env: dict[str, str] | None = None,
+) -> RankSpec:
+    """What rank ``rank`` runs for ``call``, its files in ``work``. Its environment, last
+    word first: ``extra_env`` (the debugger's), the caller's ``env``, ``rank_env`` (the
+    rendezvous), the parent's own."""
+    return RankSpec(
+        rank=rank,
+        world_size=call.world_size,
+        function=call.function,
+        payload=call.payload,
+        env={**rank_env, **call.env, **(extra_env or {})},
+        log_path=str(work / f"rank{rank}.log"),
+        stack_path=str(work / f"rank{rank}.stacks"),
+        backend=call.backend,
+        init_method=call.init_method,
+        tmp_dir=str(work),
+        timeout=call.deadline,
+        parent_env=dict(os.environ),
+        parent_path=list(sys.path),
+        parent_cwd=os.getcwd(),
+        coverage=call.coverage,
+        owner_pid=os.getpid(),
+    )

@@ -1,0 +1,209 @@
+"""The fixtures ``run_ranks`` and ``world_size``, and how one call finds its strategy.
+
+``run_ranks(fn, *args, **options)`` is the whole path of a test's call, one way in and one
+verdict out: the test's settings (``config``, read once at collection) and the call's own
+keyword options become one checked ``call.Call``; the strategy is chosen (``Session.runner``:
+under torchrun the job, a warm world when asked for and possible, else fresh ranks), runs it
+and returns the results or raises the run's one error (``verdict``); a skip or an xfail
+becomes pytest's own, and exceptions in the ranks' threads become pytest's warnings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tutorial_impl.testing import call as _call
+from tutorial_impl.testing import config as _config
+from tutorial_impl.testing import matrix
+from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
+from tutorial_impl.testing.forked import FORKED
+from tutorial_impl.testing.runner import Runner
+from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.warm import WarmPool
+
+RunRanks = Callable[..., RankResults]
+
+
+@dataclasses.dataclass
+class Session:
+    """What one pytest session's calls share: the warm pool, the torchrun job (if this
+    pytest is one of its workers), and the session's options. On ``config.stash``."""
+
+    pool: WarmPool
+    launched: Runner | None  # torchrun.Launched
+    default_deadline: float
+    init_method: str | None  # --init-method, if given
+    warm_worlds: bool  # --warm-worlds / the warm_worlds ini value
+    warm_audit: bool  # --warm-audit
+    check_collectives: bool  # --check-collectives
+    debug_rank: int | None  # --rank-pdb
+
+    def runner(self, settings: _config.Settings, call: _call.Call) -> Runner:
+        """The strategy for ``call``: the job under torchrun; a warm world when asked for
+        (marker or --warm-worlds, not warm_world(False)) and it can serve the call, with
+        no GPUs leased; else fresh ranks."""
+        if self.launched is not None:
+            return self.launched
+        wanted = settings.warm if settings.warm is not None else self.warm_worlds
+        if wanted and not settings.gpus and self.pool.refusal(call) is None:
+            return self.pool
+        return FORKED
+
+
+SESSION = pytest.StashKey[Session]()
+SETTINGS = pytest.StashKey[_config.Settings]()  # what the test's ranks run with
+DEADLINE_CAP = pytest.StashKey[float]()  # no run_ranks call may wait longer (pytest-timeout)
+
+
+def default_size(config: pytest.Config) -> int:
+    """A test's world size when nothing sets one: 2, or under torchrun the whole job."""
+    session = config.stash.get(SESSION, None)
+    launched = session.launched if session is not None else None
+    return launched.job.launch.world_size if launched is not None else _config.DEFAULT_WORLD_SIZE  # type: ignore[attr-defined]
+
+
+@pytest.fixture(name=matrix.FIXTURE)
+def _world_size_matrix(request: pytest.FixtureRequest) -> int | None:
+    """This item's entry of a world-size matrix (``request.param``), or None."""
+    return getattr(request, "param", None)
+
+
+@pytest.fixture
+def world_size(request: pytest.FixtureRequest, _world_size_matrix: int | None) -> int:
+    """The number of ranks this test runs with: its world-size matrix entry, else its
+    ``world_size`` marker, else 2. For computing what every rank should have returned.
+
+    A test may also parametrize it, ``@pytest.mark.parametrize("world_size", [3, 5])``:
+    pytest then passes each value in place of this fixture, and ``run_ranks`` (which
+    depends on it) runs that many ranks."""
+    return _config.world_size_of(request.node, default_size(request.config))
+
+
+@pytest.fixture(name="run_ranks")
+def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> RunRanks:
+    """Run a rank function on N processes and return each rank's return value.
+
+    ``run_ranks(fn, *args, **options)`` calls ``fn(rank, world_size, *args)`` in every rank,
+    inside a fresh process group, and returns a list of the return values (rank order) with
+    the ranks' printed output in ``.outputs``. ``fn`` may be defined in the test file itself.
+    Defaults come from the test's markers and the command line; keyword options
+    (``world_size``, ``backend``, ``init_method``, ``timeout``, ``fn_kwargs``, ``env``,
+    ``log_dir``, ``stream``, ``may_exit``, ``debug_rank``) override them for one call.
+    ``backend=None`` starts the ranks without a process group, for functions that set up
+    their own (RPC, several groups). ``may_exit={rank, ...}`` names ranks whose death is part
+    of the test: theirs is recorded as a ``RankExited`` result.
+
+    A failure on any rank fails the test with that rank's traceback, where the other ranks
+    were, and every rank's output; a skip (or xfail) on a rank skips it only if no rank
+    failed. The logs live in the test's ``tmp_path``.
+    """
+    item = request.node
+    session = request.config.stash[SESSION]
+    settings = item.stash.get(SETTINGS, None)
+    if settings is None:  # an item our collection hook did not see: read it now
+        try:
+            settings = _config.read(
+                item,
+                session.default_deadline,
+                session.init_method or _config.DEFAULT_INIT_METHOD,
+                default_size(request.config),
+            )
+        except _config.ConfigError as exc:
+            pytest.fail(f"harness configuration: {exc}", pytrace=False)
+    calls = iter(range(1_000_000))
+
+    def run(fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
+        __tracebackhide__ = True
+        unknown = _call.unknown_options(options)
+        if unknown:
+            raise TypeError(f"run_ranks() got unexpected keyword argument(s) {unknown}")
+        call = _build(fn, args, options, settings, session, world_size)
+        call = dataclasses.replace(
+            call,
+            deadline=min(call.deadline, item.stash.get(DEADLINE_CAP, float("inf"))),
+            log_dir=call.log_dir or tmp_path / f"ranks-{next(calls)}",
+        )
+        runner = session.runner(settings, call)
+        if runner is session.launched and call.world_size != world_size_of_job(runner):
+            pytest.skip(f"needs world_size {call.world_size}; this torchrun job has another")
+        return _outcome(runner, call, session)
+
+    return run
+
+
+def world_size_of_job(runner: Runner) -> int:
+    return runner.job.launch.world_size  # type: ignore[attr-defined]
+
+
+def _build(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+    settings: _config.Settings,
+    session: Session,
+    world_size: int,
+) -> _call.Call:
+    """The checked call: the test's settings, then the call's own options on top."""
+    given = set(options)
+    if session.init_method is not None:
+        given.add("init_method")
+    fields: dict[str, Any] = {
+        "world_size": world_size,
+        "backend": settings.backend,
+        "init_method": settings.init_method,
+        "timeout": settings.deadline,
+        **options,
+    }
+    env = dict(options.get("env") or {})
+    if session.check_collectives or settings.check_collectives:  # the caller's env= wins
+        fields["env"] = {**CHECK_COLLECTIVES, **env}
+    if session.debug_rank is not None and "debug_rank" not in options:
+        fields["debug_rank"] = session.debug_rank
+    try:
+        return _call.build(fn, args, given=given, **fields)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"run_ranks: {exc}") from None
+
+
+def _outcome(runner: Runner, call: _call.Call, session: Session) -> RankResults:
+    """Run ``call`` and turn its verdict into pytest's: results, a failure, skip or xfail."""
+    __tracebackhide__ = True
+    try:
+        if runner is session.pool and session.warm_audit:
+            from tutorial_impl.testing.audit import audited
+
+            results = audited(session.pool, FORKED, call)
+        else:
+            results = runner.run(call)
+    except RankSkipped as skip:
+        _warn_thread_errors(skip.thread_errors)
+        pytest.skip(f"rank {skip.rank}: {skip.reason}")
+    except RankXFailed as xfail:
+        _warn_thread_errors(xfail.thread_errors)
+        pytest.xfail(f"rank {xfail.rank}: {xfail.reason}")
+    except RankError as error:
+        _warn_thread_errors(error.thread_errors)
+        error.in_message = False  # stacks and outputs go to report sections instead
+        raise
+    _warn_thread_errors(results.thread_errors)
+    if session.launched is None:  # under torchrun each rank's own capture has the output
+        for rank, text in enumerate(results.outputs):
+            if text.strip():
+                sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+    return results
+
+
+def _warn_thread_errors(errors: dict[int, tuple[str, ...]]) -> None:
+    """An exception in a rank's thread, as plain pytest reports one in its own process."""
+    for rank, texts in sorted(errors.items()):
+        for text in texts:
+            warnings.warn(
+                pytest.PytestUnhandledThreadExceptionWarning(f"rank {rank}: {text}"), stacklevel=3
+            )

@@ -1,0 +1,132 @@
+"""Fresh ranks for every call: the default strategy, and ``run_ranks`` outside pytest.
+
+``run_ranks(fn, *args, world_size=2)`` forks ``world_size`` ranks from the forkserver, each
+joins a process group on a store the parent owns (``rendezvous``), runs ``fn`` through the
+one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` decides, and a
+``finally`` kills every rank's process group whatever happened, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any, TextIO
+
+from tutorial_impl.testing import call as _call
+from tutorial_impl.testing import debugging as _debugging
+from tutorial_impl.testing import forkserver, rank, supervise
+from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.config import (
+    DEFAULT_BACKEND,
+    DEFAULT_DEADLINE,
+    DEFAULT_INIT_METHOD,
+    DEFAULT_WORLD_SIZE,
+)
+from tutorial_impl.testing.errors import RankResults
+from tutorial_impl.testing.rendezvous import AgentStore
+from tutorial_impl.testing.verdict import decide
+
+
+class Forked:
+    """Fresh ranks per call: honours every field of a call."""
+
+    name = "forked"
+
+    def refusal(self, call: Call) -> str | None:
+        return None
+
+    def run(self, call: Call) -> RankResults:
+        __tracebackhide__ = True
+        own_dir = call.log_dir is None
+        work = Path(tempfile.mkdtemp(prefix="ranks-")) if own_dir else call.log_dir
+        assert work is not None
+        work.mkdir(parents=True, exist_ok=True)
+        _debugging.forget(work)  # an earlier run's debugger files would pause this deadline
+        store = AgentStore(timeout=call.deadline)
+        started: list[supervise.Proc] = []
+        try:
+            for r in range(call.world_size):
+                spec = _call.rank_spec(call, r, work, store.rank_env(r, call.world_size))
+                spec.env.update(call.debug_env)
+                started.append(start(spec))
+            deadline = _debugging.Deadline(call.deadline, work)
+            finished = supervise.supervise(
+                started, deadline, call.deadline, call.stream, call.stream_prefix, call.may_exit
+            )
+            return decide(finished)
+        finally:
+            supervise.LIVE.kill(started)
+            store.close()
+            if own_dir:
+                shutil.rmtree(work, ignore_errors=True)
+
+
+def start(spec: _call.RankSpec) -> supervise.Proc:
+    """Fork one fresh rank for ``spec`` from the forkserver."""
+    ctx = forkserver.context()
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=rank.rank_main, args=(spec, writer), daemon=True)
+    process.start()
+    writer.close()  # only the rank holds the write end: EOF then means it is gone
+    supervise.LIVE.add(process.pid)
+    return supervise.Proc(spec.rank, process, reader, Path(spec.log_path), Path(spec.stack_path))
+
+
+FORKED = Forked()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = DEFAULT_WORLD_SIZE,
+    backend: str | None = DEFAULT_BACKEND,
+    init_method: str = DEFAULT_INIT_METHOD,
+    timeout: float = DEFAULT_DEADLINE,
+    fn_kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    stream: TextIO | None = None,
+    stream_prefix: bool = True,
+    may_exit: Collection[int] = (),
+    debug_rank: int | None = None,
+) -> RankResults:
+    """Run ``fn(rank, world_size, *args, **fn_kwargs)`` on ``world_size`` fresh ranks.
+
+    With ``backend`` set (the default, ``"gloo"``) each rank has joined a process group with
+    that backend through ``init_method`` (``env``, ``tcp`` or ``file``) before ``fn`` runs.
+    With ``backend=None`` the ranks start with only the rendezvous environment (MASTER_ADDR,
+    RANK, ...) and ``fn`` sets up what it needs: several groups, RPC, roles. ``timeout`` is
+    the deadline for the whole run, in seconds.
+
+    Returns the return values in rank order; raises ``RankFailed``, ``RankCrashed``,
+    ``RankTimeout``, ``RankSkipped`` or ``RankXFailed`` (``verdict`` says which wins).
+    ``stream`` relays the ranks' output while they run.
+
+    ``may_exit`` names ranks whose death is part of the test (a server that fails on
+    purpose): such a rank may end without reporting, by ``os._exit`` or a signal, and the
+    run goes on; its entry in the results is then a ``RankExited``. A rank outside
+    ``may_exit`` that dies still fails the run at once.
+
+    ``debug_rank=N`` debugs rank N: its ``breakpoint()`` and the post-mortem of its exception
+    wait on a local port for ``python -m tutorial_impl.testing.attach PORT`` (``debugging``).
+    """
+    __tracebackhide__ = True
+    call = _call.build(
+        fn,
+        args,
+        world_size=world_size,
+        backend=backend,
+        init_method=init_method,
+        timeout=timeout,
+        fn_kwargs=fn_kwargs,
+        env=env,
+        log_dir=log_dir,
+        stream=stream,
+        stream_prefix=stream_prefix,
+        may_exit=may_exit,
+        debug_rank=debug_rank,
+    )
+    return FORKED.run(call)

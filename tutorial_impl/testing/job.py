@@ -1,0 +1,339 @@
+"""A torchrun job as its pytest workers see it: where this worker stands, the job's store
+and the process group the harness manages on it.
+
+``torchrun --nnodes=2 --nproc-per-node=2 -m pytest`` starts four pytest processes, each one a
+rank of the job (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` in
+its environment). ``detect`` reads that into a ``Launch``; ``Job`` holds what the session
+shares between its tests:
+
+* **A channel that a stuck collective cannot block** (``Channel``): the ranks talk through
+  the job's own key-value store (torchrun's agent hosts it), never through the process
+  group, and every wait on it has a deadline.
+* **Heartbeats** (``Heartbeats``): every worker bumps a counter of its own in the store every
+  ``HEARTBEAT`` s; a worker whose counter stood still for ``HEARTBEAT_LOST`` s has exited (or
+  is frozen), and the others stop waiting for it and name it, instead of waiting minutes.
+* **A fresh process group after any failure** (``Job.group``): a failed call may have left
+  collectives half done, so the next call destroys the job's group and makes a new one on
+  the same store, with the timeout of ``timing.group_timeout``.
+
+The runner is ``torchrun`` (one ``run_ranks`` call), the pytest side ``torchrun_session``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from tutorial_impl.testing import backends
+from tutorial_impl.testing.rendezvous import AgentStore, avoid_reverse_dns_stalls
+from tutorial_impl.testing.timing import (
+    HEARTBEAT_LOST,
+    STORE_POLL_MAX,
+    STORE_POLL_MIN,
+    group_timeout,
+)
+
+# What torchrun (and torch.distributed.launch, and an srun that starts torchrun) puts in
+# every worker's environment.
+LAUNCH_ENV = (
+    "TORCHELASTIC_RUN_ID",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This worker's place in the launched job, read from its environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    restart: int
+    agent_store: bool  # the agent hosts the store (torchrun's default); else rank 0 does
+
+    @property
+    def describe(self) -> str:
+        return f"rank {self.rank} of {self.world_size} (torchrun job {self.run_id})"
+
+
+def detect(environ: dict[str, str] | os._Environ[str] = os.environ) -> Launch | None:
+    """The launch this process is part of, or None when torchrun did not start it.
+
+    A malformed variable is a ValueError naming it, never a silent forked run."""
+    if not all(name in environ for name in LAUNCH_ENV):
+        return None
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        try:
+            numbers[name] = int(environ[name])
+        except ValueError:
+            raise ValueError(
+                f"torchrun variable {name}={environ[name]!r} is not a number"
+            ) from None
+    if not 0 <= numbers["RANK"] < numbers["WORLD_SIZE"]:
+        raise ValueError(
+            f"RANK={numbers['RANK']} is not a rank of WORLD_SIZE={numbers['WORLD_SIZE']}"
+        )
+    return Launch(
+        rank=numbers["RANK"],
+        world_size=numbers["WORLD_SIZE"],
+        local_rank=numbers["LOCAL_RANK"],
+        master_addr=environ["MASTER_ADDR"],
+        master_port=numbers["MASTER_PORT"],
+        run_id=environ["TORCHELASTIC_RUN_ID"],
+        restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+    )
+
+
+class Channel:
+    """Keys in the job's store, under this session's own prefix; no wait without a deadline.
+
+    ``publish(key, obj)`` writes ``key/RANK``; ``collect(key, timeout)`` reads every rank's,
+    polling (a blocking ``wait`` would hold the store client's lock, and the watchdog thread
+    shares the client), and returns those that arrived in time.
+    """
+
+    def __init__(self, launch: Launch, store: Any) -> None:
+        import torch.distributed as dist
+
+        self.launch = launch
+        prefix = f"tutorial-impl-pytest/{launch.run_id}/{launch.restart}/"
+        self._store = dist.PrefixStore(prefix, store)
+
+    def publish(self, key: str, obj: Any) -> None:
+        """``key/RANK`` = ``obj``, pickled (or ``obj`` itself, if it is pickled already)."""
+        data = obj if isinstance(obj, bytes) else _dumps(obj)
+        self._store.set(f"{key}/{self.launch.rank}", data)
+
+    def set(self, key: str, obj: Any = True) -> None:
+        self._store.set(key, pickle.dumps(obj))
+
+    def has(self, key: str) -> bool:
+        return bool(self._store.check([key]))
+
+    def get(self, key: str) -> Any:
+        return pickle.loads(self._store.get(key))
+
+    def collect(
+        self, key: str, timeout: float, heartbeats: Heartbeats | None = None
+    ) -> dict[int, Any]:
+        """Every rank's ``key``, waiting at most ``timeout`` s, and not for ranks whose
+        heartbeat is lost; missing ranks are absent."""
+        keys = {r: f"{key}/{r}" for r in range(self.launch.world_size)}
+        stop = time.monotonic() + timeout
+        pause = STORE_POLL_MIN
+        while True:
+            if self._store.check(list(keys.values())) or time.monotonic() > stop:
+                break
+            if heartbeats is not None:
+                missing = [r for r, name in keys.items() if not self._store.check([name])]
+                if missing and all(heartbeats.lost(r) for r in missing):
+                    break
+            time.sleep(pause)
+            pause = min(pause * 2, STORE_POLL_MAX)
+        found = {}
+        for rank, name in keys.items():
+            if self._store.check([name]):
+                found[rank] = pickle.loads(self._store.get(name))
+        return found
+
+    def gather(
+        self, key: str, obj: Any, timeout: float, heartbeats: Heartbeats | None = None
+    ) -> dict[int, Any]:
+        self.publish(key, obj)
+        return self.collect(key, timeout, heartbeats)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(key, amount))
+
+
+class Heartbeats:
+    """Which workers of the job are still there, judged by counters in the store.
+
+    ``beat`` (the session's watchdog thread calls it every ``HEARTBEAT`` s) bumps this
+    worker's counter; ``lost(rank)`` is True once rank's counter has not moved for
+    ``HEARTBEAT_LOST`` s by this worker's own clock (no clocks are compared across hosts)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+
+    def beat(self) -> None:
+        self.channel.add(f"alive/{self.channel.launch.rank}", 1)
+
+    def lost(self, rank: int) -> bool:
+        if rank == self.channel.launch.rank:
+            return False
+        count = self.channel.add(f"alive/{rank}", 0)
+        now = time.monotonic()
+        last = self.seen.get(rank)
+        if last is None or last[0] != count:
+            self.seen[rank] = (count, now)
+            return False
+        return now - last[1] > HEARTBEAT_LOST
+
+    def lost_ranks(self) -> list[int]:
+        return [r for r in range(self.channel.launch.world_size) if self.lost(r)]
+
+
+def _dumps(obj: Any) -> bytes:
+    from tutorial_impl.testing.rank import dumps_on_cpu
+
+    return dumps_on_cpu(obj)
+
+
+# --- the job's process group ----------------------------------------------------------------
+
+
+class Job:
+    """The launched job: its store, the channel, and the default process group we manage.
+
+    Every rank calls ``group`` (or ``no_group``) at the same point of the same test, so the
+    decisions here, taken from outcomes every rank agreed on, are the same on every rank.
+    """
+
+    def __init__(self, launch: Launch, timeout: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        avoid_reverse_dns_stalls()
+        self.launch = launch
+        # The agent's store (a client of it), or, without an agent store, the one rank 0
+        # hosts on MASTER_PORT as env:// would; kept for the whole session either way.
+        self.store = dist.TCPStore(
+            launch.master_addr,
+            launch.master_port,
+            world_size=launch.world_size,
+            is_master=launch.rank == 0 and not launch.agent_store,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+        )
+        self.channel = Channel(launch, self.store)
+        self.heartbeats = Heartbeats(self.channel)
+        if torch.cuda.is_available() and torch.cuda.device_count() > launch.local_rank:
+            torch.cuda.set_device(launch.local_rank)  # one worker per GPU, as torchrun means
+        self.calls = 0  # run_ranks calls so far: the same count on every rank (lockstep)
+        self.generation = 0  # process groups made so far
+        self.current: tuple[str, float, str] | None = None  # backend, timeout, debug level
+        self.pg: Any = None  # the default group we made
+        self.dirty = False  # the last call failed: its group is not reused
+        self.abandoned: list[threading.Thread] = []  # rank functions still running
+        self.in_call = False  # a run_ranks call is on: it keeps its own deadline
+        self.stale: list[Any] = []  # rendezvous stores of failed backend=None calls
+
+    def group(self, backend: str, timeout: float) -> None:
+        """Make sure the default group has ``backend``, is clean, and times out at ``timeout``."""
+        import torch
+        import torch.distributed as dist
+
+        wanted = (backend, timeout, os.environ.get("TORCH_DISTRIBUTED_DEBUG", ""))
+        if self.current == wanted and not self.dirty and self._ours():
+            return
+        self.no_group()
+        dist.set_debug_level_from_env()  # --check-collectives: DETAIL wraps the new group
+        if backends.uses_nccl(backend):
+            torch.cuda.set_device(self.launch.local_rank)  # LOCAL_RANK's GPU, as torchrun means
+        self.generation += 1
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(f"tutorial-impl-world-{self.generation}", self.store),
+            rank=self.launch.rank,
+            world_size=self.launch.world_size,
+            # Behind the harness deadline, which must see a hang first (and take the stacks);
+            # short enough that a collective abandoned then ends by itself.
+            timeout=group_timeout(timeout),
+        )
+        self.current = wanted
+        self.pg = dist.group.WORLD
+        self.dirty = False
+
+    def _ours(self) -> bool:
+        """The default group is still the one we made (a test may destroy or replace it)."""
+        import torch.distributed as dist
+
+        return dist.is_initialized() and dist.group.WORLD is self.pg
+
+    def no_group(self) -> None:
+        """Leave the default group, if any (a ``backend=None`` test makes its own)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.current = None
+
+    def fresh_rendezvous(self, key: str, timeout: float) -> tuple[dict[str, str], Any]:
+        """MASTER_ADDR/MASTER_PORT of a new store rank 0 hosts on port 0 (for RPC, or a
+        test's own groups): what a ``backend=None`` rank function would get forked."""
+        host = None
+        if self.launch.rank == 0:
+            host = AgentStore(host=self.launch.master_addr, timeout=timeout)
+            self.channel.set(key, host.port)
+        port = self._wait_for(key, timeout)
+        env = {
+            "MASTER_ADDR": self.launch.master_addr,
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0 connects as a client too
+        }
+        return env, host
+
+    def _wait_for(self, key: str, timeout: float) -> Any:
+        stop = time.monotonic() + timeout
+        while not self.channel.has(key):
+            if time.monotonic() > stop:
+                raise TimeoutError(f"rank 0 did not publish {key} within {timeout:g} s")
+            time.sleep(STORE_POLL_MAX)
+        return self.channel.get(key)
+
+
+# --- what a launched job can run ------------------------------------------------------------
+
+
+def size_mismatch(world_size: int, launch: Launch) -> str:
+    return (
+        f"needs world_size {world_size}; this torchrun job has {launch.world_size} ranks "
+        "(under torchrun a test runs on the whole job: launch it with that many workers)"
+    )
+
+
+def why_not_here(launch: Launch, settings: Any) -> str | None:
+    """Why this job cannot run a test with these settings (``config.Settings``), or None.
+
+    A world size other than the job's is skipped (not run on a subgroup: a test's
+    collectives on the default group must mean the whole world it asked for). A GPU test
+    needs LOCAL_RANK's GPU on every rank."""
+    if settings.world_size != launch.world_size:
+        return size_mismatch(settings.world_size, launch)
+    reason = backends.why_not_here(settings.backend, 1, 1 if settings.gpus else 0)
+    if reason or not settings.gpus:
+        return reason
+    import torch
+
+    if torch.cuda.device_count() <= launch.local_rank:
+        return f"LOCAL_RANK {launch.local_rank} has no GPU ({torch.cuda.device_count()} visible)"
+    return None
+
+
+def basetemp(launch: Launch) -> str:
+    """A temporary directory of this rank's own, under pytest's usual per-user root."""
+    import getpass
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no name for this uid (a container)
+        user = "unknown"
+    root = os.path.join(tempfile.gettempdir(), f"pytest-of-{user}")
+    return os.path.join(root, f"torchrun-{launch.run_id[:12]}-rank{launch.rank}")

@@ -1,0 +1,264 @@
+"""Waiting for rank processes, with deadlines and no leftovers: the engine under the forked
+and the warm runners. It gathers one ``outcome.Report`` per rank; ``verdict`` decides.
+
+The waiting is where multi-rank tests usually go wrong, so here are the rules it keeps:
+
+* **Fail fast.** The first rank that raises or dies ends the wait (after ``CRASH_GRACE``,
+  in which a death that caused it, or a failure of another rank, may still arrive); the
+  others are stopped, since they are probably blocked in a collective waiting for it.
+* **A skip is no verdict until every rank has ended.** After a rank skips (or xfails), the
+  others get ``SKIP_GRACE`` seconds to end by themselves: a failure anywhere beats a skip.
+* **Crashes are seen at once.** Each process's *sentinel* (a file descriptor that becomes
+  readable when the process exits) is waited on together with its result pipe, so a rank
+  killed by a signal or by ``os._exit`` is noticed immediately rather than at a timeout.
+* **Every wait has a deadline.** When it expires, each live rank gets SIGUSR1, which its
+  ``faulthandler`` answers by writing the Python stack of every thread (``forensics``); the
+  same happens to the ranks still running when the wait ends for another reason.
+* **Only the rank answers for its rank.** A report sent by a child a rank forked is that
+  rank's failure, also when it arrives after the rank's own report.
+* **Nothing outlives the call.** The runners kill every rank's process group in a
+  ``finally``; ``kill_all`` at exit is the last resort (``forkserver_init`` covers a
+  killed parent).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, TextIO
+
+from tutorial_impl.testing import forensics
+from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.debugging import Deadline
+from tutorial_impl.testing.errors import RankExited, prefixed
+from tutorial_impl.testing.timing import CRASH_GRACE, SKIP_GRACE
+from tutorial_impl.testing.verdict import Finished
+
+# c10d's warning when it cannot name a peer for a log message (rendezvous.py explains why
+# that lookup may be refused); it says nothing about the test, so rank output omits it.
+_DNS_NOISE = "[c10d] The hostname of the client socket cannot be retrieved"
+RELAY_POLL = 0.1  # how often a streaming run copies the ranks' new output lines
+
+
+@dataclass
+class Proc:
+    """One rank process as the parent sees it."""
+
+    rank: int
+    process: Any
+    conn: Connection
+    log_path: Path
+    stack_path: Path
+    streamed: int = 0  # characters of its log already relayed
+    extra: list[Any] = field(default_factory=list)  # messages after its report (warm checks)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def output(self) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        if _DNS_NOISE in text:
+            text = "".join(x for x in text.splitlines(True) if _DNS_NOISE not in x)
+        return text
+
+
+class Live:
+    """The rank processes of this process still alive: killed at interpreter exit."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+
+    def add(self, pid: int) -> None:
+        self.pids.add(pid)
+
+    def kill(self, procs: list[Proc]) -> None:
+        """SIGKILL each rank's process group and let go of it. SIGKILL cannot be caught:
+        from here on a rank runs no more code; its parent, the forkserver, reaps it."""
+        for p in procs:
+            if p.pid is not None:
+                kill_group(p.pid)
+                self.pids.discard(p.pid)
+            p.conn.close()
+
+    def kill_all(self) -> None:
+        for pid in list(self.pids):
+            kill_group(pid)
+        self.pids.clear()
+
+
+LIVE = Live()
+atexit.register(LIVE.kill_all)
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group a rank leads (the rank and anything it started). Even a
+    rank that has exited may have left children in its group, so the group is always
+    killed; its id cannot have been reused while the group lives."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def supervise(
+    procs: list[Proc],
+    deadline: Deadline,
+    timeout: float,
+    stream: TextIO | None = None,
+    prefix: bool = True,
+    may_exit: frozenset[int] = frozenset(),
+) -> Finished:
+    """Wait for every rank's report (the rules above); what was seen, for ``verdict``."""
+    watch = _Watch(procs, stream, prefix, may_exit)
+    watch.run(deadline)
+    watch.late_reports()
+    watch.relay()
+    return Finished(
+        world_size=len(procs),
+        reports=watch.reports,
+        order=watch.order,
+        outputs={p.rank: p.output() for p in procs},
+        deadline=timeout,
+        stacks=watch.stacks,
+        fatal=watch.fatal,
+        skip_wait=watch.skip_wait,
+    )
+
+
+class _Watch:
+    def __init__(
+        self, procs: list[Proc], stream: TextIO | None, prefix: bool, may_exit: frozenset[int]
+    ) -> None:
+        self.procs = procs
+        self.pending = {p.rank: p for p in procs}
+        self.stream, self.prefix, self.may_exit = stream, prefix, may_exit
+        self.reports: dict[int, _o.Report] = {}
+        self.order: list[int] = []
+        self.stacks: dict[int, str] = {}
+        self.fatal: dict[int, str] = {}
+        self.skip_at: float | None = None
+        self.skip_wait = 0.0
+
+    def handles(self) -> dict[Any, Proc]:
+        found = {p.conn: p for p in self.pending.values()}
+        found.update({p.process.sentinel: p for p in self.pending.values()})
+        return found
+
+    def run(self, deadline: Deadline) -> None:
+        while self.pending:
+            left = deadline.remaining()  # paused while a rank is being debugged
+            if self.skip_at is not None:
+                left = min(left, self.skip_at + SKIP_GRACE - time.monotonic())
+            if left <= 0:
+                timed_out = deadline.remaining() <= 0
+                if self.skip_at is not None:
+                    self.skip_wait = time.monotonic() - self.skip_at
+                self.stop_the_rest(_o.TimedOut if timed_out else _o.Stopped)
+                return
+            handles = self.handles()
+            ready = wait(list(handles), timeout=min(left, RELAY_POLL) if self.stream else left)
+            self.relay()
+            for handle in ready:
+                self.take(handles[handle])
+            if any(isinstance(self.reports[r].outcome, _o.Failure) for r in self.order):
+                self.gather(CRASH_GRACE)
+                self.stop_the_rest(_o.Stopped)
+                return
+
+    def take(self, p: Proc) -> None:
+        """Record ``p``'s report (or how it died), once."""
+        if p.rank not in self.pending:
+            return
+        del self.pending[p.rank]
+        report = receive(p)
+        if isinstance(report.outcome, _o.Died):
+            if p.rank in self.may_exit:  # part of the test: its place in the results says so
+                how = RankExited(p.rank, report.outcome.exitcode, report.outcome.how)
+                report = _o.Report(_o.Returned(how), report.pid, report.at)
+            elif p.stack_path.exists():
+                self.fatal[p.rank] = p.stack_path.read_text(errors="replace")
+        if isinstance(report.outcome, (_o.Skipped, _o.XFailed)) and self.skip_at is None:
+            self.skip_at = time.monotonic()
+        self.reports[p.rank] = report
+        self.order.append(p.rank)
+
+    def gather(self, grace: float) -> None:
+        """Take the reports that arrive within ``grace`` s (deaths, simultaneous failures)."""
+        end = time.monotonic() + grace
+        while self.pending and (left := end - time.monotonic()) > 0:
+            handles = self.handles()
+            ready = wait(list(handles), timeout=left)
+            if not ready:
+                return
+            for handle in ready:
+                self.take(handles[handle])
+
+    def stop_the_rest(self, kind: type[_o.TimedOut] | type[_o.Stopped]) -> None:
+        """The ranks still running: their stacks, and ``kind`` as their outcome."""
+        for p in list(self.pending.values()):
+            if p.conn.poll():  # its report is already waiting: it is not running any more
+                self.take(p)
+        running = [p for p in self.pending.values() if p.process.exitcode is None]
+        self.stacks = forensics.dump_stacks(running) if running else {}
+        for rank, p in sorted(self.pending.items()):
+            where = forensics.where(self.stacks.get(rank, ""))
+            self.reports[rank] = _o.Report(kind(where), p.pid or 0, time.time())
+        self.pending.clear()
+
+    def late_reports(self) -> None:
+        """Messages a rank's pipe holds after its report: a forked child's report fails the
+        rank; anything else (a warm rank's check) is kept for its reader."""
+        for p in self.procs:
+            while not p.conn.closed and p.conn.poll():
+                try:
+                    message = pickle.loads(p.conn.recv_bytes())
+                except Exception:  # noqa: BLE001 - EOF or garbage: nothing more to read
+                    break
+                if not (isinstance(message, _o.Report) and message.pid != p.pid):
+                    p.extra.append(message)
+                elif not isinstance(self.reports[p.rank].outcome, _o.Failure):
+                    self.reports[p.rank] = message
+                    self.order.append(p.rank)
+
+    def relay(self) -> None:
+        """Copy complete new lines of each rank's log to the stream (the CLI's live output)."""
+        if self.stream is None:
+            return
+        for p in self.procs:
+            text = p.output()
+            end = text.rfind("\n", p.streamed) + 1
+            if end > p.streamed:
+                chunk = text[p.streamed : end]
+                p.streamed = end
+                self.stream.write(prefixed(p.rank, chunk, 10**9) + "\n" if self.prefix else chunk)
+                self.stream.flush()
+
+
+def receive(p: Proc) -> _o.Report:
+    """The rank's report, or how it died without sending one."""
+    if p.conn.poll():
+        try:
+            data = p.conn.recv_bytes()
+        except (EOFError, OSError):
+            data = None
+        if data is not None:
+            try:
+                message = pickle.loads(data)
+            except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
+                failure = _o.unpicklable("its result could not be unpickled in the parent", exc)
+                return _o.Report(failure, p.pid or 0, time.time())
+            if isinstance(message, _o.Report):
+                return message
+    p.process.join(1.0)
+    return _o.Report(_o.died(p.process.exitcode), p.pid or 0, time.time())

@@ -1,0 +1,248 @@
+"""Under torchrun: ``run_ranks(fn)`` runs ``fn`` right here, as this rank of the job.
+
+Forked, one pytest process starts fresh ranks for each test. Under a cluster launcher the
+ranks already exist (``job``): every worker runs the same test in lockstep, so the call runs
+``fn(rank, world_size)`` in this process, in the job's process group. What makes that safe:
+
+* **The function runs in a thread of its own**, through the same capture as a forked rank
+  (``outcome.capture``); the main thread watches four things: the function ending, another
+  rank failing (fail fast), a worker of the job gone (its heartbeat lost), and the deadline.
+  Any of the last three ends the wait with the place this rank's function was in, read
+  from its live frames (``forensics``), passed through the job's store.
+* **One verdict for every rank.** Each rank publishes its report (the value, or the
+  exception as text) and reads everyone's; ``verdict.decide`` turns them into the same
+  results or the same error on every rank, by the rules forked ranks are judged by.
+* **Nothing asked for is dropped.** A field of the call the job cannot honour
+  (``NOT_HONOURED``) is refused by name, before anything runs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tutorial_impl.testing import forensics
+from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.errors import RankResults
+from tutorial_impl.testing.job import Job
+from tutorial_impl.testing.lookup import resolve
+from tutorial_impl.testing.rank import dumps_on_cpu
+from tutorial_impl.testing.runner import refused_fields
+from tutorial_impl.testing.timing import (
+    ANSWER_GRACE,
+    FINISH_GRACE,
+    SKIP_GRACE,
+    STORE_POLL_MAX,
+    STORE_POLL_MIN,
+)
+from tutorial_impl.testing.verdict import Finished, decide
+
+ENTRY = "rank_function"  # the harness frame below a rank function's own frames
+NOT_HONOURED = {
+    "init_method": "the job has torchrun's own rendezvous",
+    "log_dir": "a worker's output goes where torchrun sends it",
+    "stream": "a worker's output goes where torchrun sends it",
+    "stream_prefix": "a worker's output goes where torchrun sends it",
+    "may_exit": "a worker that exits ends the whole job; run this test forked",
+    "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
+}
+
+
+@dataclass
+class Answer:
+    """What one rank publishes at the end of a call."""
+
+    report: _o.Report
+    output: str
+    stacks: str = ""  # the function's thread, when it had not ended
+
+
+class Launched:
+    """This worker as one rank of the job: the ``torchrun`` strategy."""
+
+    name = "torchrun"
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def refusal(self, call: Call) -> str | None:
+        used = set(call.given)
+        used |= {"may_exit"} if call.may_exit else set()
+        used |= {"debug_rank"} if call.debug_rank is not None else set()
+        return refused_fields(sorted(used), "under torchrun", NOT_HONOURED)
+
+    def run(self, call: Call) -> RankResults:
+        __tracebackhide__ = True
+        job, launch = self.job, self.job.launch
+        refusal = self.refusal(call)
+        if refusal or call.world_size != launch.world_size:
+            raise ValueError(
+                refusal or f"world_size={call.world_size}, the job has {launch.world_size}"
+            )
+        job.calls += 1
+        key = f"call/{job.calls}"
+        host = None
+        saved = dict(os.environ)
+        job.in_call = True
+        try:
+            os.environ.update(call.env)  # before the group: TORCH_DISTRIBUTED_DEBUG, say
+            if call.backend is None:
+                job.no_group()
+                rendezvous, host = job.fresh_rendezvous(f"{key}/port", call.deadline)
+                os.environ.update(rendezvous)
+            else:
+                job.group(call.backend, call.deadline)
+            args, kwargs = pickle.loads(call.payload)
+            mine = run_here(job, key, resolve(call.function), args, kwargs, call.deadline)
+            wait = call.deadline + ANSWER_GRACE
+            answers = job.channel.gather(key, pickled(mine), wait, job.heartbeats)
+        finally:
+            job.in_call = False
+            os.environ.clear()
+            os.environ.update(saved)
+        finished = finish(job, answers, call.deadline)
+        job.dirty = any(not isinstance(o, _o.Returned) for o in finished.outcomes.values())
+        if host is not None and job.dirty:
+            job.stale.append(host)  # a failed call's store stays up: a rank may still use it
+        elif host is not None:
+            host.close()
+        return decide(finished)
+
+
+def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
+    """Every rank's answer as the verdict reads it: a rank that published none is named as
+    exited when its heartbeat is lost, else as still running."""
+    reports = {r: a.report for r, a in answers.items()}
+    stacks = {r: a.stacks for r, a in answers.items() if a.stacks}
+    for r in range(job.launch.world_size):
+        if r not in reports:
+            lost = job.heartbeats.lost(r)
+            outcome = _o.Lost() if lost else _o.Stopped(None)
+            reports[r] = _o.Report(outcome, 0, time.time())
+            stacks[r] = "(no answer through the store: the worker is gone)" if lost else ""
+    return Finished(
+        world_size=job.launch.world_size,
+        reports=reports,
+        order=sorted(reports, key=lambda r: (reports[r].at, r)),
+        outputs={r: a.output for r, a in answers.items()},
+        deadline=deadline,
+        stacks=stacks,
+    )
+
+
+def pickled(answer: Answer) -> bytes:
+    """``answer`` as the store carries it (pickled once); a return value that cannot be
+    pickled is this rank's failure, named as such, as for a forked rank."""
+    try:
+        return dumps_on_cpu(answer)
+    except Exception as exc:  # noqa: BLE001
+        failure = _o.unpicklable("returned a value that cannot be pickled", exc)
+        report = _o.Report(failure, answer.report.pid, answer.report.at)
+        return dumps_on_cpu(Answer(report, answer.output, answer.stacks))
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the stream it replaces and keeps a copy: a rank's printed output."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.copy = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def run_here(
+    job: Job, key: str, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float
+) -> Answer:
+    """Run ``fn`` in a thread; wait for it, another rank's failure, a lost worker, or the
+    deadline."""
+    launch, worker = job.launch, os.getpid()
+    box: dict[str, _o.Report] = {}
+    done = threading.Event()
+    child_r, child_w = os.pipe()  # where a forked child that came back reports
+
+    def rank_function() -> None:  # the name frames_of stops at
+        report = _o.capture(fn, launch.rank, launch.world_size, args, kwargs)
+        if report.pid != worker:  # a child the function forked came back here
+            os.write(child_w, pickle.dumps(report))
+            os._exit(1)
+        box["report"] = report
+        done.set()
+
+    tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
+    sys.stdout, sys.stderr = tee_out, tee_err
+    thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=True)
+    try:
+        thread.start()
+        ended = _wait(job, key, done, timeout)
+    finally:
+        sys.stdout, sys.stderr = tee_out.stream, tee_err.stream
+    output = tee_out.copy.getvalue() + tee_err.copy.getvalue()
+    child = _child_report(child_r, child_w)
+    if ended is not None:  # still running: where?
+        job.abandoned.append(thread)
+        frames = forensics.frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
+        title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
+        report = _o.Report(ended(forensics.place(frames)), worker, time.time())
+        return Answer(child or report, output, forensics.format_frames(title, frames))
+    report = box["report"]
+    if child is not None and not isinstance(report.outcome, _o.Failure):
+        report = child
+    announce(job, key, report)
+    return Answer(report, output)
+
+
+def _wait(job: Job, key: str, done: threading.Event, timeout: float) -> type | None:
+    """None once the function has ended; else the outcome class of why the wait ended.
+
+    Fail fast as forked ranks do: a failure elsewhere (or a lost worker) stops the wait at
+    once; a skip elsewhere only after ``SKIP_GRACE`` s (a failure anywhere beats a skip)."""
+    failed, skipped = f"{key}/failed", f"{key}/skipped"
+    stop = time.monotonic() + timeout
+    pause, skip_seen = STORE_POLL_MIN, None
+    while not done.wait(pause):
+        pause = min(pause * 2, STORE_POLL_MAX)
+        if skip_seen is None and job.channel.has(skipped):
+            skip_seen = time.monotonic()
+        late_skip = skip_seen is not None and time.monotonic() - skip_seen > SKIP_GRACE
+        trouble = job.channel.has(failed) or late_skip or job.heartbeats.lost_ranks()
+        if trouble and not done.wait(FINISH_GRACE):
+            return _o.Stopped
+        if time.monotonic() > stop:
+            job.channel.set(failed)
+            return _o.TimedOut
+    return None
+
+
+def announce(job: Job, key: str, report: _o.Report) -> None:
+    """Tell the other ranks at once how this rank's function ended, if not well."""
+    if isinstance(report.outcome, (_o.Skipped, _o.XFailed)):
+        job.channel.set(f"{key}/skipped")
+    elif not isinstance(report.outcome, _o.Returned):
+        job.channel.set(f"{key}/failed")
+
+
+def _child_report(reader: int, writer: int) -> _o.Report | None:
+    """The report a forked child wrote, if one did; closes the pipe."""
+    os.close(writer)
+    os.set_blocking(reader, False)
+    try:
+        data = os.read(reader, 1 << 16)
+    except BlockingIOError:
+        data = b""
+    finally:
+        os.close(reader)
+    return pickle.loads(data) if data else None

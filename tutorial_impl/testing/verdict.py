@@ -1,0 +1,101 @@
+"""The one verdict: every rank's report in, the results or the one error out.
+
+Every way of starting ranks (forked, warm, under torchrun) gathers one ``outcome.Report``
+per rank, in the order they arrived, and hands them here; this module alone decides what the
+test's verdict is. The rule, in order:
+
+1. **A failure anywhere is the verdict.** A rank that raised or died fails the run, whatever
+   the other ranks did: a skip or an xfail on another rank never hides it. The cause named
+   first is a rank that *died*, if one did (its peers' "Connection closed" errors follow
+   from it), else the first rank whose failure arrived; every other rank that failed is
+   named on the same first line.
+2. **Then a rank still running.** At the deadline, the ranks not yet ended are a hang: the
+   first line says where each was, and how the others had ended. A skip that the other
+   ranks outlived (still running ``SKIP_GRACE`` s later) is a failure that says so: they
+   might still have failed, and a skip must be taken by every rank.
+3. **Then a skip or an xfail** (the lowest rank that took one), recognised by pytest's own
+   exception types (``outcome.skip_kind``), never by a class name.
+4. **Else every rank returned**: their values, in rank order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.errors import (
+    RankResults,
+    error_for,
+    skip_outlived_error,
+    timeout_error,
+)
+
+
+@dataclass
+class Finished:
+    """What a runner gives back: every rank's report and what was seen around them."""
+
+    world_size: int
+    reports: dict[int, _o.Report]  # every rank of the world
+    order: list[int]  # ranks in the order their reports arrived (first: earliest)
+    outputs: dict[int, str]  # what each rank printed
+    deadline: float
+    stacks: dict[int, str] = field(default_factory=dict)  # ranks still running at the end
+    fatal: dict[int, str] = field(default_factory=dict)  # fatal-signal stacks of deaths
+    skip_wait: float = 0.0  # how long the others were given after the first skip
+
+    @property
+    def outcomes(self) -> dict[int, _o.Outcome]:
+        return {rank: report.outcome for rank, report in self.reports.items()}
+
+    @property
+    def thread_errors(self) -> dict[int, tuple[str, ...]]:
+        return {r: rep.thread_errors for r, rep in self.reports.items() if rep.thread_errors}
+
+
+def cause(outcomes: dict[int, _o.Outcome], order: list[int]) -> int | None:
+    """The rank whose failure is the cause (rule 1), or None if no rank failed."""
+    failures = [r for r in order if isinstance(outcomes[r], _o.Failure)]
+    deaths = [r for r in failures if isinstance(outcomes[r], _o.Died)]
+    return (deaths or failures or [None])[0]
+
+
+def decide(run: Finished) -> RankResults:
+    """The results, or raise the one error of this run (the rule above)."""
+    __tracebackhide__ = True
+    outcomes = run.outcomes
+    first = cause(outcomes, run.order)
+    error = None
+    if first is not None:
+        also = {r: o for r, o in outcomes.items() if r != first and isinstance(o, _o.Failure)}
+        stacks = {r: text for r, text in run.stacks.items() if r not in also and r != first}
+        fatal = run.fatal.get(first, "")
+        error = error_for(first, outcomes[first], fatal, run.outputs, stacks, also)
+    else:
+        error = _unfinished_error(run, outcomes)
+    skips = sorted(r for r, o in outcomes.items() if isinstance(o, (_o.Skipped, _o.XFailed)))
+    if error is None and skips:
+        error = error_for(skips[0], outcomes[skips[0]], "", run.outputs)
+    if error is not None:
+        error.thread_errors = run.thread_errors
+        raise error
+    results = RankResults(outcomes[r].value for r in range(run.world_size))  # type: ignore[union-attr]
+    results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
+    results.thread_errors = run.thread_errors
+    return results
+
+
+def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Exception | None:
+    """Rule 2: the error for ranks still running at the end, or None if all had ended."""
+    unfinished = sorted(r for r, o in outcomes.items() if isinstance(o, _o.Unfinished))
+    if not unfinished:
+        return None
+    where = {r: outcomes[r].where for r in unfinished if outcomes[r].where}  # type: ignore[union-attr]
+    skips = sorted(r for r, o in outcomes.items() if isinstance(o, (_o.Skipped, _o.XFailed)))
+    if skips:
+        reason = outcomes[skips[0]].reason  # type: ignore[union-attr]
+        return skip_outlived_error(
+            skips[0], reason, unfinished, run.skip_wait, run.stacks, run.outputs, where
+        )
+    ended = {r: "returned" for r, o in outcomes.items() if isinstance(o, _o.Returned)}
+    return timeout_error(unfinished, run.deadline, run.stacks, run.outputs, where, ended)

@@ -1,0 +1,168 @@
+"""Inside a warm rank: its main loop, and the checks that keep its world as good as new.
+
+A warm rank (``warm``) joins its world's process group once, then runs one test's function
+after another (``rank.run_task``, the same capture as a fresh rank). Before each test it
+gives back what a fresh rank would have (``reuse.Baseline.before_task``: random states,
+torch's global flags, warnings filters, signal handlers, alarms); after each, it answers the
+parent's question "is this world still as good as new?" with the first problem it sees, or
+None: ``WorldCheck`` for the world's own state (process groups, RPC agent, threads, child
+processes, unfinished point-to-point work, a barrier of the whole world) and
+``reuse.Baseline.after_task`` for what a test may have changed and cannot be reset (module
+globals, monkeypatched attributes, threads it started). Any problem, and the parent replaces
+the world.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing import rank as _rank
+from tutorial_impl.testing import torchenv
+from tutorial_impl.testing.call import RankSpec
+from tutorial_impl.testing.timing import CHECK_DEADLINE
+
+
+class WorldCheck:
+    """What a warm rank's world looked like when it was made, to compare with after each
+    test: its process groups, RPC agent, threads, children and pending work."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        c10d = dist.distributed_c10d
+        self.default = c10d._get_default_group() if dist.is_initialized() else None
+        self.groups = set(c10d._world.pg_map)
+        self.threads = set(threading.enumerate())
+        self.dtype = torch.get_default_dtype()
+        self.rng = torch.get_rng_state(), random.getstate()
+        self.works: list[Any] = []  # this test's isend/irecv work (see ``_track_work``)
+        _track_work(self.works)
+
+    def restore(self) -> None:
+        """Give the next test the random state a fresh rank starts with (the forkserver's)."""
+        import torch
+
+        self.works.clear()
+        torch.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+
+    def leftovers(self) -> str | None:
+        """What the last test left behind that a fresh world would not have, or None."""
+        import torch
+        import torch.distributed as dist
+
+        c10d = dist.distributed_c10d
+        default = c10d._get_default_group() if dist.is_initialized() else None
+        if default is not self.default:
+            return "the default process group was destroyed or replaced"
+        extra = [g for g in c10d._world.pg_map if g not in self.groups]
+        if extra:
+            return f"{len(extra)} process group(s) left behind (destroy_process_group)"
+        if _rpc_agent_running():
+            return "an RPC agent left running (rpc.shutdown)"
+        threads = [
+            t.name
+            for t in threading.enumerate()
+            if t not in self.threads and not t.daemon and t.is_alive()
+        ]
+        if threads:
+            return f"non-daemon thread(s) left running: {threads}"
+        children = _children()
+        if children:
+            return f"child process(es) left running: {children}"
+        if not torch.is_grad_enabled() or torch.get_default_dtype() != self.dtype:
+            return "grad mode or the default dtype changed"
+        pending = [w for w in self.works if not w.is_completed()]
+        if pending:
+            return (
+                f"{len(pending)} isend/irecv never completed (a receive nobody sent to, or a "
+                "send nobody received): it would take the next test's message"
+            )
+        if self.default is not None:
+            try:
+                dist.barrier(async_op=True).wait(timedelta(seconds=CHECK_DEADLINE))
+            except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
+                return f"the world's barrier did not complete: {exc}"
+        return None
+
+
+def _track_work(works: list[Any]) -> None:
+    """Record every point-to-point work a test starts (``dist.isend``, ``dist.irecv``,
+    ``dist.batch_isend_irecv``), so the check after it can ask whether any is still pending.
+
+    gloo has no list of a group's pending operations to ask instead. A test that leaves an
+    ``irecv`` unwaited, with no matching send, leaves it posted: in a fresh world it dies with
+    its rank, but in a warm one it would swallow the next test's message from that peer.
+    (Found only through ``torch.distributed``'s attributes, as ``dist.irecv(...)`` calls them;
+    a function imported by name before the world started is not seen.)"""
+    import torch.distributed as dist
+
+    def tracked(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            for work in result if isinstance(result, list) else [result]:
+                if work is not None:
+                    works.append(work)
+            return result
+
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        call.__name__ = original.__name__
+        call.__doc__ = original.__doc__
+        return call
+
+    for name in ("isend", "irecv", "batch_isend_irecv"):
+        original = getattr(dist, name)
+        setattr(dist, name, tracked(getattr(original, "__wrapped__", original)))
+
+
+def _children() -> list[int]:
+    """This rank's live child processes (Linux: /proc), which a fresh world's end kills."""
+    found = []
+    for task in Path("/proc/self/task").glob("*/children"):
+        try:
+            found += [int(pid) for pid in task.read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _rpc_agent_running() -> bool:
+    import torch.distributed.rpc as rpc
+
+    return rpc.is_available() and rpc.api._is_current_rpc_agent_set()
+
+
+def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
+    """The body of a warm rank: join the world's group (``start``), then run ``task`` and
+    every task after it, reporting each outcome and then the rank's own check."""
+    try:
+        imported_with = _rank.enter_rank(start)
+        try:
+            torchenv.apply_in_rank(imported_with, start.env)
+            if start.backend is not None:
+                _rank.init_process_group(start)
+            world = WorldCheck()
+        except BaseException as exc:  # noqa: BLE001 - reported as the first test's failure
+            report = _o.Report(_o.from_exception(exc), os.getpid(), time.time())
+            conn.send_bytes(pickle.dumps(report))
+            while True:
+                time.sleep(3600)
+        while True:
+            task.env = {**start.env, **task.env}
+            _rank.take_task(task)
+            world.restore()
+            _rank.run_task(task, imported_with, join_group=False, send=conn.send_bytes)
+            conn.send_bytes(pickle.dumps(world.leftovers()))
+            task = pickle.loads(conn.recv_bytes())  # EOF: the world is closed
+    finally:
+        os._exit(0)  # never run interpreter teardown (see rank.rank_main)
