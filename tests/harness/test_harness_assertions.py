@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +43,27 @@ NAN = float("nan")
         ({"a": 1}, {"b": 1}, 0.0, 0.0, "keys"),
         ([1, 2], [1, 2, 3], 0.0, 0.0, "length 2 != 3"),
         ("adam", "sgd", 0.0, 0.0, "not equal (==)"),
+        # numpy arrays, like tensors: == between two of them is an array, not a verdict.
+        (np.array([1, 2]), np.array([1, 2]), 0.0, 0.0, None),
+        (np.array([1.0, NAN]), np.array([1.0, NAN]), 0.0, 0.0, None),  # NaN == NaN
+        (np.float32(NAN), np.float32(NAN), 0.0, 0.0, None),  # a numpy scalar too
+        (np.ones(3, np.float32), np.ones(3, np.float32) + 1e-6, None, None, None),  # defaults
+        (np.ones(3, np.float32), np.ones(3, np.float32) + 1e-3, None, None, "3 of 3 elements"),
+        (np.array([1, 2]), np.array([1, 3]), 1.0, 1.0, "1 of 2 elements differ"),  # ints
+        (
+            np.zeros((2, 3)),
+            np.array([[0, 5.0, 0], [0, 9.0, 0]]),
+            0.0,
+            0.0,
+            "2 of 6 elements differ, the first at index (0, 1); "
+            "greatest absolute difference 9 at index (1, 1)",
+        ),
+        (np.zeros(2), np.zeros(3), 0.0, 0.0, "shape (2,) != (3,)"),
+        (np.zeros(2), np.zeros(2, np.float32), 0.0, 0.0, "dtype float64 != float32"),
+        (np.array(["adam", "sgd"]), np.array(["adam", "sgdm"]), 0.0, 0.0, "at index (1,)"),
+        ({"w": [np.array([1, 2])]}, {"w": [np.array([1, 2])]}, 0.0, 0.0, None),
+        ({"w": [np.array([1, 2])]}, {"w": [np.array([1, 3])]}, 0.0, 0.0, "['w'][0]: 1 of 2"),
+        (np.array([1, 2]), torch.tensor([1, 2]), 0.0, 0.0, "type ndarray != Tensor"),
     ],
 )
 def test_what_counts_as_a_difference(a, b, rtol, atol, why):
@@ -94,6 +116,9 @@ def test_every_rank_raises_the_same_error_naming_the_odd_rank(run_ranks, how):
 SPLITS = {
     "rank 0 is the odd one": [7, 1, 1, 1],
     "three-way split": [1, 1, 5, 9],
+    # numpy arrays (here in a dict) split the same way, and equal ones agree, NaN and all.
+    "numpy, rank 3 odd": [{"w": np.array([1.0, NAN, x])} for x in (2.0, 2.0, 2.0, 4.0)],
+    "numpy, all equal": [[np.array([1.0, NAN])]] * 4,
 }
 
 
@@ -120,6 +145,13 @@ def test_the_majority_decides_who_disagrees(run_ranks):
     three = verdicts[0]["three-way split"].splitlines()
     assert three[0].endswith("rank(s) 2, 3 disagree with rank(s) 0, 1")
     assert "  rank(s) 2: 5" in three and "  rank(s) 3: 9" in three
+    arrays = verdicts[0]["numpy, rank 3 odd"].splitlines()
+    assert arrays[0].endswith("rank(s) 3 disagree with rank(s) 0, 1, 2")
+    assert arrays[-1] == (
+        "      ['w']: 1 of 3 elements differ, the first at index (2,); "
+        "greatest absolute difference 2 at index (2,)"
+    )
+    assert verdicts[0]["numpy, all equal"] == "no error"
 
 
 # The caller's tolerances must be the ones applied: each case is (name, value on rank 0,

@@ -95,6 +95,10 @@ def test_forked_mpi(run_ranks):
 def test_negative_deadline(run_ranks):
     run_ranks(nothing)
 
+@pytest.mark.rank_timeout(0)  # no time at all is no deadline: refused, not "no limit"
+def test_zero_deadline(run_ranks):
+    run_ranks(nothing)
+
 @pytest.mark.rank_timeout(10, secs=2)
 def test_deadline_keyword(run_ranks):
     run_ranks(nothing)
@@ -115,6 +119,7 @@ EXPECTED = {
     "test_old_gpu_model": "gpu('a100'): 'a100' is not a number of GPUs",
     "test_forked_mpi": "backend 'mpi' at world size 2: MPI takes its ranks from the MPI launcher",
     "test_negative_deadline": "rank_timeout(-1): -1; accepted: a positive number of seconds",
+    "test_zero_deadline": "rank_timeout(0): 0; accepted: a positive number of seconds",
     "test_deadline_keyword": "rank_timeout(10, secs=2): unknown keyword argument 'secs'",
     "test_no_ranks": "world_size(0): 0 is not a world size; accepted: an int >= 1",
 }
@@ -178,13 +183,16 @@ def test_a_foreign_projects_gpu_and_slow_markers_keep_their_meaning(pytester):
     ("how", "message"),
     [
         (["--rank-timeout=-5"], "--rank-timeout: -5.0; accepted: a positive number of seconds"),
-        ("ini", "rank_timeout ini: 'soon' is not a number of seconds"),
+        ("ini soon", "rank_timeout ini: 'soon' is not a number of seconds"),
+        # Zero is refused too, not taken for "not given" and replaced by the default 60 s.
+        (["--rank-timeout", "0"], "--rank-timeout: 0.0; accepted: a positive number of seconds"),
+        ("ini 0", "rank_timeout ini: '0'; accepted: a positive number of seconds"),
     ],
 )
 def test_a_bad_option_is_a_usage_error_naming_it(pytester, how, message):
     pytester.makepyfile("def test_x():\n    pass\n")
-    if how == "ini":
-        pytester.makeini("[pytest]\nrank_timeout = soon\n")
+    if isinstance(how, str):  # "ini VALUE": the value in the project's ini file
+        pytester.makeini(f"[pytest]\nrank_timeout = {how.split()[1]}\n")
         how = []
     result = pytester.runpytest("-p", "no:cacheprovider", *how)
     assert result.ret == pytest.ExitCode.USAGE_ERROR

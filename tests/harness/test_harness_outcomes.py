@@ -69,6 +69,23 @@ def test_the_whole_text_outside_pytest_and_sections_inside():
     assert "[rank 0] zero" not in str(error) and "stack of 0" not in str(error)
 
 
+def test_a_long_output_keeps_its_last_lines_and_counts_the_cut_ones():
+    """A rank that printed 250 lines shows its LAST 200 (``OUTPUT_TAIL_LINES``): the lines
+    just before a failure are the ones that explain it. One header line says exactly how
+    many earlier lines were cut; an output that fits is shown whole, with no header."""
+    assert errors.OUTPUT_TAIL_LINES == 200
+    printed = "".join(f"line {n}\n" for n in range(1, 251))
+    error = errors.error_for(1, _raised(), "", {1: printed})
+    shown = str(error).partition("----- output of the ranks (stdout and stderr) -----\n")[2]
+    assert shown.splitlines() == ["[rank 1] ... (50 earlier lines cut)"] + [
+        f"[rank 1] line {n}" for n in range(51, 251)
+    ]
+    assert errors.prefixed(0, "a\nb\n", limit=2) == "[rank 0] a\n[rank 0] b"
+    assert errors.prefixed(0, "a\nb\nc\n", limit=2) == (
+        "[rank 0] ... (1 earlier lines cut)\n[rank 0] b\n[rank 0] c"
+    )
+
+
 # --- 2. structured fields that survive pickling ---------------------------------------------
 
 

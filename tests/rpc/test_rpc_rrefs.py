@@ -15,10 +15,18 @@ and an RRef to a local object.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch.distributed.rpc as rpc
 
-from tutorial_impl.rpc.rrefs import Counter, counters_built_here, rref_lifetime, rref_tour
+from tutorial_impl.rpc.rrefs import (
+    Counter,
+    counters_built_here,
+    rref_lifetime,
+    rref_tour,
+    wait_until_confirmed,
+)
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
 
 RPC_TIMEOUT = 10.0
@@ -101,6 +109,29 @@ def test_the_object_was_built_on_its_owner_only(reports):
 def test_the_owner_confirms_the_reference(tour):
     # Confirmation arrives asynchronously; the RRef was usable before it (see above).
     assert tour["confirmed"] is True
+
+
+class NeverConfirmed:
+    """Stands in for an RRef whose owner's confirmation never arrives (a lost or slow
+    owner): ``wait_until_confirmed`` only polls ``confirmed_by_owner()``."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def confirmed_by_owner(self) -> bool:
+        self.polls += 1
+        return False
+
+
+def test_a_confirmation_that_never_comes_is_a_no_at_the_deadline():
+    # The "True" above means something only because a wait that runs out answers False:
+    # it must not pass a missing confirmation off as one.
+    never = NeverConfirmed()
+    started = time.monotonic()
+    assert wait_until_confirmed(never, timeout=0.1) is False
+    waited = time.monotonic() - started
+    assert 0.1 <= waited < 2.0  # it waited out its deadline, and not much longer
+    assert never.polls > 1  # and kept asking until then
 
 
 def test_an_rref_to_a_local_object_is_owned_here(reports):

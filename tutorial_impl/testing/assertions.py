@@ -14,8 +14,9 @@ collective and wait there for ranks that never come. Here every rank raises the 
 ``AssertionError``, which names the ranks that disagree with the majority and shows their
 values, and the harness reports it with the rank's traceback.
 
-Values may be tensors (compared on the CPU, shape and dtype included), numbers, nested
-lists, tuples and dicts of them, or any other picklable object (compared with ``==``).
+Values may be tensors (compared on the CPU, shape and dtype included), numpy arrays and
+scalars (compared the same way, with numpy), numbers, nested lists, tuples and dicts of
+them, or any other picklable object (compared with ``==``).
 Closeness is ``torch.testing.assert_close``'s, with its default tolerances per dtype, but
 computed here with plain tensor ops: ``assert_close`` itself imports torch's DTensor and
 sympy on first use, 1-2 s of CPU in every rank that calls it.
@@ -23,6 +24,7 @@ sympy on first use, 1-2 s of CPU in every rank that calls it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +114,8 @@ def _mismatch(a: Any, b: Any, rtol: Any, atol: Any, where: str = "") -> str | No
         return _tensor_mismatch(a, b, rtol, atol, where)
     if type(a) is not type(b):
         return f"{where or 'value'}: type {type(a).__name__} != {type(b).__name__}"
+    if _is_numpy(a):
+        return _array_mismatch(a, b, rtol, atol, where)
     if isinstance(a, (int, float, complex)) and not isinstance(a, bool):
         dtype = (
             torch.complex128
@@ -172,6 +176,53 @@ def _tensor_mismatch(a: Any, b: Any, rtol: Any, atol: Any, where: str) -> str | 
         f"{name}: {bad} of {a.numel()} elements differ; greatest absolute difference "
         f"{float(diff.flatten()[worst]):g} at index {index}"
     )
+
+
+def _is_numpy(value: Any) -> bool:
+    """A numpy array or scalar (``np.float32(1)``). numpy is not imported for this: a value
+    that is one was made by numpy, already loaded."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, (np.ndarray, np.generic))
+
+
+def _array_mismatch(a: Any, b: Any, rtol: Any, atol: Any, where: str) -> str | None:
+    """``_tensor_mismatch`` for numpy: shape, dtype, then the values (NaN equal to NaN, NaT
+    to NaT), naming the first element that differs. ``a == b`` alone is no verdict: on two
+    arrays it is an array, whose truth value numpy refuses."""
+    np = sys.modules["numpy"]
+    name = where or ("array" if isinstance(a, np.ndarray) else "value")
+    a, b = np.asarray(a), np.asarray(b)  # a numpy scalar: a 0-d array
+    if a.shape != b.shape:
+        return f"{name}: shape {a.shape} != {b.shape}"
+    if a.dtype != b.dtype:
+        return f"{name}: dtype {a.dtype} != {b.dtype}"
+    numeric = a.dtype.kind in "biufc"
+    try:
+        if a.dtype.kind in "fc":
+            if rtol is None:
+                rtol, atol = _DEFAULT_TOLERANCES.get(a.dtype.name, (1.3e-6, 1e-5))
+            ok = np.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        else:  # integers and booleans exactly; strings, objects, dates with their ==
+            ok = np.asarray(a == b, dtype=bool)
+            if a.dtype.kind in "mM":
+                ok |= np.isnat(a) & np.isnat(b)
+    except Exception as exc:  # noqa: BLE001 - elements whose == raises differ too
+        return f"{name}: comparing raised {exc!r}"
+    if ok.shape != a.shape:  # e.g. object elements whose == is no single truth value
+        return f"{name}: comparing gave no verdict per element"
+    if bool(ok.all()):
+        return None
+    bad = int((~ok).sum())
+    first = tuple(int(i) for i in np.argwhere(~ok)[0])
+    text = f"{name}: {bad} of {a.size} elements differ, the first at index {first}"
+    if numeric:
+        wide = np.complex128 if a.dtype.kind == "c" else np.float64
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: counted as inf
+            diff = np.abs(a.astype(wide) - b.astype(wide))
+        diff = np.where(ok, 0.0, np.nan_to_num(diff, nan=np.inf, posinf=np.inf))
+        worst = tuple(int(i) for i in np.unravel_index(int(diff.argmax()), a.shape))
+        text += f"; greatest absolute difference {float(diff[worst]):g} at index {worst}"
+    return text
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
