@@ -62,6 +62,8 @@ def poison(rank, world_size, how, tmp):
         threading.Thread(target=time.sleep, args=(600,)).start()
     if how == "irecv" and rank == 0:
         dist.irecv(torch.zeros(1), src=1)  # never waited, and rank 1 sends nothing
+    if how == "async" and rank == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)  # never waited, rank 1 never joins it
     if how == "default":
         dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=f"file://{tmp}/default", rank=rank,
@@ -78,7 +80,8 @@ def test_01_plain_again(run_ranks):
 def test_02_opted_out(run_ranks):
     assert run_ranks(plain, "02_opted_out") == [0, 1]
 
-HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "child", "default", "parent"]
+HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "async", "child", "default",
+       "parent"]
 
 @pytest.mark.parametrize("how", HOW)
 def test_10_poison_then_next(run_ranks, how, tmp_path):
@@ -95,7 +98,19 @@ def test_11_after(run_ranks, how):
 
 # The poisoning tests that fail as such; the others pass and leave their world dirty.
 FAILING = {"fails", "hangs", "kills", "parent"}
-HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "child", "default", "parent"]
+HOW = [
+    "fails",
+    "hangs",
+    "kills",
+    "group",
+    "rpc",
+    "thread",
+    "irecv",
+    "async",
+    "child",
+    "default",
+    "parent",
+]
 
 
 @pytest.mark.slow
