@@ -111,6 +111,38 @@ def test_a_failure_report_shows_where_the_other_ranks_were(tmp_path, world_size)
     assert proctable.wait_until_gone(tmp_path) == {}
 
 
+def fail_two_ways(rank: int, world_size: int, second: str) -> None:
+    """Rank 2 raises at once; rank 1 fails a moment later (raising, or dying); rank 0 is busy
+    (in plain Python: a collective would fail too when a peer dies, a moment later or not)."""
+    if rank == 2:
+        raise KeyError("first")
+    if rank == 1:
+        time.sleep(0.05)  # well inside the grace in which simultaneous failures are gathered
+        if second == "dies":
+            os._exit(3)
+        raise ValueError("second")
+    time.sleep(30)
+
+
+@pytest.mark.parametrize(("second", "cause", "headline"), [
+    ("raises", 2, "rank 2 raised KeyError: 'first' (rank(s) 1 failed too)"),
+    ("dies", 1, "rank 1 exited with code 3 (os._exit or a crash) before returning a result "
+     "(rank(s) 2 failed too)"),
+])  # fmt: skip
+def test_every_failing_rank_is_named_and_the_cause_comes_first(second, cause, headline):
+    """Two ranks fail differently: the first to fail is the cause, unless the other died
+    (a death is what makes its peers fail), and the other is named on the same first line.
+    Rank 0, still busy, is where-were-the-others, not a failure."""
+    with pytest.raises((RankFailed, RankCrashed)) as info:
+        run_ranks(fail_two_ways, second, world_size=3, timeout=DEADLINE)
+    err = info.value
+    assert err.headline == headline
+    assert err.rank == cause and err.failed_ranks == [1, 2]
+    assert sorted(err.stacks) == [0] and "in fail_two_ways" in err.stacks[0]
+    other = 3 - cause
+    assert f"----- rank {other} failed too: " in str(err)
+
+
 def never_answers_sigusr1() -> subprocess.Popen:
     code = (
         "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
