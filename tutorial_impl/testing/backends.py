@@ -191,3 +191,27 @@ def lease(
 def _unlock(held: list[tuple[str, int]]) -> None:
     for _, fd in held:
         os.close(fd)  # closing the descriptor releases its flock
+
+
+def hold(stack: contextlib.ExitStack, n: int, timeout: float) -> str | None:
+    """Lease ``n`` of this process's GPUs on ``stack`` and show only those to the test and
+    its ranks (``CUDA_VISIBLE_DEVICES``, restored when ``stack`` closes); the reason, if none
+    freed within ``timeout`` seconds."""
+    devices = visible_gpus()
+    leased = stack.enter_context(lease(n, devices, timeout))
+    if leased is None:
+        return (
+            f"needs {n} GPU(s) of {len(devices)}, and other tests (other xdist workers) held "
+            f"them for {timeout:g} s; run fewer workers (-n)"
+        )
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(leased)
+    stack.callback(_restore_env, "CUDA_VISIBLE_DEVICES", previous)
+    return None
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

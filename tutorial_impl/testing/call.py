@@ -11,10 +11,13 @@ Nothing here imports torch at import time (the pytest plugin imports this module
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import shutil
 import sys
-from collections.abc import Callable, Collection
+import tempfile
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -31,20 +34,22 @@ from tutorial_impl.testing.debugging import check_rank
 from tutorial_impl.testing.lookup import FunctionRef, function_ref
 from tutorial_impl.testing.rendezvous import INIT_METHODS
 
-# The options of run_ranks, beside the function and its positional arguments.
-OPTIONS = (
-    "world_size",
-    "backend",
-    "init_method",
-    "timeout",
-    "fn_kwargs",
-    "env",
-    "log_dir",
-    "stream",
-    "stream_prefix",
-    "may_exit",
-    "debug_rank",
-)
+# The options of run_ranks, beside the function and its positional arguments, and their
+# defaults (run_ranks's own signature says the same, for help() and editors).
+DEFAULTS: dict[str, Any] = {
+    "world_size": DEFAULT_WORLD_SIZE,
+    "backend": DEFAULT_BACKEND,
+    "init_method": DEFAULT_INIT_METHOD,
+    "timeout": DEFAULT_DEADLINE,
+    "fn_kwargs": None,
+    "env": None,
+    "log_dir": None,
+    "stream": None,
+    "stream_prefix": True,
+    "may_exit": (),
+    "debug_rank": None,
+}
+OPTIONS = tuple(DEFAULTS)
 
 
 @dataclass(frozen=True)
@@ -75,56 +80,73 @@ def build(
     fn: Callable[..., Any],
     args: tuple[Any, ...] = (),
     *,
-    world_size: int = DEFAULT_WORLD_SIZE,
-    backend: str | None = DEFAULT_BACKEND,
-    init_method: str = DEFAULT_INIT_METHOD,
-    timeout: float = DEFAULT_DEADLINE,
-    fn_kwargs: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
-    log_dir: str | os.PathLike[str] | None = None,
-    stream: TextIO | None = None,
-    stream_prefix: bool = True,
-    may_exit: Collection[int] = (),
-    debug_rank: int | None = None,
     given: Collection[str] = (),
+    **options: Any,
 ) -> Call:
-    """Check a call's every field and pickle what the ranks need."""
+    """Check a call's every field (``options``: run_ranks's keyword options, the others at
+    their ``DEFAULTS``) and pickle what the ranks need. ``given``: the options the caller
+    named itself, which a strategy must honour or refuse."""
+    unknown = unknown_options(options)
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; the options are {', '.join(OPTIONS)}")
+    o = {**DEFAULTS, **options}
+    world_size, backend, timeout = o["world_size"], o["backend"], o["timeout"]
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if init_method not in INIT_METHODS:
-        raise ValueError(f"unknown init method {init_method!r}; expected one of {INIT_METHODS}")
+    if o["init_method"] not in INIT_METHODS:
+        raise ValueError(
+            f"unknown init method {o['init_method']!r}; expected one of {INIT_METHODS}"
+        )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be positive: a number of seconds, got {timeout!r}")
     backends.check(backend)
     refusal = backends.mpi_refusal(backend, world_size)
     if refusal:
         raise ValueError(refusal)
-    _check_env(env)
-    check_rank(debug_rank, world_size)
-    _check_gpus(backend, world_size, env)
+    _check_env(o["env"])
+    check_rank(o["debug_rank"], world_size)
+    _check_gpus(backend, world_size, o["env"])
     ref = function_ref(fn)
-    if fn_kwargs is not None and not isinstance(fn_kwargs, dict):
-        raise TypeError(f"fn_kwargs must be a dict of keyword arguments, got {fn_kwargs!r}")
-    try:
-        payload = pickle.dumps((tuple(args), fn_kwargs or {}))
-    except Exception as exc:
-        raise TypeError(f"arguments for {ref.qualname} cannot be sent to the ranks: {exc}") from exc
     return Call(
         function=ref,
-        payload=payload,
+        payload=_payload(ref, args, o["fn_kwargs"]),
         world_size=world_size,
         backend=backend,
-        init_method=init_method,
+        init_method=o["init_method"],
         deadline=float(timeout),
-        env=dict(env or {}),
-        may_exit=_check_ranks(may_exit, world_size),
-        debug_rank=debug_rank,
-        log_dir=Path(log_dir) if log_dir is not None else None,
-        stream=stream,
-        stream_prefix=bool(stream_prefix),
+        env=dict(o["env"] or {}),
+        may_exit=_check_ranks(o["may_exit"], world_size),
+        debug_rank=o["debug_rank"],
+        log_dir=Path(o["log_dir"]) if o["log_dir"] is not None else None,
+        stream=o["stream"],
+        stream_prefix=bool(o["stream_prefix"]),
         coverage=_coverage.parent_settings(),
         given=frozenset(given),
     )
+
+
+def _payload(ref: FunctionRef, args: tuple[Any, ...], fn_kwargs: Any) -> bytes:
+    if fn_kwargs is not None and not isinstance(fn_kwargs, dict):
+        raise TypeError(f"fn_kwargs must be a dict of keyword arguments, got {fn_kwargs!r}")
+    try:
+        return pickle.dumps((tuple(args), fn_kwargs or {}))
+    except Exception as exc:
+        raise TypeError(f"arguments for {ref.qualname} cannot be sent to the ranks: {exc}") from exc
+
+
+@contextlib.contextmanager
+def work_dir(call: Call) -> Iterator[Path]:
+    """The run's directory (logs, stacks, file:// rendezvous): the caller's ``log_dir``, or
+    a temporary one removed afterwards."""
+    own = call.log_dir is None
+    work = Path(tempfile.mkdtemp(prefix="ranks-")) if own else call.log_dir
+    assert work is not None
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def unknown_options(options: Collection[str]) -> list[str]:

@@ -30,6 +30,7 @@ deprecation warning.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,66 @@ __all__ = ["BACKSTOP_MARGIN", "DEFAULT_DEADLINE"]  # re-exported: the settings' 
 # Old marker names, still honoured on harness tests: new name for each.
 DEPRECATED_MARKERS = {"backend": "dist_backend", "gpu": "dist_gpu"}
 HARNESS_FIXTURES = ("run_ranks", "world_size")
+
+
+MARKERS = {
+    "world_size(n, ...)": "run the test's ranks with world size n (default 2); several sizes "
+    "make one test per size, with ids [world_sizeN] and markers world_size(n=N)",
+    "dist_backend(name)": "process-group backend for the ranks: gloo (default), nccl, mpi, "
+    "a per-device form such as 'cpu:gloo,cuda:nccl', or None",
+    "dist_gpu(n=1)": "needs CUDA and n GPUs, leased for the test (no other test of this host "
+    "uses them meanwhile); skipped at collection time otherwise (a failure under "
+    "--require-gpu)",
+    "rank_timeout(seconds)": "harness deadline for this test's ranks (stack dump, then kill)",
+    "backend(name)": "deprecated: dist_backend(name); honoured on tests using run_ranks only",
+    "gpu(n=1)": "deprecated: dist_gpu(n); honoured on tests using run_ranks only",
+    "warm_world(enabled=True)": "run this module's or class's rank functions in warm worlds: "
+    "ranks and process group kept between tests, reset and checked before each reuse, "
+    "replaced by a fresh world after anything wrong (see docs/harness.md); "
+    "warm_world(False) opts one test out",
+    "check_collectives": "check before every collective that all ranks call the same one "
+    "(TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks): a mismatch fails in seconds, not at the "
+    "deadline",
+}
+HELP_RANK_TIMEOUT = (
+    "harness deadline in seconds for every multi-rank test without its own rank_timeout "
+    "marker (default: the rank_timeout ini value, else 60). At the deadline every live rank's "
+    "Python stacks go into the report, then the ranks are killed"
+)
+HELP_INIT_METHOD = "how ranks rendezvous: env (default), tcp or file; all are race-free"
+HELP_REQUIRE_GPU = (
+    "fail, instead of skipping, every test marked dist_gpu or using the nccl backend that this "
+    "machine cannot run (no CUDA, too few GPUs, no NCCL), with the reason: for GPU CI jobs, "
+    "which must not pass by skipping every GPU test"
+)
+HELP_CHECK_COLLECTIVES = (
+    "check before every collective of every multi-rank test that all ranks call the same one "
+    "with the same shapes (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks in different "
+    "collectives then fail in seconds, naming both, instead of hanging until the deadline. "
+    "Costs a few times a small collective; the check_collectives marker turns it on for one test"
+)
+HELP_RANK_PDB = (
+    "debug rank N of every multi-rank test: its breakpoint() and the post-mortem of its "
+    "exception wait on a local port (printed on the terminal and in the rank's log) for "
+    "`python -m tutorial_impl.testing.attach PORT`; the other ranks are held and the harness "
+    "deadline paused meanwhile (pytest-timeout still counts: add --timeout 0)"
+)
+HELP_LAUNCHER = (
+    "where rank functions run. fork: fresh ranks forked for each test (the default outside "
+    "torchrun). torchrun: this pytest is one worker of a torchrun job (`torchrun "
+    "--nproc-per-node=N -m pytest`), run_ranks runs the function here as this rank, the ranks "
+    "agree on every verdict, and rank 0 reports. auto (default): torchrun when torchrun's "
+    "variables (TORCHELASTIC_RUN_ID, RANK, ...) are set"
+)
+HELP_WARM_WORLDS = (
+    "run every multi-rank test in warm worlds (ranks and process group kept between tests, "
+    "reset and checked before each reuse), as the warm_world marker does for a module; "
+    "warm_world(False) opts a test out (default: the warm_worlds ini value, else off)"
+)
+HELP_WARM_AUDIT = (
+    "run every warm call on fresh ranks too and fail the test if the two verdicts differ: "
+    "proof, for a CI job, that no test depends on what a warm world carried over"
+)
 
 
 class ConfigError(ValueError):
@@ -273,3 +334,36 @@ def under_backstop(deadline: float, backstop: float | None) -> float:
     if not backstop or backstop <= 0:
         return deadline
     return min(deadline, backstop - min(BACKSTOP_MARGIN, backstop / 4))
+
+
+def _pytest_timeout(item: Any) -> float | None:
+    """The test's pytest-timeout, from any of its four sources, or None without the plugin
+    (``pytest_timeout._get_item_settings`` reads them as pytest-timeout itself does)."""
+    if not item.config.pluginmanager.hasplugin("timeout"):
+        return None
+    try:
+        import pytest_timeout
+
+        return pytest_timeout._get_item_settings(item).timeout or None
+    except Exception:  # another version: its own error will name the problem
+        return None
+
+
+def within_pytest_timeout(item: Any, settings: Settings) -> tuple[Settings, float | None]:
+    """``settings`` with a deadline the harness can report within, and the cap on every call
+    of the test (None for no cap). The harness, which reports stacks and kills ranks, must
+    fire before pytest-timeout (``timing``): a test's own ``timeout`` marker lowers the
+    harness deadline under it; a session-wide limit is raised above the deadline instead."""
+    import pytest
+
+    limit = _pytest_timeout(item)
+    if item.get_closest_marker("timeout") is not None:
+        # The test's own limit stands: the harness reports first, inside it.
+        cap = under_backstop(float("inf"), limit)
+        return dataclasses.replace(settings, deadline=min(settings.deadline, cap)), cap
+    if limit and uses_the_harness(item):
+        # A session-wide limit is a backstop: keep it above this test's deadline.
+        wanted = settings.deadline + BACKSTOP_MARGIN
+        if limit < wanted:
+            item.add_marker(pytest.mark.timeout(wanted), append=False)
+    return settings, None

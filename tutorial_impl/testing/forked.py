@@ -9,8 +9,6 @@ one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` de
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TextIO
@@ -40,10 +38,11 @@ class Forked:
 
     def run(self, call: Call) -> RankResults:
         __tracebackhide__ = True
-        own_dir = call.log_dir is None
-        work = Path(tempfile.mkdtemp(prefix="ranks-")) if own_dir else call.log_dir
-        assert work is not None
-        work.mkdir(parents=True, exist_ok=True)
+        with _call.work_dir(call) as work:
+            return self._run_in(call, work)
+
+    def _run_in(self, call: Call, work: Path) -> RankResults:
+        __tracebackhide__ = True
         _debugging.forget(work)  # an earlier run's debugger files would pause this deadline
         store = AgentStore(timeout=call.deadline)
         started: list[supervise.Proc] = []
@@ -60,8 +59,6 @@ class Forked:
         finally:
             supervise.LIVE.kill(started)
             store.close()
-            if own_dir:
-                shutil.rmtree(work, ignore_errors=True)
 
 
 def start(spec: _call.RankSpec) -> supervise.Proc:
@@ -114,19 +111,5 @@ def run_ranks(
     wait on a local port for ``python -m tutorial_impl.testing.attach PORT`` (``debugging``).
     """
     __tracebackhide__ = True
-    call = _call.build(
-        fn,
-        args,
-        world_size=world_size,
-        backend=backend,
-        init_method=init_method,
-        timeout=timeout,
-        fn_kwargs=fn_kwargs,
-        env=env,
-        log_dir=log_dir,
-        stream=stream,
-        stream_prefix=stream_prefix,
-        may_exit=may_exit,
-        debug_rank=debug_rank,
-    )
-    return FORKED.run(call)
+    options = {name: value for name, value in locals().items() if name in _call.OPTIONS}
+    return FORKED.run(_call.build(fn, args, **options))

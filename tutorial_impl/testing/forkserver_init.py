@@ -25,6 +25,8 @@ import os
 import signal
 from multiprocessing import spawn
 
+from tutorial_impl.testing import proctable
+
 _SERVER_PID = os.getpid()
 
 
@@ -36,27 +38,12 @@ spawn._fixup_main_from_name = _no_main_fixup  # type: ignore[attr-defined]
 spawn._fixup_main_from_path = _no_main_fixup  # type: ignore[attr-defined]
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-        if ppid == pid:
-            children.append(int(entry))
-    return children
-
-
 @atexit.register
 def _kill_rank_groups() -> None:
     """Kill every rank still alive, with its process group (the rank leads its own)."""
     if os.getpid() != _SERVER_PID or not os.path.isdir("/proc"):
         return  # a rank's own forked child inherits this hook; it must do nothing
-    for pid in _children(_SERVER_PID):
+    for pid in proctable.children(_SERVER_PID):
         for kill, target in ((os.killpg, pid), (os.kill, pid)):
             try:
                 kill(target, signal.SIGKILL)

@@ -53,8 +53,6 @@ checks them all.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 from typing import Any
 
 import pytest
@@ -76,64 +74,6 @@ from tutorial_impl.testing.warm import WarmPool
 
 __all__ = ["_run_ranks", "_world_size_matrix", "world_size"]  # the fixtures pytest finds here
 
-MARKERS = {
-    "world_size(n, ...)": "run the test's ranks with world size n (default 2); several sizes "
-    "make one test per size, with ids [world_sizeN] and markers world_size(n=N)",
-    "dist_backend(name)": "process-group backend for the ranks: gloo (default), nccl, mpi, "
-    "a per-device form such as 'cpu:gloo,cuda:nccl', or None",
-    "dist_gpu(n=1)": "needs CUDA and n GPUs, leased for the test (no other test of this host "
-    "uses them meanwhile); skipped at collection time otherwise (a failure under "
-    "--require-gpu)",
-    "rank_timeout(seconds)": "harness deadline for this test's ranks (stack dump, then kill)",
-    "backend(name)": "deprecated: dist_backend(name); honoured on tests using run_ranks only",
-    "gpu(n=1)": "deprecated: dist_gpu(n); honoured on tests using run_ranks only",
-    "warm_world(enabled=True)": "run this module's or class's rank functions in warm worlds: "
-    "ranks and process group kept between tests, reset and checked before each reuse, "
-    "replaced by a fresh world after anything wrong (see docs/harness.md); "
-    "warm_world(False) opts one test out",
-    "check_collectives": "check before every collective that all ranks call the same one "
-    "(TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks): a mismatch fails in seconds, not at the "
-    "deadline",
-}
-HELP_RANK_TIMEOUT = (
-    "harness deadline in seconds for every multi-rank test without its own rank_timeout "
-    "marker (default: the rank_timeout ini value, else 60). At the deadline every live rank's "
-    "Python stacks go into the report, then the ranks are killed"
-)
-HELP_INIT_METHOD = "how ranks rendezvous: env (default), tcp or file; all are race-free"
-HELP_REQUIRE_GPU = (
-    "fail, instead of skipping, every test marked dist_gpu or using the nccl backend that this "
-    "machine cannot run (no CUDA, too few GPUs, no NCCL), with the reason: for GPU CI jobs, "
-    "which must not pass by skipping every GPU test"
-)
-HELP_CHECK_COLLECTIVES = (
-    "check before every collective of every multi-rank test that all ranks call the same one "
-    "with the same shapes (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL): ranks in different "
-    "collectives then fail in seconds, naming both, instead of hanging until the deadline. "
-    "Costs a few times a small collective; the check_collectives marker turns it on for one test"
-)
-HELP_RANK_PDB = (
-    "debug rank N of every multi-rank test: its breakpoint() and the post-mortem of its "
-    "exception wait on a local port (printed on the terminal and in the rank's log) for "
-    "`python -m tutorial_impl.testing.attach PORT`; the other ranks are held and the harness "
-    "deadline paused meanwhile (pytest-timeout still counts: add --timeout 0)"
-)
-HELP_LAUNCHER = (
-    "where rank functions run. fork: fresh ranks forked for each test (the default outside "
-    "torchrun). torchrun: this pytest is one worker of a torchrun job (`torchrun "
-    "--nproc-per-node=N -m pytest`), run_ranks runs the function here as this rank, the ranks "
-    "agree on every verdict, and rank 0 reports. auto (default): torchrun when torchrun's "
-    "variables (TORCHELASTIC_RUN_ID, RANK, ...) are set"
-)
-HELP_WARM_WORLDS = (
-    "run every multi-rank test in warm worlds (ranks and process group kept between tests, "
-    "reset and checked before each reuse), as the warm_world marker does for a module; "
-    "warm_world(False) opts a test out (default: the warm_worlds ini value, else off)"
-)
-HELP_WARM_AUDIT = (
-    "run every warm call on fresh ranks too and fail the test if the two verdicts differ: "
-    "proof, for a CI job, that no test depends on what a warm world carried over"
-)
 # Imported once by the rank forkserver under pytest: a rank that runs a function of a test
 # file imports that file, and the file imports pytest (~0.3 s a rank otherwise).
 PYTEST_PRELOAD = ["pytest", __name__]
@@ -150,16 +90,27 @@ class HarnessDeprecationWarning(DeprecationWarning):
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Options and ini values. pytest calls this once per plugin, before parsing argv."""
     group = parser.getgroup("dist-harness", "torch.distributed multi-rank harness")
-    group.addoption("--rank-timeout", type=float, default=None, help=HELP_RANK_TIMEOUT)
-    group.addoption("--init-method", choices=INIT_METHODS, default=None, help=HELP_INIT_METHOD)
-    group.addoption("--require-gpu", action="store_true", default=False, help=HELP_REQUIRE_GPU)
+    group.addoption("--rank-timeout", type=float, default=None, help=_config.HELP_RANK_TIMEOUT)
     group.addoption(
-        "--check-collectives", action="store_true", default=False, help=HELP_CHECK_COLLECTIVES
+        "--init-method", choices=INIT_METHODS, default=None, help=_config.HELP_INIT_METHOD
     )
-    group.addoption("--rank-pdb", type=int, default=None, metavar="N", help=HELP_RANK_PDB)
-    group.addoption("--launcher", choices=LAUNCHERS, default="auto", help=HELP_LAUNCHER)
-    group.addoption("--warm-worlds", action="store_true", default=None, help=HELP_WARM_WORLDS)
-    group.addoption("--warm-audit", action="store_true", default=False, help=HELP_WARM_AUDIT)
+    group.addoption(
+        "--require-gpu", action="store_true", default=False, help=_config.HELP_REQUIRE_GPU
+    )
+    group.addoption(
+        "--check-collectives",
+        action="store_true",
+        default=False,
+        help=_config.HELP_CHECK_COLLECTIVES,
+    )
+    group.addoption("--rank-pdb", type=int, default=None, metavar="N", help=_config.HELP_RANK_PDB)
+    group.addoption("--launcher", choices=LAUNCHERS, default="auto", help=_config.HELP_LAUNCHER)
+    group.addoption(
+        "--warm-worlds", action="store_true", default=None, help=_config.HELP_WARM_WORLDS
+    )
+    group.addoption(
+        "--warm-audit", action="store_true", default=False, help=_config.HELP_WARM_AUDIT
+    )
     parser.addini(
         "rank_timeout", "default harness deadline in seconds", default=str(_config.DEFAULT_DEADLINE)
     )
@@ -182,7 +133,7 @@ def pytest_configure(config: pytest.Config) -> None:
     A bad option or ini value raises ``pytest.UsageError``: pytest prints the message and
     exits with status 4 before collecting anything, as for its own options.
     """
-    for name, help_text in MARKERS.items():
+    for name, help_text in _config.MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
     try:
         deadline = _config.deadline_option(config.getoption("--rank-timeout"), "--rank-timeout")
@@ -316,19 +267,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(matrix.FIXTURE, params, indirect=True)
 
 
-def _pytest_timeout(item: pytest.Item) -> float | None:
-    """The test's pytest-timeout, from any of its four sources, or None without the plugin
-    (``pytest_timeout._get_item_settings`` reads them as pytest-timeout itself does)."""
-    if not item.config.pluginmanager.hasplugin("timeout"):
-        return None
-    try:
-        import pytest_timeout
-
-        return pytest_timeout._get_item_settings(item).timeout or None
-    except Exception:  # another version: its own error will name the problem
-        return None
-
-
 def _ours(item: pytest.Item) -> bool:
     """Whether the harness reads this test's markers: it uses the harness, or carries one of
     its markers that another project's could not mean otherwise."""
@@ -379,28 +317,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
             continue
-        item.stash[SETTINGS] = _within_pytest_timeout(item, settings)
+        item.stash[SETTINGS], cap = _config.within_pytest_timeout(item, settings)
+        if cap is not None:
+            item.stash[DEADLINE_CAP] = cap
 
 
 def _why_not_here(session: Session, settings: _config.Settings) -> str | None:
     if session.launched is not None:  # one process of the job per rank, on LOCAL_RANK's GPU
         return job.why_not_here(session.launched.job.launch, settings)  # type: ignore[attr-defined]
     return backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
-
-
-def _within_pytest_timeout(item: pytest.Item, settings: _config.Settings) -> _config.Settings:
-    limit = _pytest_timeout(item)
-    if item.get_closest_marker("timeout") is not None:
-        # The test's own limit stands: the harness reports first, inside it.
-        cap = _config.under_backstop(float("inf"), limit)
-        item.stash[DEADLINE_CAP] = cap
-        return dataclasses.replace(settings, deadline=min(settings.deadline, cap))
-    if limit and _config.uses_the_harness(item):
-        # A session-wide limit is a backstop: keep it above this test's deadline.
-        wanted = settings.deadline + _config.BACKSTOP_MARGIN
-        if limit < wanted:
-            item.add_marker(pytest.mark.timeout(wanted), append=False)
-    return settings
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -422,27 +347,13 @@ def _lease_gpus(item: pytest.Item, settings: _config.Settings) -> None:
     """Hold ``settings.gpus`` GPUs until teardown; the test and its ranks see only those."""
     stack = contextlib.ExitStack()
     item.stash[_leases] = stack
-    devices = backends.visible_gpus()
-    leased = stack.enter_context(backends.lease(settings.gpus, devices, settings.deadline))
-    if leased is None:
-        stack.close()
-        reason = (
-            f"needs {settings.gpus} GPU(s) of {len(devices)}, and other tests (other xdist "
-            f"workers) held them for {settings.deadline:g} s; run fewer workers (-n)"
-        )
-        if item.config.getoption("--require-gpu"):  # a GPU job must not pass by skipping
-            pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
-        pytest.skip(reason)
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(leased)
-    stack.callback(_restore_env, "CUDA_VISIBLE_DEVICES", previous)
-
-
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+    reason = backends.hold(stack, settings.gpus, settings.deadline)
+    if reason is None:
+        return
+    stack.close()
+    if item.config.getoption("--require-gpu"):  # a GPU job must not pass by skipping
+        pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.hookimpl(trylast=True)

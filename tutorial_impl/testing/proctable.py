@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -73,10 +74,9 @@ def wait_until_gone(directory: str | os.PathLike[str], timeout: float = 5.0) -> 
         time.sleep(0.05)
 
 
-def session_members(sid: int) -> list[int]:
-    """Every live process of session ``sid``: a command started with ``start_new_session``
-    and everything it started, unless something left the session on purpose."""
-    members = []
+def _live_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every live process:
+    field 3 of the file is fields[0] here (the state), the parent pid fields[1]."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -85,9 +85,19 @@ def session_members(sid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue  # exited meanwhile
-        if fields[0] not in ("Z", "X") and int(fields[3]) == sid:  # field 6: session id
-            members.append(int(entry))
-    return members
+        if fields[0] not in ("Z", "X"):
+            yield int(entry), fields
+
+
+def session_members(sid: int) -> list[int]:
+    """Every live process of session ``sid``: a command started with ``start_new_session``
+    and everything it started, unless something left the session on purpose."""
+    return [pid for pid, fields in _live_stats() if int(fields[3]) == sid]  # field 6: session
+
+
+def children(parent: int) -> list[int]:
+    """The live child processes of ``parent``."""
+    return [pid for pid, fields in _live_stats() if int(fields[1]) == parent]
 
 
 def marked(name: str, value: str) -> list[tuple[int, str]]:

@@ -117,11 +117,7 @@ class WarmPool:
     def run(self, call: Call) -> RankResults:
         """``run_ranks`` in a warm world: the same call, results and errors."""
         __tracebackhide__ = True
-        own_dir = call.log_dir is None
-        work = Path(tempfile.mkdtemp(prefix="ranks-")) if own_dir else call.log_dir
-        assert work is not None
-        work.mkdir(parents=True, exist_ok=True)
-        try:
+        with _call.work_dir(call) as work:
             specs = [_call.rank_spec(call, r, work, {}) for r in range(call.world_size)]
             world = self._world_for(call, specs)
             self.served.append(world)
@@ -140,9 +136,6 @@ class WarmPool:
                 raise
             world.unchecked = True  # the ranks check themselves now; read before next task
             return results
-        finally:
-            if own_dir:
-                shutil.rmtree(work, ignore_errors=True)
 
     def _world_for(self, call: Call, specs: list[_call.RankSpec]) -> World:
         """The warm world for ``call``, or a new one started with ``specs`` as its first task."""
