@@ -162,15 +162,37 @@ def debugged(rank, world_size):
 
 def test_the_option_names_the_rank(run_ranks):
     assert run_ranks(debugged) == ["1", "1"]
+
+
+def stops(rank, world_size):
+    if rank == 1:
+        breakpoint()
+    return rank
+
+
+@pytest.mark.rank_timeout(1)
+def test_nobody_attaches(run_ranks):
+    run_ranks(stops)
 """
 
 
 def test_rank_pdb_option_reaches_the_ranks_and_refuses_a_rank_outside_the_world(pytester):
-    pytester.makepyfile(OPTION_TESTS)
+    """Without a terminal (here: pytester, output captured) the port is still shown on
+    pytest's own terminal, and a debugger nobody attaches to gives up at the deadline."""
+    pytester.makepyfile("import pytest\n" + OPTION_TESTS)
+    start = time.monotonic()
     ok = pytester.runpytest("-p", "no:cacheprovider", "--rank-pdb", "1")
-    ok.assert_outcomes(passed=1)
+    ok.assert_outcomes(passed=1, failed=1)
+    ok.stdout.fnmatch_lines(
+        [
+            "rank 1 waits for a debugger: python -m tutorial_impl.testing.attach *",
+            "*rank 1 raised RuntimeError: rank 1: nobody attached to its debugger (port *) "
+            f"within {debugging.ATTACH_WINDOW:g} s*",
+        ]
+    )
+    assert time.monotonic() - start < debugging.ATTACH_WINDOW + 20  # not a day (HOLD)
     outside = pytester.runpytest("-p", "no:cacheprovider", "--rank-pdb", "2")
-    outside.assert_outcomes(failed=1)
+    outside.assert_outcomes(failed=2)
     outside.stdout.fnmatch_lines(["*debug_rank must be a rank of this world (0 to 1), got 2*"])
 
 

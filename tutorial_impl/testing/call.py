@@ -70,6 +70,8 @@ class Call:
     stream_prefix: bool
     coverage: dict[str, Any] | None
     given: frozenset[str] = frozenset()  # the options the caller named itself
+    # Where a debugged rank's "attach to port N" goes (pytest's terminal; else stderr).
+    announce: Callable[[str], None] | None = None
 
     @property
     def debug_env(self) -> dict[str, str]:

@@ -11,7 +11,11 @@ In every other rank ``breakpoint()`` raises an error that says so (a plain pdb t
 unseen, for a terminal it does not have), unless ``PYTHONBREAKPOINT=0`` turns it off.
 
 The rank announces the port on the terminal (``/dev/tty``, when there is one), in its log and
-in the file ``rank<N>.debugging`` of the run's log directory, and waits. Attach with::
+in the file ``rank<N>.debugging`` of the run's log directory, which the parent watches and
+announces too (under pytest on its terminal, capture or not), and waits, for the run's deadline
+at most (``ATTACH_WINDOW`` at least): nobody attached by then, the rank's breakpoint raises an
+error that says so. Attach
+with::
 
     python -m tutorial_impl.testing.attach PORT
 
@@ -33,6 +37,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,8 @@ from tutorial_impl.testing.outcome import skip_kind
 ENV = "TUTORIAL_IMPL_RANK_PDB"
 # A process-group timeout that holds the other ranks while one is debugged (a day).
 HOLD = 24 * 3600.0
+ATTACH = "python -m tutorial_impl.testing.attach"
+ATTACH_WINDOW = 5.0  # seconds a debugger waits to be attached to, at least (else: deadline)
 
 
 def debug_rank() -> int | None:
@@ -53,14 +60,24 @@ def debug_rank() -> int | None:
 class RemotePdb(pdb.Pdb):
     """A pdb whose terminal is a TCP connection from ``attach``, accepted on 127.0.0.1."""
 
-    def __init__(self, rank: int, marker: Path) -> None:
+    def __init__(self, rank: int, marker: Path, attach_within: float) -> None:
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
-        message = f"rank {rank} waits for a debugger: python -m tutorial_impl.testing.attach {port}"
+        message = f"rank {rank} waits for a debugger: {ATTACH} {port}"
         marker.write_text(f"{port}\n")  # from now on the harness deadline is paused
         _announce(message)
-        connection, _ = listener.accept()
-        listener.close()
+        listener.settimeout(attach_within)
+        try:
+            connection, _ = listener.accept()
+        except TimeoutError:
+            marker.unlink(missing_ok=True)  # the deadline counts again
+            raise RuntimeError(
+                f"rank {rank}: nobody attached to its debugger (port {port}) within "
+                f"{attach_within:g} s"
+            ) from None
+        finally:
+            listener.close()
+        connection.settimeout(None)
         self._connection = connection
         self._io = connection.makefile("rw", buffering=1, encoding="utf-8", errors="replace")
         super().__init__(stdin=self._io, stdout=self._io)
@@ -81,8 +98,9 @@ def _announce(message: str) -> None:
 class Debugging:
     """What a rank does about debugging: nothing, unless it is the debugged rank."""
 
-    def __init__(self, rank: int, log_dir: str) -> None:
+    def __init__(self, rank: int, log_dir: str, attach_within: float) -> None:
         self.rank = rank
+        self.attach_within = max(attach_within, ATTACH_WINDOW)
         self.marker = Path(log_dir) / f"rank{rank}.debugging"
         self.active = debug_rank() == rank
         self._pdb: RemotePdb | None = None
@@ -92,7 +110,7 @@ class Debugging:
 
     def _debugger(self) -> RemotePdb:
         if self._pdb is None:
-            self._pdb = RemotePdb(self.rank, self.marker)
+            self._pdb = RemotePdb(self.rank, self.marker, self.attach_within)
         return self._pdb
 
     def breakpoint(self, *args: Any, **kwargs: Any) -> None:
@@ -147,14 +165,29 @@ class Deadline:
 
     POLL = 0.5
 
-    def __init__(self, timeout: float, log_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        log_dir: str | os.PathLike[str],
+        announce: Callable[[str], None] | None = None,
+    ) -> None:
         self.end = time.monotonic() + timeout
         self.log_dir = Path(log_dir)
+        self.announce = announce  # says where to attach, once per debugger that waits
+        self.announced: set[str] = set()
+        self.poll = self.POLL if announce is not None else None  # how often to look
 
     def debugging(self) -> bool:
         return any(self.log_dir.glob("rank*.debugging"))
 
     def remaining(self) -> float:
+        if self.announce is not None:
+            for marker in self.log_dir.glob("rank*.debugging"):
+                port = marker.read_text().strip()
+                if port and port not in self.announced:
+                    self.announced.add(port)
+                    rank = marker.name[len("rank") : -len(".debugging")]
+                    self.announce(f"rank {rank} waits for a debugger: {ATTACH} {port}")
         left = self.end - time.monotonic()
         if left <= self.POLL and (self.debugging() or parent_in_debugger()):
             self.end = time.monotonic() + self.POLL * 2  # paused: push the end on

@@ -10,6 +10,7 @@ becomes pytest's own, and exceptions in the ranks' threads become pytest's warni
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import warnings
@@ -129,6 +130,7 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
             call,
             deadline=min(call.deadline, item.stash.get(DEADLINE_CAP, float("inf"))),
             log_dir=call.log_dir or tmp_path / f"ranks-{next(calls)}",
+            announce=_terminal_line(request.config),
         )
         runner = session.runner(settings, call)
         if runner is session.launched and call.world_size != world_size_of_job(runner):
@@ -136,6 +138,17 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         return _outcome(runner, call, session)
 
     return run
+
+
+def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
+    """A line on pytest's terminal now, whatever is being captured (a debugged rank's port)."""
+
+    def line(text: str) -> None:
+        capture = config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            config.get_terminal_writer().line(f"\n{text}")
+
+    return line
 
 
 def world_size_of_job(runner: Runner) -> int:

@@ -9,6 +9,7 @@ one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` de
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TextIO
@@ -51,7 +52,8 @@ class Forked:
                 spec = _call.rank_spec(call, r, work, store.rank_env(r, call.world_size))
                 spec.env.update(call.debug_env)
                 started.append(start(spec))
-            deadline = _debugging.Deadline(call.deadline, work)
+            announce = (call.announce or _to_stderr) if call.debug_rank is not None else None
+            deadline = _debugging.Deadline(call.deadline, work, announce)
             finished = supervise.supervise(
                 started, deadline, call.deadline, call.stream, call.stream_prefix, call.may_exit
             )
@@ -59,6 +61,10 @@ class Forked:
         finally:
             supervise.LIVE.kill(started)
             store.close()
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def start(spec: _call.RankSpec) -> supervise.Proc:

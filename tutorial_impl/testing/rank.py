@@ -222,7 +222,7 @@ def run_task(
     world's group already). A child the function forked that comes back here sends its
     report (a failure of this rank: see ``outcome.capture``) and ends at once."""
     rank_pid = os.getpid()
-    debugging = _debugging.Debugging(spec.rank, os.path.dirname(spec.log_path))
+    debugging = _debugging.Debugging(spec.rank, os.path.dirname(spec.log_path), spec.timeout)
     if _debugging.debug_rank() is not None:
         spec.timeout = _debugging.HOLD  # hold every rank while one is debugged
     cov = _coverage.start_in_rank(spec.coverage)

@@ -167,7 +167,8 @@ class _Watch:
                 self.stop_the_rest(_o.TimedOut if timed_out else _o.Stopped)
                 return
             handles = self.handles()
-            ready = wait(list(handles), timeout=min(left, RELAY_POLL) if self.stream else left)
+            poll = RELAY_POLL if self.stream else deadline.poll
+            ready = wait(list(handles), timeout=min(left, poll) if poll else left)
             self.relay()
             for handle in ready:
                 self.take(handles[handle])
