@@ -88,6 +88,7 @@ class LaunchedSession:
         self.broken: str | None = None  # why the session stopped early
         self.status = 0
         self.hosts: dict[int, str] = {}
+        self.lost: set[int] = set()  # ranks whose worker exited (heartbeat lost)
         self._phase: _Phase | None = None
         self._main = threading.main_thread().ident
         if _INTERRUPT is not None and threading.current_thread() is threading.main_thread():
@@ -215,9 +216,12 @@ class LaunchedSession:
         wait = self._limit(item) + ANSWER_GRACE + REPORT_MARGIN
         got = self.job.channel.gather(f"report/{self.seq}", mine, wait, self.job.heartbeats)
         gone = [r for r in range(self.launch.world_size) if r not in got]
-        lost = [r for r in gone if self.job.heartbeats.lost(r)]
+        lost = [r for r in gone if r not in self.lost and self.job.heartbeats.lost(r)]
+        for r in self.lost:  # named when they went; the phases after it are this rank's own
+            got.setdefault(r, mine)
         agree(rep, mine, got, self.launch.rank, self.launch.world_size, self._stacks_of, lost)
         problem = lockstep_problem(mine, got, self.launch.world_size, lost)
+        self.lost |= set(lost)
         if problem and not self.broken:
             self.broken = problem
             self.job.channel.set("abort")
@@ -262,7 +266,7 @@ class LaunchedSession:
             _exit(self.status)
         channel.set("done")
         channel.publish("leaving", self.status)
-        channel.collect("leaving", GIVE_UP)
+        channel.collect("leaving", GIVE_UP, self.job.heartbeats)
         _exit(self.status)
 
 
