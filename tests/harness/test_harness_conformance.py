@@ -558,11 +558,18 @@ def read_junit(path: Path) -> dict[str, Got]:
                 continue
             lines.append((message.splitlines() or [""])[0])
         name = case.get("name", "")
-        if name in found:  # pytest never repeats a name; if it does, show both
-            name += " (again)"
-        found[name] = Got(
+        got = Got(
             " + ".join(verdicts) or "passed", lines[0] if lines else "", float(case.get("time", 0))
         )
+        earlier = found.get(name)
+        if earlier is not None:  # a test's phases in two testcases (a failed call, then an
+            # error in teardown, the way torchrun's rank 0 reports them): one verdict
+            got = Got(
+                f"{earlier.verdict} + {got.verdict}",
+                earlier.first_line or got.first_line,
+                (earlier.time or 0) + (got.time or 0),
+            )
+        found[name] = got
     return found
 
 
@@ -656,6 +663,82 @@ def report(run: Run) -> str:
         f"{run.strategy}: {run.wall:.1f} s wall, {run.cpu:.1f} s CPU; "
         f"{len(run.cases)} cases; deviations:\n  " + "\n  ".join(deviations(run))
     )
+
+
+# --- the checker itself, on a junit file of known content ---------------------------------
+
+KNOWN_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="6">
+<testcase classname="m" name="test_a" time="0.1"/>
+<testcase classname="m" name="test_b" time="0.2">
+  <failure message="rank 1 raised ValueError: boom&#10;second line">tb</failure></testcase>
+<testcase classname="m" name="test_c" time="0.0">
+  <error message="failed on setup with &quot;harness configuration: world_size(0)&quot;">e</error>
+</testcase>
+<testcase classname="m" name="test_d" time="0.0">
+  <skipped type="pytest.skip" message="rank 0: no data">m.py:3: rank 0: no data</skipped></testcase>
+<testcase classname="m" name="test_e" time="0.0">
+  <skipped type="pytest.xfail" message="rank 0: known"/></testcase>
+<testcase classname="m" name="test_f[1]" time="9.0"><failure message="x"/></testcase>
+<testcase classname="m" name="test_f[1]" time="1.0">
+  <error message="failed on teardown with &quot;y&quot;"/></testcase>
+</testsuite></testsuites>
+"""
+KNOWN_OUTPUT = """
+============================== warnings summary ===============================
+m.py::test_a
+  PytestUnhandledThreadExceptionWarning: rank 1: Exception in thread Thread-1
+  ZeroDivisionError: division by zero
+
+-- Docs: https://docs.pytest.org/en/stable/how-to/capture-warnings.html
+=========================== short test summary info ===========================
+"""
+KNOWN_TABLE = {
+    "test_a": Case(Expect("passed", warnings=("ZeroDivisionError", r"\brank 1\b"))),
+    "test_b": Case(Expect("failed", "rank 1 raised ValueError: boom")),
+    "test_c": Case(Expect("error", re.compile(r"^harness configuration: .*\bworld_size\b"))),
+    "test_d": Case(Expect("skipped", "rank 0: no data")),
+    "test_e": Case(Expect("xfailed", "rank 0: known"), torchrun=Differs(NOT_RUN, why="ends it")),
+    "test_f": Case(Expect("failed + error in teardown", "x", within=10.5)),
+}
+
+
+def test_the_checker_sees_each_kind_of_deviation(tmp_path: Path) -> None:
+    """The table is only as good as its comparison: a run that conforms gives no deviation,
+    and each way of deviating (verdict, first line, time, warnings, a difference not taken,
+    a case missing or unknown) gives exactly one."""
+    (tmp_path / "known.xml").write_text(KNOWN_JUNIT)
+    cases = read_junit(tmp_path / "known.xml")
+    assert cases["test_f[1]"] == Got("failed + error in teardown", "x", 10.0)
+    assert cases["test_c"] == Got("error", "harness configuration: world_size(0)", 0.0)
+    assert cases["test_e"].verdict == "xfailed"
+    forked = Run("forked", cases, KNOWN_OUTPUT, 0.0, 0.0)
+    assert deviations(forked, KNOWN_TABLE) == []
+    without_e = {name: got for name, got in cases.items() if name != "test_e"}
+    assert deviations(Run("torchrun", without_e, KNOWN_OUTPUT, 0.0, 0.0), KNOWN_TABLE) == []
+    assert len(deviations(Run("torchrun", cases, KNOWN_OUTPUT, 0.0, 0.0), KNOWN_TABLE)) == 1
+    planted = {
+        "test_a": Case(Expect("failed")),
+        "test_b": Case(Expect("failed", "rank 1 raised ValueError: boom on two")),
+        "test_c": Case(Expect("error", re.compile(r"\bwarm_world\b"))),
+        "test_d": Case(Expect("skipped", "rank 1: no data")),
+        "test_e": Case(Expect("xfailed"), forked=Differs("passed", why="planted")),
+        "test_f": Case(Expect("failed + error in teardown", within=9.5)),
+    }
+    for name, case in planted.items():
+        found = deviations(forked, {**KNOWN_TABLE, name: case})
+        assert len(found) == 1 and found[0].startswith(name), (name, found)
+    quiet = Run("forked", cases, KNOWN_OUTPUT.replace("rank 1: ", ""), 0.0, 0.0)
+    assert len(deviations(quiet, KNOWN_TABLE)) == 1
+    assert len(deviations(forked, {**KNOWN_TABLE, "test_g": Case(Expect("passed"))})) == 1
+    assert len(deviations(forked, {n: c for n, c in KNOWN_TABLE.items() if n != "test_a"})) == 1
+
+
+def test_the_table_names_every_test_of_the_file_and_no_other() -> None:
+    defined = re.findall(r"^def (test_\w+)\(", STRANGER, re.M)
+    assert sorted({name.partition("[")[0] for name in CASES}) == sorted(defined)
+    assert defined[-1] == "test_c13_os_exit_on_rank_1"  # under torchrun nothing can follow it
+    assert sum(n.startswith("test_c10_") for n in CASES) == 8
 
 
 # --- running the file forked or warm, in this process ------------------------------------
@@ -823,8 +906,10 @@ def test_torchrun(pytester: pytest.Pytester) -> None:
             f"[torchrun] the job ended {ended - float(exit_time.read_text()):.0f} s after rank "
             f"1's os._exit (the last test), bound {AFTER_EXIT:g} s"
         )
-    if reporter is None or codes[reporter] in (0, None):
-        problems.append(f"[torchrun] the agents exited {codes}: the reporting one must fail")
+    # Every agent: on the node of a worker that exited 0, the job must fail too (and such an
+    # agent waits in torchelastic's exit barrier, 300 s, for agents that never come).
+    if not all(codes):
+        problems.append(f"[torchrun] the agents exited {codes}: every one must fail")
     junit = pytester.path / "torchrun.xml"
     if junit.exists():
         cases = read_junit(junit)
