@@ -65,8 +65,9 @@ CACHE = {}
 SEEDED = np.random.RandomState(0).rand(10)  # the first ten draws after np.random.seed(0)
 
 
-def note():
-    proctable.record_self(PIDS, str(os.getpid()))
+def note():  # this process ran a rank function of this test: the suite checks it is gone
+    test = os.environ.get("PYTEST_CURRENT_TEST", "unknown").split()[0].rpartition("::")[2]
+    proctable.record_self(PIDS, f"{test}@{os.getpid()}")
 
 
 def sum_of_ranks(rank, world_size):
@@ -764,6 +765,14 @@ def _own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime
 
 
+def tests_per_process(pids: Path) -> dict[int, list[str]]:
+    """Every process that ran the rank functions of more than one test (from ``note``)."""
+    tests: dict[tuple[int, str], list[str]] = {}
+    for name, process in proctable.recorded(pids).items():
+        tests.setdefault(process, []).append(name.rpartition("@")[0])
+    return {pid: sorted(names) for (pid, _), names in tests.items() if len(names) > 1}
+
+
 def run_in_process(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, strategy: str, source: str
 ) -> Run:
@@ -783,6 +792,11 @@ def run_in_process(
     left = proctable.wait_until_gone(pids)
     if left:
         problems.append(f"[{strategy}] processes outlived the run: {left}")
+    shared = tests_per_process(pids)
+    if strategy == "forked" and shared:
+        problems.append(f"[forked] ranks served more than one test: {shared}")
+    if strategy == "warm" and not shared:
+        problems.append("[warm] no rank served two tests: the warm run was not warm")
     if wall > IN_PROCESS_LIMIT:
         problems.append(f"[{strategy}] the run took {wall:.0f} s, limit {IN_PROCESS_LIMIT:g} s")
     if not (pytester.path / f"{strategy}.xml").exists():
