@@ -13,12 +13,21 @@ skipped, xfailed, or "not run"), the first line of its message and its time are 
 with ``CASES``, the one table of what each case must give. A ``Differs`` entry in it says
 what one strategy gives instead, and why; it is checked like the rest. Each test below runs
 the file once and lists every case that deviates (case, strategy, expected, got) in one
-assertion message, after the checks that no process outlives the run and that it ended in
-time. The rank functions record the pid of every process they run in (``note``), and the
-torchrun job's processes carry a mark in their environment (``proctable``).
+assertion message, with the run's own problems: a process that outlived it, a run past its
+bound. Every process that runs a rank function signs with its pid and test (``note``), and
+the torchrun job's processes carry a mark in their environment (``proctable``); from the
+signatures, the forked run proves that no rank served two tests, and the warm run that
+some did (it really was warm).
 
 Forked and warm run in this process (``pytester.runpytest``: their ranks come from the
-forkserver this process already has); torchrun is one job of subprocesses.
+forkserver this process already has); torchrun is one job of subprocesses, which deselects
+the SIGKILL case (``TORCHRUN_DESELECT``). The file's order serves torchrun: ``os._exit`` on
+a rank comes last (the job cannot go on without it), and the test that patches
+``dist.all_reduce`` comes after every other test that calls it but its witness (a torchrun
+rank is one process for the whole session: the patch stays).
+
+``test_the_checker_sees_each_kind_of_deviation`` proves the comparison itself on a junit
+file of known content: a conforming run gives no deviation, each planted one is reported.
 """
 
 from __future__ import annotations
