@@ -774,7 +774,7 @@ def _own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime
 
 
-def tests_per_process(pids: Path) -> dict[int, list[str]]:
+def processes_serving_several_tests(pids: Path) -> dict[int, list[str]]:
     """Every process that ran the rank functions of more than one test (from ``note``)."""
     tests: dict[tuple[int, str], list[str]] = {}
     for name, process in proctable.recorded(pids).items():
@@ -801,7 +801,7 @@ def run_in_process(
     left = proctable.wait_until_gone(pids)
     if left:
         problems.append(f"[{strategy}] processes outlived the run: {left}")
-    shared = tests_per_process(pids)
+    shared = processes_serving_several_tests(pids)
     if strategy == "forked" and shared:
         problems.append(f"[forked] ranks served more than one test: {shared}")
     if strategy == "warm" and not shared:
