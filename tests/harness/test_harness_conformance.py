@@ -1,0 +1,949 @@
+"""Conformance: one stranger's test file, run three ways, against one table of verdicts.
+
+The harness runs a test's rank function three ways: **forked** (fresh ranks from the
+forkserver for each test, the default), **warm** (the same file with ``warm_world`` in its
+module ``pytestmark``: ranks and group kept between tests) and under **torchrun** (each pytest
+process is one rank of the job; here two agents of one worker each, as on two nodes). A
+user must get the same verdict, with the same first line, whichever way the file runs, but
+where the table below names a difference and says why.
+
+``STRANGER`` is a stranger's test file (a pytester project: no conftest, only the installed
+package). Each run writes junit XML; every test case's verdict (passed, failed, error,
+skipped, xfailed, or "not run"), the first line of its message and its time are compared
+with ``CASES``, the one table of what each case must give. A ``Differs`` entry in it says
+what one strategy gives instead, and why; it is checked like the rest. Each test below runs
+the file once and lists every case that deviates (case, strategy, expected, got) in one
+assertion message, with the run's own problems: a process that outlived it, a run past its
+bound. Every process that runs a rank function signs with its pid and test (``note``), and
+the torchrun job's processes carry a mark in their environment (``proctable``); from the
+signatures, the forked run proves that no rank served two tests, and the warm run that
+some did (it really was warm).
+
+Forked and warm run in this process (``pytester.runpytest``: their ranks come from the
+forkserver this process already has); torchrun is one job of subprocesses, which deselects
+the SIGKILL case (``TORCHRUN_DESELECT``). The file's order serves torchrun: ``os._exit`` on
+a rank comes last (the job cannot go on without it), and the test that patches
+``dist.all_reduce`` comes after every other test that calls it but its witness (a torchrun
+rank is one process for the whole session: the patch stays).
+
+``test_the_checker_sees_each_kind_of_deviation`` proves the comparison itself on a junit
+file of known content: a conforming run gives no deviation, each planted one is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tutorial_impl.testing import proctable
+from tutorial_impl.testing import ranks as _ranks
+
+pytest_plugins = ["pytester"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODULE = "test_stranger"
+STRANGER = '''\
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import assert_equal_across_ranks, proctable
+
+pytestmark = []  # the warm run puts pytest.mark.warm_world here
+PIDS = os.environ["CONFORMANCE_PIDS"]  # where every process that runs a rank function signs
+CACHE = {}
+SEEDED = np.random.RandomState(0).rand(10)  # the first ten draws after np.random.seed(0)
+
+
+def note():  # this process ran a rank function of this test: the suite checks it is gone
+    test = os.environ.get("PYTEST_CURRENT_TEST", "unknown").split()[0].rpartition("::")[2]
+    proctable.record_self(PIDS, f"{test}@{os.getpid()}")
+
+
+def sum_of_ranks(rank, world_size):
+    note()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_c01_all_reduce_passes(run_ranks):
+    assert run_ranks(sum_of_ranks) == [1.0, 1.0]
+
+
+def raise_on(rank, world_size, bad):
+    note()
+    if rank == bad:
+        raise ValueError("boom on " + ("one" if bad == 1 else "zero"))
+    dist.barrier()  # waits for the rank that raised
+
+
+def test_c02_raise_on_rank_1(run_ranks):
+    run_ranks(raise_on, 1)
+
+
+def test_c03_raise_on_rank_0(run_ranks):
+    run_ranks(raise_on, 0)
+
+
+def nap():
+    time.sleep(60)
+
+
+def hang(rank, world_size):
+    note()
+    if rank == 1:
+        nap()
+    else:
+        dist.all_reduce(torch.ones(1))  # the hang's all_reduce
+
+
+@pytest.mark.rank_timeout(3)
+def test_c04_hang(run_ranks):
+    run_ranks(hang)
+
+
+def kill_rank_1(rank, world_size):
+    note()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_c05_kill_rank_1(run_ranks):
+    run_ranks(kill_rank_1)
+
+
+def skip_everywhere(rank, world_size):
+    note()
+    pytest.skip("no data")
+
+
+def test_c06_skip_on_every_rank(run_ranks):
+    run_ranks(skip_everywhere)
+
+
+def xfail_everywhere(rank, world_size):
+    note()
+    pytest.xfail("known")
+
+
+def test_c07_xfail_on_every_rank(run_ranks):
+    run_ranks(xfail_everywhere)
+
+
+def skip_on_1_assert_on_0(rank, world_size, how, delay):
+    note()
+    if rank == 1:
+        getattr(pytest, how)("rank 1 has nothing to do")
+    time.sleep(delay)
+    assert rank != 0, "rank 0 disagrees"
+
+
+def test_c08_skip_on_1_then_assert_on_0(run_ranks):
+    run_ranks(skip_on_1_assert_on_0, "skip", 0.3)
+
+
+def test_c09_xfail_on_1_then_assert_on_0(run_ranks):
+    run_ranks(skip_on_1_assert_on_0, "xfail", 0.3)
+
+
+@pytest.mark.parametrize("attempt", range(8))
+def test_c10_skip_and_assert_at_once(run_ranks, attempt):
+    run_ranks(skip_on_1_assert_on_0, "skip", 0)
+
+
+class Skipped(Exception):
+    """The application's own exception, named as pytest's is."""
+
+
+class XFailed(Exception):
+    """The application's own exception, named as pytest's is."""
+
+
+def raise_own(rank, world_size, name):
+    note()
+    if rank == 1:
+        raise {"Skipped": Skipped, "XFailed": XFailed}[name]("data corrupted")
+    dist.barrier()
+
+
+def test_c11_own_class_named_skipped(run_ranks):
+    run_ranks(raise_own, "Skipped")
+
+
+def test_c11_own_class_named_xfailed(run_ranks):
+    run_ranks(raise_own, "XFailed")
+
+
+def fork_on_rank_1(rank, world_size, rank_1_raises):
+    note()
+    if rank == 1:
+        if os.fork() == 0:
+            note()
+            return "the forked child's value"  # the child returns from the rank function
+        if rank_1_raises:
+            time.sleep(0.2)
+            raise RuntimeError("rank 1 failed after forking")
+    return rank
+
+
+def test_c12_forked_child_returns_and_rank_1_raises(run_ranks):
+    run_ranks(fork_on_rank_1, True)
+
+
+def test_c12_forked_child_returns_and_rank_1_too(run_ranks):
+    run_ranks(fork_on_rank_1, False)
+
+
+def odd_one_out(rank, world_size):
+    note()
+    assert_equal_across_ranks(torch.tensor([rank]))
+
+
+def test_c14_not_equal_across_ranks(run_ranks):
+    run_ranks(odd_one_out)
+
+
+def numpy_agrees(rank, world_size):
+    note()
+    assert_equal_across_ranks(np.array([1, 2]))
+
+
+def test_c15_numpy_arrays_equal_across_ranks(run_ranks):
+    run_ranks(numpy_agrees)
+
+
+def lock_on_rank_0(rank, world_size):
+    note()
+    return threading.Lock() if rank == 0 else rank
+
+
+def test_c16_unpicklable_result(run_ranks):
+    run_ranks(lock_on_rank_0)
+
+
+@pytest.mark.world_size(0)
+def test_c17_world_size_0(run_ranks):
+    run_ranks(sum_of_ranks)
+
+
+@pytest.mark.world_size(0, 2)
+def test_c17_matrix_with_0(run_ranks):
+    run_ranks(sum_of_ranks)
+
+
+@pytest.mark.world_size(2, 2)
+def test_c17_matrix_with_2_twice(run_ranks):
+    run_ranks(sum_of_ranks)
+
+
+@pytest.mark.warm_world("yes")
+def test_c17_warm_world_yes(run_ranks):
+    run_ranks(sum_of_ranks)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.world_size(3)
+def test_c17_two_world_size_markers(run_ranks):
+    run_ranks(sum_of_ranks)
+
+
+@pytest.mark.rank_timeout(0)
+def test_c17_rank_timeout_0(run_ranks):
+    run_ranks(sum_of_ranks)
+
+
+def thread_raises_on_rank_1(rank, world_size):
+    note()
+    if rank == 1:
+        t = threading.Thread(target=lambda: 1 / 0)
+        t.start()
+        t.join()
+    return rank
+
+
+def test_c18_exception_in_a_thread_of_rank_1(run_ranks):
+    assert run_ranks(thread_raises_on_rank_1) == [0, 1]
+
+
+def fill_cache(rank, world_size):
+    note()
+    CACHE["k"] = 1
+    return CACHE["k"]
+
+
+def read_cache(rank, world_size):
+    note()
+    return CACHE["k"]
+
+
+def test_c19a_fills_a_module_global(run_ranks):
+    assert run_ranks(fill_cache) == [1, 1]
+
+
+def test_c19b_reads_it_in_the_next_test(run_ranks):
+    run_ranks(read_cache)
+
+
+def seeded_draw(rank, world_size):
+    note()
+    np.random.seed(0)
+    return float(np.random.rand())
+
+
+def unseeded_draw(rank, world_size):
+    note()
+    draw = np.random.rand()
+    assert draw not in SEEDED, "numpy's generator goes on from an earlier test's seed(0)"
+    return float(draw)
+
+
+def test_c19c_seeds_numpy(run_ranks):
+    assert run_ranks(seeded_draw) == [SEEDED[0]] * 2
+
+
+def test_c19d_draws_unseeded(run_ranks):
+    run_ranks(unseeded_draw)
+
+
+def test_c20_init_method_tcp(run_ranks):
+    assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
+
+
+def patch_all_reduce(rank, world_size):
+    note()
+
+    def all_reduce(tensor, *args, **kwargs):
+        tensor.fill_(123)
+
+    dist.all_reduce = all_reduce
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return ones.item()
+
+
+def real_all_reduce(rank, world_size):
+    note()
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return ones.item()
+
+
+def test_c19e_patches_all_reduce(run_ranks):
+    assert run_ranks(patch_all_reduce) == [123.0, 123.0]
+
+
+def test_c19f_all_reduces_for_real(run_ranks):
+    assert run_ranks(real_all_reduce) == [2.0, 2.0]
+
+
+def exit_on_rank_1(rank, world_size):
+    note()
+    if rank == 1:
+        print("rank 1 leaves now", flush=True)
+        Path(PIDS, "exit.time").write_text(repr(time.time()))
+        os._exit(0)
+    dist.barrier()
+
+
+@pytest.mark.rank_timeout(10)
+def test_c13_os_exit_on_rank_1(run_ranks):  # last: a torchrun job cannot go on without a rank
+    run_ranks(exit_on_rank_1)
+'''
+WARM = STRANGER.replace("pytestmark = []", "pytestmark = [pytest.mark.warm_world]", 1)
+assert WARM != STRANGER
+HANG_LINE = next(
+    i for i, line in enumerate(STRANGER.splitlines(), 1) if "hang's all_reduce" in line
+)
+
+# --- the expected table ------------------------------------------------------------------
+
+NOT_RUN = "not run"  # the strategy's run does not include the case
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a case must give: its verdict; the first line of its junit message (a string:
+    exactly that; a pattern: ``re.search`` finds it; None: not checked); at most how many
+    seconds it may take (junit's time, setup to teardown); patterns its entry in pytest's
+    warnings summary must match."""
+
+    verdict: str
+    first_line: str | re.Pattern[str] | None = None
+    within: float | None = None
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Differs(Expect):
+    """What one strategy gives instead of the case's ``Expect``, and ``why`` (keyword)."""
+
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.why, "a difference says why"
+
+
+@dataclass(frozen=True)
+class Case:
+    expect: Expect
+    forked: Differs | None = None
+    warm: Differs | None = None
+    torchrun: Differs | None = None
+
+    def under(self, strategy: str) -> Expect:
+        return getattr(self, strategy) or self.expect
+
+
+def starts(prefix: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(prefix))
+
+
+def misconfigured(marker: str) -> Case:
+    return Case(Expect("error", re.compile(rf"^harness configuration: .*\b{marker}\b")))
+
+
+ASSERT_ON_0 = "rank 0 raised AssertionError: rank 0 disagrees"
+ONE_PROCESS = (
+    "under torchrun each rank is one pytest process for the whole session, so state a test "
+    "leaves in a module carries over to the next test, as in any pytest process"
+)
+CASES: dict[str, Case] = {
+    "test_c01_all_reduce_passes": Case(Expect("passed")),
+    "test_c02_raise_on_rank_1": Case(Expect("failed", "rank 1 raised ValueError: boom on one")),
+    "test_c03_raise_on_rank_0": Case(Expect("failed", "rank 0 raised ValueError: boom on zero")),
+    "test_c04_hang": Case(
+        Expect(
+            "failed",
+            re.compile(
+                r"^rank\(s\) 0, 1 still running after the harness deadline of 3 s\b.*"
+                rf"\brank 0 in all_reduce at {MODULE}\.py:{HANG_LINE}\b"
+            ),
+            within=3 + 4,
+        )
+    ),
+    "test_c05_kill_rank_1": Case(
+        Expect("failed", "rank 1 was killed by signal SIGKILL before returning a result"),
+        torchrun=Differs(
+            NOT_RUN,
+            why="a worker killed by a signal ends a torchrun job (its agent tears every worker "
+            "down), so no later test would run: the torchrun run deselects it (-k)",
+        ),
+    ),
+    "test_c06_skip_on_every_rank": Case(Expect("skipped", "rank 0: no data")),
+    "test_c07_xfail_on_every_rank": Case(Expect("xfailed", re.compile(r"\bknown\b"))),
+    # A failure on any rank beats a skip or an xfail anywhere, however late it comes.
+    "test_c08_skip_on_1_then_assert_on_0": Case(Expect("failed", ASSERT_ON_0)),
+    "test_c09_xfail_on_1_then_assert_on_0": Case(Expect("failed", ASSERT_ON_0)),
+    **{
+        f"test_c10_skip_and_assert_at_once[{i}]": Case(Expect("failed", ASSERT_ON_0))
+        for i in range(8)
+    },
+    # Skips are pytest's own exception types, never a class that has their name.
+    "test_c11_own_class_named_skipped": Case(
+        Expect("failed", re.compile(r"^rank 1 raised [\w.]+\.Skipped: data corrupted$"))
+    ),
+    "test_c11_own_class_named_xfailed": Case(
+        Expect("failed", re.compile(r"^rank 1 raised [\w.]+\.XFailed: data corrupted$"))
+    ),
+    "test_c12_forked_child_returns_and_rank_1_raises": Case(Expect("failed", starts("rank 1 "))),
+    "test_c12_forked_child_returns_and_rank_1_too": Case(
+        Expect("failed", re.compile(r"^rank 1\b.*fork"))
+    ),
+    "test_c14_not_equal_across_ranks": Case(
+        Expect(
+            "failed",
+            re.compile(r"^(?=.*not equal across ranks)(?=.*\brank(?:\(s\))? (?:\d+, )*1\b)"),
+        )
+    ),
+    "test_c15_numpy_arrays_equal_across_ranks": Case(Expect("passed")),
+    "test_c16_unpicklable_result": Case(
+        Expect("failed", re.compile(r"^rank 0 raised .*cannot be pickled"))
+    ),
+    # Each fails its own test in setup, and the session goes on.
+    "test_c17_world_size_0": misconfigured("world_size"),
+    "test_c17_matrix_with_0": misconfigured("world_size"),
+    "test_c17_matrix_with_2_twice": misconfigured("world_size"),
+    "test_c17_warm_world_yes": misconfigured("warm_world"),
+    "test_c17_two_world_size_markers": misconfigured("world_size"),
+    "test_c17_rank_timeout_0": misconfigured("rank_timeout"),
+    "test_c18_exception_in_a_thread_of_rank_1": Case(
+        Expect("passed", warnings=(r"ZeroDivisionError", r"\brank 1\b"))
+    ),
+    # Fresh ranks start clean; a warm world that a test changed is replaced.
+    "test_c19a_fills_a_module_global": Case(Expect("passed")),
+    "test_c19b_reads_it_in_the_next_test": Case(
+        Expect("failed", re.compile(r"^rank [01] raised KeyError: 'k'$")),
+        torchrun=Differs("passed", why=ONE_PROCESS),
+    ),
+    "test_c19c_seeds_numpy": Case(Expect("passed")),
+    "test_c19d_draws_unseeded": Case(
+        Expect("passed"),
+        torchrun=Differs(
+            "failed", re.compile(r"^rank [01] raised AssertionError"), why=ONE_PROCESS
+        ),
+    ),
+    "test_c20_init_method_tcp": Case(
+        Expect("passed"),
+        torchrun=Differs(
+            "failed",
+            re.compile(r"\binit_method\b"),
+            why="the job has its own rendezvous: init_method cannot be honoured there, so it is "
+            "refused, never silently dropped",
+        ),
+    ),
+    "test_c19e_patches_all_reduce": Case(Expect("passed")),
+    "test_c19f_all_reduces_for_real": Case(
+        Expect("passed"),
+        torchrun=Differs("failed", re.compile(r"\b123\b"), why=ONE_PROCESS),
+    ),
+    "test_c13_os_exit_on_rank_1": Case(
+        Expect("failed", starts("rank 1 exited with code 0"), within=5),
+        torchrun=Differs(
+            "failed",
+            re.compile(r"^(?!.*\bstuck\b)rank 1 exited"),
+            within=10 + 5,
+            why="a worker's exit code is known to its own agent only, not to its peers",
+        ),
+    ),
+}
+TORCHRUN_DESELECT = "not test_c05_kill_rank_1"
+
+# --- reading a run -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Got:
+    verdict: str
+    first_line: str | None = ""  # None: unknown (no junit XML; verdicts from progress lines)
+    time: float | None = 0.0
+
+
+@dataclass
+class Run:
+    strategy: str
+    cases: dict[str, Got]  # junit name -> what it gave
+    output: str  # the terminal output (rank 0's under torchrun)
+    wall: float
+    cpu: float
+    problems: list[str] = field(default_factory=list)  # run-level deviations
+
+
+def read_junit(path: Path) -> dict[str, Got]:
+    """junit name -> verdict, first line of its message, time."""
+    found = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        verdicts, lines = [], []
+        for child in case:
+            message = child.get("message", "")
+            if child.tag == "failure":
+                verdicts.append("failed")
+            elif child.tag == "error":
+                wrapped = re.fullmatch(r'failed on (setup|teardown) with "(.*)"', message, re.S)
+                phase, message = wrapped.groups() if wrapped else ("setup", message)
+                verdicts.append("error" if phase == "setup" else f"error in {phase}")
+            elif child.tag == "skipped":
+                verdicts.append("xfailed" if child.get("type") == "pytest.xfail" else "skipped")
+            else:
+                continue
+            lines.append((message.splitlines() or [""])[0])
+        name = case.get("name", "")
+        got = Got(
+            " + ".join(verdicts) or "passed", lines[0] if lines else "", float(case.get("time", 0))
+        )
+        earlier = found.get(name)
+        if earlier is not None:  # a test's phases in two testcases (a failed call, then an
+            # error in teardown, the way torchrun's rank 0 reports them): one verdict
+            got = Got(
+                f"{earlier.verdict} + {got.verdict}",
+                earlier.first_line or got.first_line,
+                (earlier.time or 0) + (got.time or 0),
+            )
+        found[name] = got
+    return found
+
+
+PROGRESS = {
+    "PASSED": "passed",
+    "FAILED": "failed",
+    "ERROR": "error",
+    "SKIPPED": "skipped",
+    "XFAIL": "xfailed",
+    "XPASS": "passed",
+}
+
+
+def read_progress(output: str) -> dict[str, Got]:
+    """junit name -> verdict, from pytest's ``-v`` progress lines: for a run that ended
+    before writing its junit XML (first lines and times unknown)."""
+    found: dict[str, Got] = {}
+    line = re.compile(rf"^{MODULE}\.py::(\S+) ({'|'.join(PROGRESS)})\b", re.M)
+    for name, word in line.findall(output):
+        verdict = PROGRESS[word]
+        if name in found:  # a failed call, then an error in teardown
+            verdict = f"{found[name].verdict} + error in teardown"
+        found[name] = Got(verdict, None, None)
+    return found
+
+
+def warnings_entries(output: str, name: str) -> str:
+    """The entries of pytest's warnings summary that name test ``name``."""
+    summary = re.search(r"^=+ warnings summary =+\n(.*?)(?=^=+ |\Z)", output, re.S | re.M)
+    if not summary:
+        return ""
+    entries = summary.group(1).split("\n\n")
+    own = re.compile(rf"::{re.escape(name)}$", re.M)
+    return "\n\n".join(e for e in entries if own.search(e))
+
+
+def _matches(expected: str | re.Pattern[str] | None, line: str) -> bool:
+    if expected is None:
+        return True
+    if isinstance(expected, str):
+        return line == expected
+    return expected.search(line) is not None
+
+
+def _show(expected: str | re.Pattern[str] | None) -> str:
+    return f"/{expected.pattern}/" if isinstance(expected, re.Pattern) else repr(expected)
+
+
+def deviations(run: Run, cases: dict[str, Case] = CASES) -> list[str]:
+    """Every way ``run`` differs from ``cases``: (case, strategy, expected, got), one a line."""
+    out = list(run.problems)
+    seen = set()
+    for name, case in cases.items():
+        want = case.under(run.strategy)
+        got = {n: g for n, g in run.cases.items() if n == name or n.startswith(name + "[")}
+        if "[" in name:
+            got = {name: run.cases[name]} if name in run.cases else {}
+        seen |= set(got)
+        if not got:
+            got = {name: Got(NOT_RUN)}
+        for n, g in got.items():
+            tag = f"{n} [{run.strategy}]"
+            if g.verdict != want.verdict:
+                out.append(
+                    f"{tag}: expected {want.verdict} {_show(want.first_line)}, got {g.verdict} "
+                    f"{g.first_line!r}"
+                )
+                continue
+            if g.first_line is not None and not _matches(want.first_line, g.first_line):
+                out.append(
+                    f"{tag}: expected first line {_show(want.first_line)}, got {g.first_line!r}"
+                )
+            if want.within is not None and g.time is not None and g.time > want.within:
+                out.append(f"{tag}: took {g.time:.1f} s, expected at most {want.within:g} s")
+            text = warnings_entries(run.output, n)
+            for pattern in want.warnings:
+                if not re.search(pattern, text):
+                    out.append(
+                        f"{tag}: warnings summary has no /{pattern}/ for it; its entry: {text!r}"
+                    )
+    for n in sorted(set(run.cases) - seen):
+        out.append(
+            f"{n} [{run.strategy}]: not in the table, got {run.cases[n].verdict} "
+            f"{run.cases[n].first_line!r}"
+        )
+    return out
+
+
+def report(run: Run) -> str:
+    return (
+        f"{run.strategy}: {run.wall:.1f} s wall, {run.cpu:.1f} s CPU; "
+        f"{len(run.cases)} cases; deviations:\n  " + "\n  ".join(deviations(run))
+    )
+
+
+# --- the checker itself, on a junit file of known content ---------------------------------
+
+KNOWN_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="6">
+<testcase classname="m" name="test_a" time="0.1"/>
+<testcase classname="m" name="test_b" time="0.2">
+  <failure message="rank 1 raised ValueError: boom&#10;second line">tb</failure></testcase>
+<testcase classname="m" name="test_c" time="0.0">
+  <error message="failed on setup with &quot;harness configuration: world_size(0)&quot;">e</error>
+</testcase>
+<testcase classname="m" name="test_d" time="0.0">
+  <skipped type="pytest.skip" message="rank 0: no data">m.py:3: rank 0: no data</skipped></testcase>
+<testcase classname="m" name="test_e" time="0.0">
+  <skipped type="pytest.xfail" message="rank 0: known"/></testcase>
+<testcase classname="m" name="test_f[1]" time="9.0"><failure message="x"/></testcase>
+<testcase classname="m" name="test_f[1]" time="1.0">
+  <error message="failed on teardown with &quot;y&quot;"/></testcase>
+</testsuite></testsuites>
+"""
+KNOWN_OUTPUT = """
+============================== warnings summary ===============================
+m.py::test_a
+  PytestUnhandledThreadExceptionWarning: rank 1: Exception in thread Thread-1
+  ZeroDivisionError: division by zero
+
+-- Docs: https://docs.pytest.org/en/stable/how-to/capture-warnings.html
+=========================== short test summary info ===========================
+"""
+KNOWN_TABLE = {
+    "test_a": Case(Expect("passed", warnings=("ZeroDivisionError", r"\brank 1\b"))),
+    "test_b": Case(Expect("failed", "rank 1 raised ValueError: boom")),
+    "test_c": Case(Expect("error", re.compile(r"^harness configuration: .*\bworld_size\b"))),
+    "test_d": Case(Expect("skipped", "rank 0: no data")),
+    "test_e": Case(Expect("xfailed", "rank 0: known"), torchrun=Differs(NOT_RUN, why="ends it")),
+    "test_f": Case(Expect("failed + error in teardown", "x", within=10.5)),
+}
+
+
+def test_the_checker_sees_each_kind_of_deviation(tmp_path: Path) -> None:
+    """The table is only as good as its comparison: a run that conforms gives no deviation,
+    and each way of deviating (verdict, first line, time, warnings, a difference not taken,
+    a case missing or unknown) gives exactly one."""
+    (tmp_path / "known.xml").write_text(KNOWN_JUNIT)
+    cases = read_junit(tmp_path / "known.xml")
+    assert cases["test_f[1]"] == Got("failed + error in teardown", "x", 10.0)
+    assert cases["test_c"] == Got("error", "harness configuration: world_size(0)", 0.0)
+    assert cases["test_e"].verdict == "xfailed"
+    forked = Run("forked", cases, KNOWN_OUTPUT, 0.0, 0.0)
+    assert deviations(forked, KNOWN_TABLE) == []
+    without_e = {name: got for name, got in cases.items() if name != "test_e"}
+    assert deviations(Run("torchrun", without_e, KNOWN_OUTPUT, 0.0, 0.0), KNOWN_TABLE) == []
+    assert len(deviations(Run("torchrun", cases, KNOWN_OUTPUT, 0.0, 0.0), KNOWN_TABLE)) == 1
+    planted = {
+        "test_a": Case(Expect("failed")),
+        "test_b": Case(Expect("failed", "rank 1 raised ValueError: boom on two")),
+        "test_c": Case(Expect("error", re.compile(r"\bwarm_world\b"))),
+        "test_d": Case(Expect("skipped", "rank 1: no data")),
+        "test_e": Case(Expect("xfailed"), forked=Differs("passed", why="planted")),
+        "test_f": Case(Expect("failed + error in teardown", within=9.5)),
+    }
+    for name, case in planted.items():
+        found = deviations(forked, {**KNOWN_TABLE, name: case})
+        assert len(found) == 1 and found[0].startswith(name), (name, found)
+    quiet = Run("forked", cases, KNOWN_OUTPUT.replace("rank 1: ", ""), 0.0, 0.0)
+    assert len(deviations(quiet, KNOWN_TABLE)) == 1
+    assert len(deviations(forked, {**KNOWN_TABLE, "test_g": Case(Expect("passed"))})) == 1
+    assert len(deviations(forked, {n: c for n, c in KNOWN_TABLE.items() if n != "test_a"})) == 1
+
+
+def test_the_table_names_every_test_of_the_file_and_no_other() -> None:
+    defined = re.findall(r"^def (test_\w+)\(", STRANGER, re.M)
+    assert sorted({name.partition("[")[0] for name in CASES}) == sorted(defined)
+    assert defined[-1] == "test_c13_os_exit_on_rank_1"  # under torchrun nothing can follow it
+    assert sum(n.startswith("test_c10_") for n in CASES) == 8
+
+
+# --- running the file forked or warm, in this process ------------------------------------
+
+RUN_ARGS = ["-p", "no:cacheprovider", "-p", "no:randomly", "-rA", "--rank-timeout=20"]
+IN_PROCESS_LIMIT = 60.0  # seconds a forked or warm run of the file may take (deadlines: 3 s)
+
+
+def _cpu_of(pid: int | None) -> float:
+    """CPU seconds of process ``pid`` and of its children it has reaped (the forkserver's
+    ranks); 0 if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime
+
+
+def processes_serving_several_tests(pids: Path) -> dict[int, list[str]]:
+    """Every process that ran the rank functions of more than one test (from ``note``)."""
+    tests: dict[tuple[int, str], list[str]] = {}
+    for name, process in proctable.recorded(pids).items():
+        tests.setdefault(process, []).append(name.rpartition("@")[0])
+    return {pid: sorted(names) for (pid, _), names in tests.items() if len(names) > 1}
+
+
+def run_in_process(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, strategy: str, source: str
+) -> Run:
+    pids = pytester.path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("CONFORMANCE_PIDS", str(pids))
+    (pytester.path / f"{MODULE}.py").write_text(source)
+    server = _ranks.forkserver_pid()
+    cpu = _own_cpu() - _cpu_of(server)
+    start = time.monotonic()
+    result = pytester.runpytest(*RUN_ARGS, f"--junitxml={strategy}.xml", f"{MODULE}.py")
+    wall = time.monotonic() - start
+    # The forkserver's ranks (under xdist the server is shared: other workers' ranks too).
+    cpu = _own_cpu() + _cpu_of(server or _ranks.forkserver_pid()) - cpu
+    output = result.stdout.str() + result.stderr.str()
+    problems = []
+    left = proctable.wait_until_gone(pids)
+    if left:
+        problems.append(f"[{strategy}] processes outlived the run: {left}")
+    shared = processes_serving_several_tests(pids)
+    if strategy == "forked" and shared:
+        problems.append(f"[forked] ranks served more than one test: {shared}")
+    if strategy == "warm" and not shared and proctable.recorded(pids):
+        problems.append("[warm] no rank served two tests: the warm run was not warm")
+    if wall > IN_PROCESS_LIMIT:
+        problems.append(f"[{strategy}] the run took {wall:.0f} s, limit {IN_PROCESS_LIMIT:g} s")
+    if not (pytester.path / f"{strategy}.xml").exists():
+        problems.append(f"[{strategy}] no junit XML; the run said:\n{output}")
+        return Run(strategy, {}, output, wall, cpu, problems)
+    run = Run(strategy, read_junit(pytester.path / f"{strategy}.xml"), output, wall, cpu, problems)
+    if result.ret != pytest.ExitCode.TESTS_FAILED:
+        run.problems.append(
+            f"[{strategy}] pytest exited {result.ret!r}, expected TESTS_FAILED: "
+            + "; ".join(re.findall(r"^(?:ERROR|INTERNALERROR|E ) .*", output, re.M)[:5])
+        )
+    return run
+
+
+def test_forked(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_in_process(pytester, monkeypatch, "forked", STRANGER)
+    print(report(run))
+    if deviations(run):
+        pytest.fail(report(run), pytrace=False)
+
+
+def test_warm(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = run_in_process(pytester, monkeypatch, "warm", WARM)
+    print(report(run))
+    if deviations(run):
+        pytest.fail(report(run), pytrace=False)
+
+
+# --- running the file under torchrun: two agents of one worker each -----------------------
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
+JOB_BOUND = 60.0  # seconds the job may take (deadlines: 3 s, 10 s)
+JOB_LIMIT = JOB_BOUND + 15  # then it is killed (its junit XML is then missing)
+AFTER_EXIT = 30.0  # seconds the job may go on after rank 1's os._exit, the last test
+MARK = "TUTORIAL_HARNESS_CONFORMANCE_JOB"  # in the agents' environment, so in every worker's
+
+
+def _rendezvous_store() -> dist.TCPStore:
+    """The c10d rendezvous store both agents join as clients (as in test_harness_torchrun)."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=JOB_LIMIT),
+    )
+
+
+def _agent(port: int, rdzv_id: str, pytest_args: list[str]) -> list[str]:
+    return [
+        *TORCHRUN,
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv_id}",
+        "--rdzv-conf=is_host=0,join_timeout=120",
+        "--local-addr=127.0.0.1",
+        "--max-restarts=0",
+        "-m",
+        "pytest",
+        *pytest_args,
+    ]
+
+
+def test_torchrun(pytester: pytest.Pytester) -> None:
+    pids = pytester.path / "pids"
+    pids.mkdir()
+    (pytester.path / f"{MODULE}.py").write_text(STRANGER)
+    store = _rendezvous_store()
+    args = [*RUN_ARGS, "-v", "--junitxml=torchrun.xml", "-k", TORCHRUN_DESELECT, f"{MODULE}.py"]
+    command = _agent(store.port, f"conformance-{uuid.uuid4().hex[:8]}", args)
+    job = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", MARK: job, "CONFORMANCE_PIDS": str(pids)}
+    env.pop("PYTEST_XDIST_WORKER", None)  # the workers are not xdist workers of ours
+    logs = [pytester.path / f"agent{i}.log" for i in range(2)]
+    procs: list[subprocess.Popen[bytes]] = []
+    problems = []
+    cpu = _own_cpu()
+    start = time.monotonic()
+    try:
+        for log in logs:
+            with open(log, "wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        command, cwd=pytester.path, env=env, stdout=out, stderr=subprocess.STDOUT
+                    )
+                )
+        try:
+            for proc in procs:
+                proc.wait(max(0.1, start + JOB_LIMIT - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            problems.append(f"[torchrun] the job was still running after {JOB_LIMIT:g} s: killed")
+        wall = time.monotonic() - start
+        ended = time.time()
+        if not problems:  # it ended by itself: it must have left nothing behind
+            left = proctable.wait_until_unmarked(MARK, job, timeout=10.0)
+            if left:
+                problems.append(f"[torchrun] processes outlived the job: {left}")
+    finally:
+        proctable.kill_marked(MARK, job)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(5)
+    cpu = _own_cpu() - cpu  # the agents', and the workers' they reaped
+    assert not proctable.wait_until_unmarked(MARK, job, timeout=10.0), "SIGKILL did not work"
+    left = proctable.wait_until_gone(pids)
+    if left:
+        problems.append(f"[torchrun] processes a rank function ran in outlived the job: {left}")
+    outputs = [log.read_text(errors="replace") for log in logs]
+    reporter = next((i for i, out in enumerate(outputs) if "test session starts" in out), None)
+    output = outputs[reporter] if reporter is not None else "\n".join(outputs)
+    codes = [p.returncode for p in procs]
+    if wall > JOB_BOUND:
+        problems.append(f"[torchrun] the job took {wall:.0f} s, bound {JOB_BOUND:g} s")
+    exit_time = pids / "exit.time"
+    if exit_time.exists() and ended - float(exit_time.read_text()) > AFTER_EXIT:
+        problems.append(
+            f"[torchrun] the job ended {ended - float(exit_time.read_text()):.0f} s after rank "
+            f"1's os._exit (the last test), bound {AFTER_EXIT:g} s"
+        )
+    # Every agent: on the node of a worker that exited 0, the job must fail too (and such an
+    # agent waits in torchelastic's exit barrier, 300 s, for agents that never come).
+    if not all(codes):
+        problems.append(f"[torchrun] the agents exited {codes}: every one must fail")
+    junit = pytester.path / "torchrun.xml"
+    if junit.exists():
+        cases = read_junit(junit)
+    else:
+        cases = read_progress(output)
+        problems.append(
+            "[torchrun] no junit XML: verdicts below are read from the progress lines (first "
+            "lines and times unknown); rank 0's output ends:\n"
+            + "\n".join(output.splitlines()[-15:])
+        )
+    run = Run("torchrun", cases, output, wall, cpu, problems)
+    print(report(run), f"agents exited {codes}", sep="\n")
+    if deviations(run):
+        pytest.fail(report(run), pytrace=False)
