@@ -1,0 +1,245 @@
+"""Reuse (``tutorial_impl/testing/reuse.py``): a warm rank stays as good as new between tests.
+
+Each rank function below builds a ``Baseline`` in a forked rank, as a warm world does, then
+plays the tests of a warm world itself: ``before_task``, something a test might do, and
+``after_task``. What can be reset must be reset (the next task sees a fresh rank's state,
+the same draws from every generator); what cannot must be named by ``after_task``, so that
+the world is replaced; and a task that touched nothing must cost about a millisecond.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import reuse
+
+# Module-level state a test could leave behind (the "user's module" of the checks).
+CACHE: dict[str, int] = {}
+SEEN: list[int] = []
+TAGS: set[str] = set()
+BUFFER = bytearray(4)
+TENSOR = torch.zeros(2)
+ARRAY = np.zeros(4)
+MODEL = torch.nn.Linear(2, 2)
+GENERATOR = torch.Generator().manual_seed(0)
+
+
+class Settings:
+    verbose = False
+
+
+SETTINGS = Settings()
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+def flags() -> dict[str, str]:
+    """Every global setting ``before_task`` resets, as a test would read it (as text)."""
+    hooks = torch.nn.modules.module._global_forward_hooks
+    found = {
+        "torch": (torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads()),
+        "device": str(torch.get_default_device()),
+        "modes": torch._C._len_torch_function_stack(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+        "matmul": torch.get_float32_matmul_precision(),
+        "print": torch._tensor_str.PRINT_OPTS.precision,
+        "hooks": len(hooks),
+        "numpy": (np.geterr(), np.get_printoptions()["precision"]),
+        "warnings": list(warnings.filters),
+        "handlers": signal.getsignal(signal.SIGTERM),
+        "timers": [signal.getitimer(t) for t in reuse.TIMERS],
+        "mask": signal.pthread_sigmask(signal.SIG_BLOCK, []),
+        "logging": (logging.getLogger().handlers[:], logging.root.manager.disable),
+        "process": (sys.getrecursionlimit(), socket.getdefaulttimeout()),
+    }
+    return {key: repr(value) for key, value in found.items()}
+
+
+def change_every_setting() -> None:
+    """What a careless test leaves set: every global ``before_task`` must reset."""
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    torch.set_grad_enabled(False)
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.autograd.set_detect_anomaly(True)
+    torch.set_num_threads(2)
+    torch.backends.cudnn.deterministic = torch.backends.cudnn.benchmark = True
+    torch.set_float32_matmul_precision("medium")
+    torch.set_printoptions(precision=1)
+    torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    np.seterr(all="raise")
+    np.set_printoptions(precision=2)
+    warnings.simplefilter("error")
+    signal.signal(signal.SIGTERM, lambda *args: None)
+    signal.alarm(100)
+    signal.setitimer(signal.ITIMER_PROF, 100)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    logging.getLogger().addHandler(logging.NullHandler())
+    logging.disable(logging.CRITICAL)
+    sys.setrecursionlimit(5000)
+    socket.setdefaulttimeout(3.0)
+
+
+def warn() -> None:
+    warnings.warn("reuse-warning", UserWarning, stacklevel=1)  # always from this one line
+
+
+def shown_warnings(task: reuse.Baseline) -> list[str]:
+    """A warning raised twice from one place in a task, then once in the next task: Python
+    shows it once per place (the "default" action); a fresh rank, once per test."""
+    out, stderr = io.StringIO(), sys.stderr
+    try:
+        sys.stderr = out
+        warn()
+        warn()
+        sys.stderr = stderr
+        assert task.after_task() is None
+        task.before_task()
+        sys.stderr = out
+        warn()
+    finally:
+        sys.stderr = stderr
+    return [line for line in out.getvalue().splitlines() if "UserWarning: reuse-warning" in line]
+
+
+def reset_between_tasks(rank: int, world_size: int) -> dict[str, object]:
+    task = reuse.Baseline()
+    task.before_task()
+    first, fresh = draws(), flags()
+    change_every_setting()
+    changed, left = flags(), task.after_task()
+    pending = signal.getitimer(signal.ITIMER_REAL)  # the alarm, cancelled: the rank now idles
+    task.before_task()
+    again, reset = draws(), flags()
+    shown = shown_warnings(task)
+    return dict(first=first, again=again, fresh=fresh, changed=changed, reset=reset,
+                problem=left, pending=pending, shown=len(shown))  # fmt: skip
+
+
+def fresh_draws(rank: int, world_size: int) -> tuple[float, float, float]:
+    return draws()
+
+
+def test_before_task_gives_every_task_a_fresh_ranks_state(run_ranks):
+    [warm] = run_ranks(reset_between_tasks, world_size=1, backend=None)
+    [fresh] = run_ranks(fresh_draws, world_size=1, backend=None)
+    # Settings a test may change are not problems: they are reset before the next task ...
+    assert warm["problem"] is None
+    assert warm["pending"] == (0.0, 0.0)
+    assert all(warm["changed"][k] != v for k, v in warm["fresh"].items()), warm["changed"]
+    assert warm["reset"] == warm["fresh"]
+    # ... which draws what the first task drew, and what a fresh rank draws (torch, numpy:
+    # the forkserver's state; ``random`` is reseeded in every forked child).
+    assert warm["again"] == warm["first"]
+    assert warm["first"][1:] == fresh[1:]
+    assert warm["shown"] == 2  # shown once in each task, as in two fresh ranks
+
+
+def _thread() -> None:
+    threading.Thread(target=time.sleep, args=(5,), name="Leftover", daemon=True).start()
+
+
+def _enter(context: object) -> object:
+    context.__enter__()  # type: ignore[attr-defined]
+    return context
+
+
+def _wrap(module: object, name: str, imported: bool) -> None:
+    """Replace ``module.name`` by a wrapper of it (``__wrapped__``), as an import may do."""
+    if imported:
+        sys.modules["_reuse_probe"] = types.ModuleType("_reuse_probe")
+    original = getattr(module, name)
+    setattr(module, name, functools.wraps(original)(lambda *a, **k: original(*a, **k)))
+
+
+# What a test does that no reset can undo, and what after_task must name for it. The last
+# three stay entered during the cases after them (so, in this order), and are exited after.
+LEFT = {
+    "cache": (lambda: CACHE.update(k=1), f"{__name__}: CACHE (its contents)"),
+    "seen": (lambda: SEEN.append(1), "SEEN (its contents)"),
+    "tags": (lambda: TAGS.add("x"), "TAGS (its contents)"),
+    "buffer": (lambda: BUFFER.__setitem__(0, 1), "BUFFER (its contents)"),
+    "tensor": (lambda: TENSOR.add_(1), "TENSOR (its contents)"),
+    "array": (lambda: ARRAY.__setitem__(0, 1.0), "ARRAY (its contents)"),
+    "model": (lambda: MODEL.eval(), "MODEL (its contents)"),
+    "trained": (lambda: MODEL(torch.ones(1, 2)).sum().backward(), "MODEL (its contents)"),
+    "generator": (lambda: torch.rand(1, generator=GENERATOR), "GENERATOR (its contents)"),
+    "instance": (lambda: setattr(SETTINGS, "verbose", True), "SETTINGS (its contents)"),
+    "class": (lambda: setattr(Settings, "verbose", True), "Settings (its contents)"),
+    "rebound": (lambda: globals().update(SEEN=[]), "SEEN (rebound)"),
+    "added": (lambda: globals().update(NEW=1), "NEW (added)"),
+    "all_reduce": (
+        lambda: setattr(dist, "all_reduce", lambda *a, **k: None),
+        "torch.distributed.all_reduce was replaced (monkeypatched)",
+    ),
+    "wrapped": (lambda: _wrap(torch.nn.functional, "relu", False), "functional.relu was replaced"),
+    "torch attr": (lambda: setattr(torch.nn, "extra", 1), "torch.nn.extra was added"),
+    "stdlib": (lambda: setattr(time, "time", lambda: 0.0), "time.time was replaced"),
+    "thread": (_thread, "a thread started by the test is still running: Leftover (daemon)"),
+    "sigusr1": (lambda: signal.signal(signal.SIGUSR1, print), "handler of SIGUSR1"),
+    "profiler": (lambda: _enter(torch.autograd.profiler.profile()), "profiler was left running"),
+    "inference": (lambda: _enter(torch.inference_mode()), "inference mode was left on"),
+    "mode": (lambda: _enter(torch.device("meta")), "mode was left entered"),
+}
+HARMLESS = {
+    "untouched": lambda: None,
+    "short thread": lambda: threading.Thread(target=time.sleep, args=(0.01,)).start(),
+    "submodule": lambda: setattr(torch.nn, "lazy", types.ModuleType("torch.nn.lazy")),
+    "user submodule": lambda: globals().update(sub=types.ModuleType(f"{__name__}.sub")),
+    "wrapped on import": lambda: _wrap(torch, "manual_seed", True),  # as torch._dynamo does
+    "group counter": lambda: setattr(dist.distributed_c10d, "_group_count", -1),
+    "a setting": lambda: random.seed(0),  # reset before the next task: no problem
+}
+
+
+def left_behind(rank: int, world_size: int, repeat: int) -> dict[str, object]:
+    task = reuse.Baseline()
+    cost = []
+    for _ in range(repeat):  # an untouched task: the cost of the checks alone (CPU time)
+        start = time.thread_time()
+        task.before_task()
+        task.after_task()
+        cost.append(time.thread_time() - start)
+    seen, entered, clock = {}, [], time.time
+    for case, do in {**HARMLESS, **{k: v[0] for k, v in LEFT.items()}}.items():
+        task = reuse.Baseline()  # a world that found a problem is replaced: a new baseline
+        task.before_task()
+        left = do()
+        seen[case] = task.after_task()
+        entered += [left] if case in ("profiler", "inference", "mode") else []
+    for context in reversed(entered):
+        context.__exit__(None, None, None)  # type: ignore[attr-defined]
+    time.time = clock
+    return dict(seen=seen, cost=sorted(cost)[len(cost) // 2])
+
+
+def test_after_task_names_what_cannot_be_reset_and_costs_little(run_ranks):
+    [found] = run_ranks(left_behind, 50, world_size=1, backend=None)
+    for case in HARMLESS:
+        assert found["seen"][case] is None, (case, found["seen"][case])
+    for case, (_, named) in LEFT.items():
+        assert named in (found["seen"][case] or ""), (case, found["seen"][case])
+    print(f"before_task + after_task: {found['cost'] * 1e3:.2f} ms of CPU (median)")
+    assert found["cost"] < 0.010

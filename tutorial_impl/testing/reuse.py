@@ -1,0 +1,399 @@
+"""What a warm rank does between tests to stay as good as new (see ``warm``).
+
+A test must pass warm if and only if it passes fresh, for everything the harness can see. A
+fresh rank is forked from the forkserver, so a warm rank's state when its world is made
+(``Baseline()``) is the reference. Around each test's rank function, ``before_task`` resets
+what can be reset and snapshots what can only be compared; ``after_task`` answers None or
+the first problem found, and then the world is replaced.
+
+**Reset before each task**, to the state at ``Baseline``: the generators of ``random``,
+numpy's legacy global ``RandomState`` (reseeded from entropy if numpy was imported later, as a
+fresh import is), torch's CPU generator, CUDA's if initialised at ``Baseline``; torch's grad
+mode, default dtype and device, deterministic algorithms (warn_only), anomaly detection
+(check_nan), intra-op threads, warn_always, float32 matmul precision, ``torch.backends``
+flags (``BACKENDS``), print options, global ``nn.Module`` hooks; numpy's ``seterr`` and print
+options; the ``warnings`` filters, ``defaultaction`` and once-registry (every module's registry
+of warnings shown is invalidated, so a warning shows again); the handler of every signal
+Python can restore, the blocked-signal mask, ``alarm`` / ``setitimer`` timers (cancelled
+after the task too, or one could kill the idle rank); the root logger's level and handlers,
+``logging.disable``; the recursion limit, ``socket.setdefaulttimeout``. (The harness sets the
+environment and the working directory for each task.)
+
+**Detected after each task**, against ``before_task``'s snapshot:
+
+* threads the task started (Python's, daemon or not) still alive 50 ms after it;
+* globals of the user's modules (files outside the standard library, ``site-packages`` /
+  ``dist-packages`` and the harness): rebound, added (but a submodule imported), removed, or
+  changed one level inside: the items of a dict, list or set (by identity; the size only
+  beyond 10,000), a bytearray's bytes, a tensor's version, ``.grad`` and ``requires_grad``,
+  an ``nn.Module``'s parameters, buffers (version, ``.grad``) and train/eval modes, a numpy
+  array's bytes (up to 1 MB), a ``random.Random``'s, ``torch.Generator``'s or numpy
+  ``Generator``'s state, any other object's ``__dict__`` (a class's or function's: if
+  defined in that module);
+* attributes replaced, added or deleted in the ``WATCHED`` modules (monkeypatching), but a
+  submodule imported meanwhile, a wrapper of the old value in a task that imported modules
+  (torch._dynamo's import wraps ``torch.manual_seed``), what torch rebinds itself (``OWN``);
+* a changed handler Python cannot restore: one set in C, or of a signal faulthandler handles
+  in C (``C_HANDLED``; SIGUSR1 is the deadline's stack dump);
+* a torch function or dispatch mode left entered, inference mode or a profiler left on, CUDA
+  initialised by the task (its generators' fresh state is lost).
+
+**Not seen**: C/C++ state (gloo's, caches, allocators); third-party modules, torch's outside
+``WATCHED``, loggers but the root; anything deeper than one level (a dict in a module-level
+dict, an optimizer's state, a mutable default argument, an ``lru_cache``); objects with
+``__slots__`` and no ``__dict__``; files, the store, sockets, the umask; a module first imported
+inside a task and changed by that same task (snapshotted at the next ``before_task``); seeds
+``torch.manual_seed`` queues for CUDA's first use; interop threads.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+import random
+import signal
+import socket
+import sys
+import sysconfig
+import threading
+import time
+import types
+import warnings
+from collections.abc import Callable
+from functools import partial
+from os import path, sep
+from typing import Any
+
+WATCHED = (  # the modules whose attributes tests commonly monkeypatch
+    "torch torch.cuda torch.distributed torch.distributed.distributed_c10d torch.distributed.rpc "
+    "torch.nn torch.nn.functional torch.nn.parallel torch.autograd torch.optim builtins os sys "
+    "time random warnings threading socket signal subprocess logging"
+).split()
+# Rebound by torch itself (group and RPC counters; torch.Storage follows the default dtype,
+# which is reset), and Python's registry of warnings shown.
+OWN = {"_group_count", "_init_counter", "rendezvous_iterator", "Storage", "__warningregistry__"}
+BACKENDS = "cudnn.enabled cudnn.benchmark cudnn.deterministic cudnn.allow_tf32 "
+BACKENDS += "cuda.matmul.allow_tf32 mkldnn.enabled"
+MAX_ITEMS = 10_000  # a larger container is compared by its size only
+MAX_BYTES = 1 << 20  # a larger numpy array is not compared
+GRACE = 0.05  # seconds the threads a task started have to finish
+TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+# Signals faulthandler handles in C (SIGUSR1: the deadline's stack dumps, see ``ranks``).
+C_HANDLED = {getattr(signal, n) for n in "SIGUSR1 SIGSEGV SIGFPE SIGABRT SIGBUS SIGILL".split()}
+_NOT_USER = (  # the standard library, installed packages, the harness
+    *{path.join(sysconfig.get_paths()[k], "") for k in "stdlib platstdlib purelib platlib".split()},
+    path.join(path.dirname(path.abspath(__file__)), ""),
+)
+_GONE = object()
+_blocked = partial(signal.pthread_sigmask, signal.SIG_BLOCK, [])  # the blocked-signal mask
+_is = operator.is_
+
+
+class Baseline:
+    """Taken once in a warm rank after its world is made (process group joined)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.settings = [(get, set_, get()) for get, set_ in _settings(torch)]
+        self.rng = random.getstate(), torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.device, self.modes = _device(torch), _modes(torch)
+        hooks = vars(torch.nn.modules.module).items()  # global nn.Module hooks
+        self.hooks = [(k, v, copy.copy(v)) for k, v in hooks if k.startswith("_global_")]
+        np = sys.modules.get("numpy")
+        self.numpy = np.random.get_state() if np else None
+        self.warnings = warnings.filters, list(warnings.filters), warnings.defaultaction
+        self.once = warnings.onceregistry, dict(warnings.onceregistry)
+        self.handlers = {int(s): signal.getsignal(s) for s in signal.valid_signals()}
+        self.problem: str | None = None  # a reset or snapshot that failed: after_task's answer
+        self.classified, self.modules, self.user = {}, {}, []  # type: ignore  # _user_modules
+        self.threads, self.imported, self.attrs, self.globals = set(), 0, [], []  # type: ignore
+
+    def before_task(self) -> None:
+        """Reset what can be reset, snapshot what can only be compared (never raises)."""
+        for step in (self._reset_rng, self._reset_settings, self._reset_python):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - reported by after_task
+                self.problem = self.problem or f"the reset {step.__name__} failed: {exc!r}"
+        try:
+            self.threads = set(threading.enumerate())
+            self.imported = len(sys.modules)
+            self.attrs = [(n, m, dict(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
+            self.globals = [(n, m, *_snapshot(m)) for n, m in self._user_modules()]
+        except Exception as exc:  # noqa: BLE001
+            self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
+
+    def after_task(self) -> str | None:
+        """None if the world is as good as new, else the first problem found (never raises)."""
+        checks = (_cancel_timers, lambda: self.problem, self._threads, self._globals)
+        for check in (*checks, self._attrs, self._signals, self._torch):
+            try:
+                problem = check()
+            except Exception as exc:  # noqa: BLE001 - a bug in a check replaces the world
+                problem = f"the check {check.__name__} failed: {exc!r}"
+            if problem:
+                return problem
+        return None
+
+    def _reset_rng(self) -> None:
+        torch, np = self.torch, sys.modules.get("numpy")
+        random.setstate(self.rng[0])
+        torch.set_rng_state(self.rng[1])
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        if np is not None:  # first imported after the world was made: seeded as a fresh import
+            np.random.set_state(self.numpy) if self.numpy is not None else np.random.seed()
+
+    def _reset_settings(self) -> None:
+        for get, set_, value in self.settings:
+            if get() != value:
+                set_(value)
+        for name, value, items in self.hooks:
+            setattr(self.torch.nn.modules.module, name, value)
+            if isinstance(value, dict) and not _same_dict(value, items):
+                value.clear()
+                value.update(items)
+
+    def _reset_python(self) -> None:
+        (filters, items, action), (once, seen) = self.warnings, self.once
+        warnings.filters, warnings.defaultaction, warnings.onceregistry = filters, action, once
+        warnings.resetwarnings()  # also invalidates every module's registry of warnings shown
+        filters[:] = items
+        once.clear()
+        once.update(seen)
+        _cancel_timers()
+        for sig, handler in self.handlers.items():
+            if sig not in C_HANDLED and handler not in (None, signal.getsignal(sig)):
+                signal.signal(sig, handler)
+
+    def _threads(self) -> str | None:
+        new = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        end = time.monotonic() + GRACE
+        for thread in new:
+            thread.join(max(0.0, end - time.monotonic()))
+        alive = ", ".join(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in new if t.is_alive())
+        return f"a thread started by the test is still running: {alive}" if alive else None
+
+    def _globals(self) -> str | None:
+        for name, module, names, deep in self.globals:
+            now = dict(vars(module))
+            changed = [] if _same_dict(now, names) else _changed(now, names)
+            for key, (value, (seen, refs)) in deep.items():
+                state = _state(value, name) if now.get(key) is value else (seen, refs)
+                if state is None or state[0] != seen or not _same_refs(state[1], refs):
+                    changed.append(f"{key} (its contents)")
+            if changed:
+                return f"the test changed module globals of {name}: {', '.join(changed)}"
+        return None
+
+    def _attrs(self) -> str | None:
+        imported = len(sys.modules) > self.imported
+        for name, module, before in self.attrs:
+            now = vars(module)
+            try:  # == (the same object, or an equal one) is 4 times faster than _same_dict
+                if now == before:
+                    continue
+            except Exception:  # noqa: BLE001 - an == that raises: compared one by one below
+                pass
+            for key in sorted(now.keys() | before.keys()):
+                old, new = before.get(key, _GONE), now.get(key, _GONE)
+                if old is new or key in OWN or _by_import(old, new, imported):
+                    continue
+                how = "added" if old is _GONE else "deleted" if new is _GONE else "replaced"
+                return f"{name}.{key} was {how} (monkeypatched)"
+        return None
+
+    def _signals(self) -> str | None:
+        names = {s.value: s.name for s in signal.Signals}
+        for sig, handler in self.handlers.items():
+            if (sig in C_HANDLED or handler is None) and signal.getsignal(sig) is not handler:
+                return f"the handler of {names.get(sig, sig)} was changed: Python cannot restore it"
+        return None
+
+    def _torch(self) -> str | None:
+        torch, (function, dispatch) = self.torch, _modes(self.torch)
+        if self.device is None and _device(torch) is not None:
+            function -= 1  # set_default_device's mode, reset before the next task
+        if (function, dispatch) != self.modes:
+            return "a torch function or dispatch mode was left entered (a `with` never exited)"
+        if torch.is_inference_mode_enabled():
+            return "inference mode was left on"
+        if torch.autograd._profiler_enabled():
+            return "a torch profiler was left running"
+        if self.cuda is None and torch.cuda.is_initialized():
+            return "CUDA was initialised by the test (its generators' fresh state is lost)"
+        return None
+
+    def _user_modules(self) -> list[tuple[str, Any]]:
+        if _same_dict(sys.modules, self.modules):  # ~40 us for 2,000 modules
+            return self.user
+        self.modules, self.user = dict(sys.modules), []
+        for name, module in self.modules.items():
+            known = self.classified.get(name)
+            if known is None or known[0] is not module:
+                known = self.classified[name] = module, _is_user(module)
+            if known[1]:
+                self.user.append((name, module))
+        return self.user
+
+
+def _settings(t: Any) -> list[tuple[Callable[[], Any], Callable[[Any], Any]]]:
+    """(getter, setter) of each global setting a test may change and forget."""
+    root, np, options = logging.getLogger(), sys.modules.get("numpy"), t._tensor_str.PRINT_OPTS
+    det = t.are_deterministic_algorithms_enabled, t.is_deterministic_algorithms_warn_only_enabled
+    anomaly = t.is_anomaly_enabled, t.is_anomaly_check_nan_enabled
+    found = [
+        (t.is_grad_enabled, t.set_grad_enabled),
+        (t.get_default_dtype, t.set_default_dtype),
+        (t.get_num_threads, t.set_num_threads),
+        (t.is_warn_always_enabled, t.set_warn_always),
+        (t.get_float32_matmul_precision, t.set_float32_matmul_precision),
+        (_both(det), lambda v: t.use_deterministic_algorithms(v[0], warn_only=v[1])),
+        (_both(anomaly), lambda v: t.set_anomaly_enabled(*v)),
+        (partial(_device, t), lambda v: t.set_default_device(v and v.device)),
+        (lambda: dict(vars(options)), vars(options).update),
+        (_blocked, partial(signal.pthread_sigmask, signal.SIG_SETMASK)),
+        (lambda: root.level, root.setLevel),
+        (lambda: list(root.handlers), lambda v: root.handlers.__setitem__(slice(None), v)),
+        (lambda: root.manager.disable, logging.disable),
+        (sys.getrecursionlimit, sys.setrecursionlimit),
+        (socket.getdefaulttimeout, socket.setdefaulttimeout),
+    ]
+    if np is not None:
+        found += [(np.geterr, lambda v: np.seterr(**v))]
+        found += [(np.get_printoptions, lambda v: np.set_printoptions(**v))]
+    for flag in BACKENDS.split():
+        owner, _, name = flag.rpartition(".")
+        obj = operator.attrgetter(owner)(t.backends)
+        if hasattr(obj, name):
+            found.append((partial(getattr, obj, name), partial(setattr, obj, name)))
+    return found
+
+
+def _both(getters: tuple[Callable[[], Any], ...]) -> Callable[[], tuple[Any, ...]]:
+    return lambda: tuple(get() for get in getters)
+
+
+def _device(torch: Any) -> Any:
+    """The context ``torch.set_default_device`` entered, or None."""
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+
+
+def _modes(torch: Any) -> tuple[int, int]:
+    return torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
+
+
+def _cancel_timers() -> None:
+    for timer in TIMERS:
+        signal.setitimer(timer, 0)
+
+
+def _is_user(module: Any) -> bool:
+    """Whether ``module`` is the user's own: a file outside Python, packages and harness."""
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str) or not path.isabs(file) or file.startswith(_NOT_USER):
+        return False
+    return not {"site-packages", "dist-packages"} & set(file.split(sep))
+
+
+def _by_import(old: Any, new: Any, imported: bool) -> bool:
+    """Whether an import explains a changed attribute (see the module's docstring)."""
+    if old is _GONE:
+        return isinstance(new, types.ModuleType)
+    return imported and getattr(new, "__wrapped__", None) is old
+
+
+def _same_dict(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
+    """The same keys, in order, bound to the same objects (C loops, ~20 ns an item)."""
+    return _same_refs(a, b) and _same_refs(a.values(), b.values())
+
+
+def _same_refs(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(map(_is, a, b))
+
+
+def _changed(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """Globals added (but a submodule imported, Python's registry of warnings), removed, rebound."""
+    added = (k for k in now if k not in before and k != "__warningregistry__")
+    changed = [f"{k} (added)" for k in added if not isinstance(now[k], types.ModuleType)]
+    changed += [f"{k} (removed)" for k in before if k not in now]
+    return changed + [f"{k} (rebound)" for k in now if k in before and now[k] is not before[k]]
+
+
+def _snapshot(module: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's globals, and one level inside each (``_state``) but Python's dunders."""
+    names, deep = dict(vars(module)), {}
+    for key, value in names.items():
+        if not key.startswith("__") and (state := _state(value, module.__name__)) is not None:
+            deep[key] = value, state
+    return names, deep
+
+
+State = tuple[Any, list[Any]]  # a key compared with ==, objects compared by identity (held)
+Reader = Callable[[Any, str], "State | None"]
+_READERS: dict[type, Reader] = {}  # by type: found once, through isinstance
+
+
+def _state(value: Any, module: str) -> State | None:
+    """What one level inside ``value`` (a global of ``module``) is now; None: not compared."""
+    kind = type(value)
+    reader = _READERS.get(kind)
+    if reader is None:
+        reader = _READERS[kind] = _reader(kind)
+    try:
+        return reader(value, module)
+    except Exception:  # noqa: BLE001 - an object that cannot be looked into is not compared
+        return None
+
+
+def _reader(kind: type) -> Reader:
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    readers: list[tuple[Any, Reader]] = [
+        (dict, lambda v, m: _sized(v, lambda: [*dict.keys(v), *dict.values(v)])),
+        (list, lambda v, m: _sized(v, lambda: list.copy(v))),
+        (set, lambda v, m: _sized(v, lambda: sorted(v, key=id))),
+        (bytearray, lambda v, m: (bytes(v) if len(v) <= MAX_BYTES else len(v), [])),
+        ((types.ModuleType, types.BuiltinFunctionType, types.MethodType), lambda v, m: None),
+        ((type, types.FunctionType), lambda v, m: _attributes(v) if v.__module__ == m else None),
+        (random.Random, lambda v, m: (v.getstate(), [])),
+    ]
+    if torch is not None:
+        readers += [(torch.Tensor, _tensor), (torch.nn.Module, _nn_module)]
+        readers += [(torch.Generator, lambda v, m: (bytes(v.get_state().numpy()), []))]
+    if np is not None:
+        readers += [(np.ndarray, _array)]
+        readers += [(np.random.Generator, lambda v, m: (v.bit_generator.state, []))]
+    return next((r for base, r in readers if issubclass(kind, base)), lambda v, m: _attributes(v))
+
+
+def _sized(value: Any, items: Callable[[], list[Any]]) -> State:
+    return len(value), (items() if len(value) <= MAX_ITEMS else [])
+
+
+def _attributes(value: Any) -> State | None:
+    names = getattr(value, "__dict__", None)
+    if not isinstance(names, (dict, types.MappingProxyType)):
+        return None
+    return _sized(names, lambda: [*names.keys(), *names.values()])
+
+
+def _tensor(value: Any, module: str) -> State:
+    grad = value.grad if value.is_leaf else None  # a non-leaf's .grad warns
+    return (value._version, value.requires_grad, getattr(grad, "_version", None)), [grad]
+
+
+def _nn_module(value: Any, module: str) -> State:
+    tensors = [*value.parameters(), *value.buffers()]
+    grads = [t.grad for t in tensors]
+    versions = [t._version for t in tensors + [g for g in grads if g is not None]]
+    return (tuple(versions), tuple(m.training for m in value.modules())), [*tensors, *grads]
+
+
+def _array(value: Any, module: str) -> State | None:
+    if value.nbytes > MAX_BYTES or value.dtype.hasobject:
+        return None
+    return (value.shape, value.dtype.str, hash(value.tobytes())), []
