@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
-import threading
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -26,39 +24,31 @@ from typing import Any
 
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing import rank as _rank
-from tutorial_impl.testing import torchenv
+from tutorial_impl.testing import reuse, torchenv
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.timing import CHECK_DEADLINE
 
 
 class WorldCheck:
     """What a warm rank's world looked like when it was made, to compare with after each
-    test: its process groups, RPC agent, threads, children and pending work."""
+    test: its process groups, RPC agent, children and pending work (``reuse`` sees the rest:
+    threads, module state, torch's flags)."""
 
     def __init__(self) -> None:
-        import torch
         import torch.distributed as dist
 
         c10d = dist.distributed_c10d
         self.default = c10d._get_default_group() if dist.is_initialized() else None
         self.groups = set(c10d._world.pg_map)
-        self.threads = set(threading.enumerate())
-        self.dtype = torch.get_default_dtype()
-        self.rng = torch.get_rng_state(), random.getstate()
         self.works: list[Any] = []  # this test's isend/irecv work (see ``_track_work``)
         _track_work(self.works)
 
-    def restore(self) -> None:
-        """Give the next test the random state a fresh rank starts with (the forkserver's)."""
-        import torch
-
+    def begin(self) -> None:
+        """A new test: no point-to-point work of its own yet."""
         self.works.clear()
-        torch.set_rng_state(self.rng[0])
-        random.setstate(self.rng[1])
 
     def leftovers(self) -> str | None:
         """What the last test left behind that a fresh world would not have, or None."""
-        import torch
         import torch.distributed as dist
 
         c10d = dist.distributed_c10d
@@ -70,18 +60,9 @@ class WorldCheck:
             return f"{len(extra)} process group(s) left behind (destroy_process_group)"
         if _rpc_agent_running():
             return "an RPC agent left running (rpc.shutdown)"
-        threads = [
-            t.name
-            for t in threading.enumerate()
-            if t not in self.threads and not t.daemon and t.is_alive()
-        ]
-        if threads:
-            return f"non-daemon thread(s) left running: {threads}"
         children = _children()
         if children:
             return f"child process(es) left running: {children}"
-        if not torch.is_grad_enabled() or torch.get_default_dtype() != self.dtype:
-            return "grad mode or the default dtype changed"
         pending = [w for w in self.works if not w.is_completed()]
         if pending:
             return (
@@ -152,6 +133,7 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             if start.backend is not None:
                 _rank.init_process_group(start)
             world = WorldCheck()
+            baseline = reuse.Baseline()  # after WorldCheck, whose tracking it then includes
         except BaseException as exc:  # noqa: BLE001 - reported as the first test's failure
             report = _o.Report(_o.from_exception(exc), os.getpid(), time.time())
             conn.send_bytes(pickle.dumps(report))
@@ -160,9 +142,11 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
         while True:
             task.env = {**start.env, **task.env}
             _rank.take_task(task)
-            world.restore()
-            _rank.run_task(task, imported_with, join_group=False, send=conn.send_bytes)
-            conn.send_bytes(pickle.dumps(world.leftovers()))
+            world.begin()
+            problem = _rank.run_task(
+                task, imported_with, join_group=False, send=conn.send_bytes, baseline=baseline
+            )
+            conn.send_bytes(pickle.dumps(world.leftovers() or problem))
             task = pickle.loads(conn.recv_bytes())  # EOF: the world is closed
     finally:
         os._exit(0)  # never run interpreter teardown (see rank.rank_main)
