@@ -316,7 +316,10 @@ def error_for(
     if isinstance(result, _o.XFailed):
         return RankXFailed(rank, result.reason, outputs)
     also = also or {}
-    named = f" (rank(s) {', '.join(map(str, sorted(also)))} failed too)" if also else ""
+    # After a death, the others' errors ("Connection closed by peer") are its consequences:
+    # shown below, not named as failures of their own on the first line.
+    own = [r for r, o in also.items() if not isinstance(result, _o.Died) or isinstance(o, _o.Died)]
+    named = f" (rank(s) {', '.join(map(str, sorted(own)))} failed too)" if own else ""
     others = "".join(
         f"\n\n----- rank {r} failed too: {_describe(o)} -----\n"
         + (o.traceback.rstrip() if isinstance(o, _o.Raised) else "")
@@ -341,5 +344,5 @@ def error_for(
         error = RankCrashed(rank, result.exitcode, message + others, outputs, stacks)
     else:
         raise TypeError(f"rank {rank}: {result!r} is not a failure")
-    error.failed_ranks = sorted([rank, *also])
+    error.failed_ranks = sorted([rank, *own])
     return error

@@ -33,6 +33,7 @@ from tutorial_impl.testing import backends
 from tutorial_impl.testing.rendezvous import AgentStore, avoid_reverse_dns_stalls
 from tutorial_impl.testing.timing import (
     HEARTBEAT_LOST,
+    REPORT_WAIT,
     STORE_POLL_MAX,
     STORE_POLL_MIN,
     group_timeout,
@@ -174,9 +175,16 @@ class Heartbeats:
     def beat(self) -> None:
         self.channel.add(f"alive/{self.channel.launch.rank}", 1)
 
+    def exit_code(self, rank: int) -> int | None:
+        """The code ``rank`` called ``os._exit`` with, if it did (``Job.hook_exit``)."""
+        key = f"exited/{rank}"
+        return self.channel.get(key) if self.channel.has(key) else None
+
     def lost(self, rank: int) -> bool:
         if rank == self.channel.launch.rank:
             return False
+        if self.channel.has(f"exited/{rank}"):
+            return True
         count = self.channel.add(f"alive/{rank}", 0)
         now = time.monotonic()
         last = self.seen.get(rank)
@@ -187,6 +195,12 @@ class Heartbeats:
 
     def lost_ranks(self) -> list[int]:
         return [r for r in range(self.channel.launch.world_size) if self.lost(r)]
+
+    def how(self, rank: int) -> str:
+        """How a lost rank ended, in words (``outcome.Lost``'s)."""
+        from tutorial_impl.testing.outcome import Lost
+
+        return Lost(self.exit_code(rank)).how
 
 
 def _dumps(obj: Any) -> bytes:
@@ -223,6 +237,9 @@ class Job:
         )
         self.channel = Channel(launch, self.store)
         self.heartbeats = Heartbeats(self.channel)
+        self.pid = os.getpid()
+        self.real_exit = os._exit
+        os._exit = self._exit_mid_session  # type: ignore[assignment]
         if torch.cuda.is_available() and torch.cuda.device_count() > launch.local_rank:
             torch.cuda.set_device(launch.local_rank)  # one worker per GPU, as torchrun means
         self.calls = 0  # run_ranks calls so far: the same count on every rank (lockstep)
@@ -233,6 +250,24 @@ class Job:
         self.abandoned: list[threading.Thread] = []  # rank functions still running
         self.in_call = False  # a run_ranks call is on: it keeps its own deadline
         self.stale: list[Any] = []  # rendezvous stores of failed backend=None calls
+
+    def _exit_mid_session(self, code: int) -> None:
+        """``os._exit`` called by a test while the session runs, in this worker (a child it
+        forked just exits): tell the other ranks at once through the store, wait until rank
+        0's report is written (the agent stops every worker as soon as one fails), then end
+        non-zero: a worker that leaves in the middle of the job has failed it, and its agent
+        must see that (one whose worker exits 0 waits for the others in torchelastic's exit
+        barrier, minutes)."""
+        if os.getpid() != self.pid:
+            self.real_exit(code)
+        try:
+            self.channel.set(f"exited/{self.launch.rank}", code)
+            stop = time.monotonic() + REPORT_WAIT
+            while not self.channel.has("done") and time.monotonic() < stop:
+                time.sleep(STORE_POLL_MAX)
+        except Exception:  # noqa: BLE001 - the store is gone: the heartbeat tells the rest
+            pass
+        self.real_exit(code or 1)
 
     def group(self, backend: str, timeout: float) -> None:
         """Make sure the default group has ``backend``, is clean, and times out at ``timeout``."""

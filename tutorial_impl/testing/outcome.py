@@ -100,11 +100,13 @@ class Killed:
 class Lost:
     """A torchrun worker that is gone: its heartbeat stopped; its exit code is its agent's."""
 
-    exitcode: None = None
+    exitcode: int | None = None  # what it passed to os._exit, if it said so first
 
     @property
     def how(self) -> str:
-        return "exited (its worker process is gone: no heartbeat in the job's store)"
+        if self.exitcode is None:
+            return "exited (its worker process is gone: no heartbeat in the job's store)"
+        return f"exited with code {self.exitcode} (os._exit)"
 
 
 @dataclass(frozen=True)

@@ -380,6 +380,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     rep = yield
     if call.when == "call":  # a failed test's warm world is not reused
         item.config.stash[SESSION].pool.test_ended(failed=rep.failed)
+    problem = item.stash.get(_bad_config, None)
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    if call.when == "setup" and problem is not None and crash is not None:
+        crash.message = f"harness configuration: {problem}"  # not pytest.fail's "Failed: "
     if call.excinfo is not None:
         report.rewrite(rep, call.excinfo.value)
     return rep

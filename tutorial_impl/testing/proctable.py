@@ -100,6 +100,36 @@ def children(parent: int) -> list[int]:
     return [pid for pid, fields in _live_stats() if int(fields[1]) == parent]
 
 
+def own_children() -> list[int]:
+    """This process's live children, from its own tasks' ``children`` lists (cheap: no scan
+    of every process)."""
+    found = []
+    for task in Path("/proc/self/task").glob("*/children"):
+        try:
+            found += [int(pid) for pid in task.read_text().split()]
+        except OSError:
+            pass
+    return [pid for pid in found if running(pid)]
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def wait_for_forked_copies(grace: float) -> None:
+    """Wait, ``grace`` s at most, until no live child of this process is a copy of it (forked,
+    not exec'd: the same command line): a child that came back from a rank function reports
+    before the rank itself does, so its report cannot be overtaken."""
+    me = _cmdline(os.getpid())
+    stop = time.monotonic() + grace
+    while any(_cmdline(pid) == me for pid in own_children()) and time.monotonic() < stop:
+        time.sleep(0.01)
+
+
 def marked(name: str, value: str) -> list[tuple[int, str]]:
     """(pid, command line) of every live process whose environment holds ``name=value``.
 

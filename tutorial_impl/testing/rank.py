@@ -33,7 +33,7 @@ from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.lookup import resolve
 from tutorial_impl.testing.rendezvous import init_method_url
-from tutorial_impl.testing.timing import group_timeout
+from tutorial_impl.testing.timing import FORK_GRACE, group_timeout
 
 
 def release_forkserver() -> None:
@@ -246,6 +246,7 @@ def run_task(
     if os.getpid() != rank_pid:  # a forked child of the rank function: report and go
         send(pickle.dumps(report))
         os._exit(1)
+    _proctable.wait_for_forked_copies(FORK_GRACE)  # their reports first, if they come back
     try:
         message = dumps_on_cpu(report)
     except Exception as exc:  # noqa: BLE001

@@ -34,6 +34,9 @@ CRASH_GRACE = 0.2
 # After a rank skipped (or xfailed), how long the others may take to end by themselves: a
 # failure anywhere beats a skip, so a skip is only the verdict once every rank has ended.
 SKIP_GRACE = 5.0
+# A rank whose function forked waits this long for those copies of itself to end before it
+# reports: one that came back from the function reports first (a failure of the rank).
+FORK_GRACE = 1.0
 DUMP_BUDGET = 1.0  # seconds the parent may wait for the ranks' stack dumps, at most
 STACK_POLL = 0.05  # how often the stack files are looked at while they are written
 

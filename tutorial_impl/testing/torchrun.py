@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tutorial_impl.testing import forensics
+from tutorial_impl.testing import forensics, proctable
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.errors import RankResults
@@ -39,6 +39,7 @@ from tutorial_impl.testing.runner import refused_fields
 from tutorial_impl.testing.timing import (
     ANSWER_GRACE,
     FINISH_GRACE,
+    FORK_GRACE,
     SKIP_GRACE,
     STORE_POLL_MAX,
     STORE_POLL_MIN,
@@ -125,7 +126,7 @@ def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
     for r in range(job.launch.world_size):
         if r not in reports:
             lost = job.heartbeats.lost(r)
-            outcome = _o.Lost() if lost else _o.Stopped(None)
+            outcome = _o.Lost(job.heartbeats.exit_code(r)) if lost else _o.Stopped(None)
             reports[r] = _o.Report(outcome, 0, time.time())
             stacks[r] = "(no answer through the store: the worker is gone)" if lost else ""
     return Finished(
@@ -191,6 +192,8 @@ def run_here(
     finally:
         sys.stdout, sys.stderr = tee_out.stream, tee_err.stream
     output = tee_out.copy.getvalue() + tee_err.copy.getvalue()
+    if ended is None:
+        proctable.wait_for_forked_copies(FORK_GRACE)
     child = _child_report(child_r, child_w)
     if ended is not None:  # still running: where?
         job.abandoned.append(thread)

@@ -106,18 +106,15 @@ def agree(
     rank: int,
     world_size: int,
     stacks_of: Any,
-    lost: list[int] | None = None,
+    lost: dict[int, str] | None = None,
 ) -> None:
     """Make ``rep`` the verdict every rank reaches: failed if any rank failed, exited (``lost``:
-    its worker is gone, named as exited, not as stuck) or did not answer, else skipped if any
-    skipped, else passed. Rank 0's report carries the rest."""
-    silent = [r for r in range(world_size) if r not in got and r not in (lost or [])]
+    rank -> how its worker ended, named as exited, not as stuck) or did not answer, else
+    skipped if any skipped, else passed. Rank 0's report carries the rest."""
+    silent = [r for r in range(world_size) if r not in got and r not in (lost or {})]
     if lost:
-        names = ", ".join(map(str, lost))
-        headline = (
-            f"rank(s) {names} exited during the {mine.when} phase (the worker process is "
-            "gone: no heartbeat in the job's store); the session stops here"
-        )
+        ended = "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
+        headline = f"{ended} during the {mine.when} phase; the session stops here"
         rep.outcome = "failed"
         rep.longrepr = RemoteRepr(headline, headline)
     elif silent:
@@ -188,7 +185,7 @@ def _place(dump: str) -> str:
 
 
 def lockstep_problem(
-    mine: Verdict, got: dict[int, Verdict], world_size: int, lost: list[int] | None = None
+    mine: Verdict, got: dict[int, Verdict], world_size: int, lost: dict[int, str] | None = None
 ) -> str | None:
     """Why the session cannot go on: a rank gone or stuck in a test, or ranks in different
     tests."""

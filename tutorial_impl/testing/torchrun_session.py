@@ -200,7 +200,7 @@ class LaunchedSession:
                 stop = time.monotonic() + GIVE_UP
                 while not channel.has("done") and time.monotonic() < stop:
                     time.sleep(0.1)
-                _exit(1)
+                _exit(1, self.job)
 
     # --- one verdict per phase ------------------------------------------------------------
 
@@ -216,7 +216,11 @@ class LaunchedSession:
         wait = self._limit(item) + ANSWER_GRACE + REPORT_MARGIN
         got = self.job.channel.gather(f"report/{self.seq}", mine, wait, self.job.heartbeats)
         gone = [r for r in range(self.launch.world_size) if r not in got]
-        lost = [r for r in gone if r not in self.lost and self.job.heartbeats.lost(r)]
+        lost = {
+            r: self.job.heartbeats.how(r)
+            for r in gone
+            if r not in self.lost and self.job.heartbeats.lost(r)
+        }
         for r in self.lost:  # named when they went; the phases after it are this rank's own
             got.setdefault(r, mine)
         agree(rep, mine, got, self.launch.rank, self.launch.world_size, self._stacks_of, lost)
@@ -249,7 +253,7 @@ class LaunchedSession:
         session.exitstatus = self.status
         # torchrun SIGTERMs the workers still running once one has exited non-zero: those
         # exit with the agreed status too.
-        signal.signal(signal.SIGTERM, lambda *_: _exit(self.status))
+        signal.signal(signal.SIGTERM, lambda *_: _exit(self.status, self.job))
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self) -> None:
@@ -263,11 +267,11 @@ class LaunchedSession:
             while not channel.has("done") and time.monotonic() < stop:
                 time.sleep(0.05)
             channel.publish("leaving", self.status)
-            _exit(self.status)
+            _exit(self.status, self.job)
         channel.set("done")
         channel.publish("leaving", self.status)
         channel.collect("leaving", GIVE_UP, self.job.heartbeats)
-        _exit(self.status)
+        _exit(self.status, self.job)
 
 
 def _main_thread_stack() -> str:
@@ -284,7 +288,7 @@ def _main_thread_stack() -> str:
     return forensics.format_frames(title, own)
 
 
-def _exit(status: int) -> None:
+def _exit(status: int, job: Job) -> None:
     """Leave without interpreter teardown: gloo's threads, and any rank function still
     stuck in a thread, would make it abort or hang (see ``dist_tuto.process.exit_process``)."""
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
@@ -293,7 +297,7 @@ def _exit(status: int) -> None:
                 stream.flush()
         except Exception:  # noqa: BLE001
             pass
-    os._exit(status)
+    job.real_exit(status)  # the session's own end: not the hook a test's os._exit meets
 
 
 def _reporter(config: pytest.Config) -> Any:

@@ -19,12 +19,11 @@ import pickle
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing import proctable, reuse, torchenv
 from tutorial_impl.testing import rank as _rank
-from tutorial_impl.testing import reuse, torchenv
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.timing import CHECK_DEADLINE
 
@@ -60,7 +59,7 @@ class WorldCheck:
             return f"{len(extra)} process group(s) left behind (destroy_process_group)"
         if _rpc_agent_running():
             return "an RPC agent left running (rpc.shutdown)"
-        children = _children()
+        children = proctable.own_children()
         if children:
             return f"child process(es) left running: {children}"
         pending = [w for w in self.works if not w.is_completed()]
@@ -104,17 +103,6 @@ def _track_work(works: list[Any]) -> None:
     for name in ("isend", "irecv", "batch_isend_irecv"):
         original = getattr(dist, name)
         setattr(dist, name, tracked(getattr(original, "__wrapped__", original)))
-
-
-def _children() -> list[int]:
-    """This rank's live child processes (Linux: /proc), which a fresh world's end kills."""
-    found = []
-    for task in Path("/proc/self/task").glob("*/children"):
-        try:
-            found += [int(pid) for pid in task.read_text().split()]
-        except OSError:
-            pass
-    return found
 
 
 def _rpc_agent_running() -> bool:
