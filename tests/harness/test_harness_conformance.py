@@ -47,8 +47,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tutorial_impl.testing import proctable
 from tutorial_impl.testing import forkserver as _ranks
+from tutorial_impl.testing import proctable
 
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -167,7 +167,7 @@ def test_c09_xfail_on_1_then_assert_on_0(run_ranks):
     run_ranks(skip_on_1_assert_on_0, "xfail", 0.3)
 
 
-@pytest.mark.parametrize("attempt", range(8))
+@pytest.mark.parametrize("attempt", range(4))
 def test_c10_skip_and_assert_at_once(run_ranks, attempt):
     run_ranks(skip_on_1_assert_on_0, "skip", 0)
 
@@ -326,6 +326,65 @@ def test_c19d_draws_unseeded(run_ranks):
     run_ranks(unseeded_draw)
 
 
+def add(a, b):
+    return a + b
+
+
+def rpc_ring(rank, world_size):
+    import torch.distributed.rpc as rpc
+
+    note()  # backend=None: no group from the harness; RPC rendezvous on MASTER_ADDR/PORT
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    try:
+        return rpc.rpc_sync(f"worker{(rank + 1) % world_size}", add, args=(rank, 10))
+    finally:
+        rpc.shutdown()
+
+
+def test_c21_rpc_gets_a_rendezvous_of_its_own(run_ranks, world_size):
+    assert run_ranks(rpc_ring, backend=None) == [rank + 10 for rank in range(world_size)]
+
+
+@pytest.mark.world_size(2, 3)
+def test_c22_matrix(run_ranks, world_size):
+    assert run_ranks(sum_of_ranks) == [sum(range(world_size))] * world_size
+
+
+# Plain tests (no run_ranks): forked, one pytest process runs them once; under torchrun every
+# rank does, with a rank of its own (RANK).
+RANK = int(os.environ.get("RANK", "0"))
+LAUNCHED = "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def test_c23_plain_fails_on_rank_1_only():
+    assert RANK != 1, "rank 1 disagrees"
+
+
+@pytest.fixture
+def broken_on_rank_1():
+    if RANK == 1:
+        raise RuntimeError("fixture broke on rank 1")
+
+
+def test_c23_setup_fails_on_rank_1(broken_on_rank_1):
+    pass
+
+
+def test_c23_plain_skips_on_rank_1():
+    if RANK == 1:
+        pytest.skip("rank 1 has no such device")
+
+
+@pytest.mark.rank_timeout(1)
+def test_c23_plain_hang_on_rank_0():
+    if LAUNCHED and RANK == 0:
+        time.sleep(1000)
+
+
+def test_c23_after_the_plain_hang():
+    pass
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -424,6 +483,10 @@ def misconfigured(marker: str) -> Case:
 
 
 ASSERT_ON_0 = "rank 0 raised AssertionError: rank 0 disagrees"
+PLAIN = (
+    "a plain test (no run_ranks) runs once, in the one pytest process, forked or warm; under "
+    "torchrun every rank runs it, and a failure on any rank fails it"
+)
 ONE_PROCESS = (
     "under torchrun each rank is one pytest process for the whole session, so state a test "
     "leaves in a module carries over to the next test, as in any pytest process"
@@ -457,7 +520,7 @@ CASES: dict[str, Case] = {
     "test_c09_xfail_on_1_then_assert_on_0": Case(Expect("failed", ASSERT_ON_0)),
     **{
         f"test_c10_skip_and_assert_at_once[{i}]": Case(Expect("failed", ASSERT_ON_0))
-        for i in range(8)
+        for i in range(4)
     },
     # Skips are pytest's own exception types, never a class that has their name.
     "test_c11_own_class_named_skipped": Case(
@@ -520,15 +583,43 @@ CASES: dict[str, Case] = {
         Expect("passed"),
         torchrun=Differs("failed", re.compile(r"\b123\b"), why=ONE_PROCESS),
     ),
+    # Under torchrun the worker tells its peers through the job's store as it exits.
     "test_c13_os_exit_on_rank_1": Case(
-        Expect("failed", starts("rank 1 exited with code 0"), within=5),
+        Expect("failed", starts("rank 1 exited with code 0"), within=5)
+    ),
+    "test_c21_rpc_gets_a_rendezvous_of_its_own": Case(Expect("passed")),
+    "test_c22_matrix[world_size2]": Case(Expect("passed")),
+    "test_c22_matrix[world_size3]": Case(
+        Expect("passed"),
         torchrun=Differs(
-            "failed",
-            re.compile(r"^(?!.*\bstuck\b)rank 1 exited"),
-            within=10 + 5,
-            why="a worker's exit code is known to its own agent only, not to its peers",
+            "skipped",
+            re.compile(r"needs world_size 3; this torchrun job has 2 ranks"),
+            why="under torchrun a test runs on the whole job: another size is skipped, never "
+            "run on a subgroup (a collective on the default group must mean the world asked for)",
         ),
     ),
+    "test_c23_plain_fails_on_rank_1_only": Case(
+        Expect("passed"),
+        torchrun=Differs("failed", re.compile(r"\brank 1 disagrees\b"), why=PLAIN),
+    ),
+    "test_c23_setup_fails_on_rank_1": Case(
+        Expect("passed"),
+        torchrun=Differs("error", re.compile(r"\bfixture broke on rank 1\b"), why=PLAIN),
+    ),
+    "test_c23_plain_skips_on_rank_1": Case(
+        Expect("passed"),
+        torchrun=Differs("skipped", starts("rank 1: rank 1 has no such device"), why=PLAIN),
+    ),
+    "test_c23_plain_hang_on_rank_0": Case(
+        Expect("passed"),
+        torchrun=Differs(
+            "failed",
+            starts("rank 0 ran past the harness deadline"),
+            within=1 + 5,
+            why=PLAIN + "; the watchdog stops a plain test past its deadline",
+        ),
+    ),
+    "test_c23_after_the_plain_hang": Case(Expect("passed")),
 }
 TORCHRUN_DESELECT = "not test_c05_kill_rank_1"
 
@@ -751,7 +842,7 @@ def test_the_table_names_every_test_of_the_file_and_no_other() -> None:
     defined = re.findall(r"^def (test_\w+)\(", STRANGER, re.M)
     assert sorted({name.partition("[")[0] for name in CASES}) == sorted(defined)
     assert defined[-1] == "test_c13_os_exit_on_rank_1"  # under torchrun nothing can follow it
-    assert sum(n.startswith("test_c10_") for n in CASES) == 8
+    assert sum(n.startswith("test_c10_") for n in CASES) == 4
 
 
 # --- running the file forked or warm, in this process ------------------------------------

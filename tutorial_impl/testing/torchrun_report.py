@@ -156,6 +156,7 @@ def _failed_or_skipped(rep: pytest.TestReport, mine: Verdict, got: dict[int, Ver
         other = got[primary]
         rep.outcome = "skipped"
         path, line, reason = other.skip or (rep.location[0], rep.location[1], other.text)
+        reason = reason.removeprefix("Skipped: ")  # pytest's own prefix, added again below
         rep.longrepr = (path, line, f"rank {primary}: {reason}")
         if other.wasxfail is not None:
             rep.wasxfail = other.wasxfail
