@@ -966,6 +966,25 @@ def _agent(port: int, rdzv_id: str, pytest_args: list[str]) -> list[str]:
     ]
 
 
+def _one_report(outputs: list[str], reporter: int | None) -> list[str]:
+    """Rank 0 reports for the job, once, with every rank's stacks where it matters; the other
+    worker writes no test results (and no junit XML: only one file is there to read)."""
+    if reporter is None:
+        return ["[torchrun] no agent's log holds a test session: nothing reported"]
+    report, quiet = outputs[reporter], outputs[1 - reporter]
+    problems = []
+    if "test session starts" in quiet or "PASSED" in quiet or "generated xml file" in quiet:
+        problems.append("[torchrun] rank 1's worker reported too:\n" + quiet[-2000:])
+    if report.count(f"{MODULE}.py::test_c01_all_reduce_passes PASSED") != 1:
+        problems.append("[torchrun] a passing test is not reported exactly once")
+    if not re.search(r"torchrun: 2 ranks on 1 host\(s\): \S+: ranks 0, 1", report):
+        problems.append("[torchrun] no summary line naming the job's hosts and ranks")
+    hang = re.search(r"_ test_c04_hang _.*?(?=\n_{5,} )", report, re.S)
+    if not hang or not all(f"Python stacks of rank {r}" in hang.group(0) for r in (0, 1)):
+        problems.append("[torchrun] the hang's report lacks the stacks of every rank")
+    return problems
+
+
 def test_torchrun(pytester: pytest.Pytester) -> None:
     pids = pytester.path / "pids"
     pids.mkdir()
@@ -1037,6 +1056,7 @@ def test_torchrun(pytester: pytest.Pytester) -> None:
             "lines and times unknown); rank 0's output ends:\n"
             + "\n".join(output.splitlines()[-15:])
         )
+    problems += _one_report(outputs, reporter)
     run = Run("torchrun", cases, output, wall, cpu, problems)
     print(report(run), f"agents exited {codes}", sep="\n")
     if deviations(run):

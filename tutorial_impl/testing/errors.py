@@ -303,6 +303,7 @@ def error_for(
     outputs: dict[int, str],
     stacks: dict[int, str] | None = None,
     also: dict[int, _o.Outcome] | None = None,
+    named: list[int] | None = None,
 ) -> RankError:
     """The exception for one rank's bad outcome; the one place they are built.
 
@@ -316,17 +317,17 @@ def error_for(
     if isinstance(result, _o.XFailed):
         return RankXFailed(rank, result.reason, outputs)
     also = also or {}
-    # After a death, the others' errors ("Connection closed by peer") are its consequences:
-    # shown below, not named as failures of their own on the first line.
-    own = [r for r, o in also.items() if not isinstance(result, _o.Died) or isinstance(o, _o.Died)]
-    named = f" (rank(s) {', '.join(map(str, sorted(own)))} failed too)" if own else ""
+    # ``named``: the others that failed of their own accord (default: all of ``also``); a
+    # death's consequences (its peers' "Connection closed by peer") are shown, not named.
+    own = sorted(also if named is None else named)
+    named_text = f" (rank(s) {', '.join(map(str, own))} failed too)" if own else ""
     others = "".join(
         f"\n\n----- rank {r} failed too: {_describe(o)} -----\n"
         + (o.traceback.rstrip() if isinstance(o, _o.Raised) else "")
         for r, o in sorted(also.items())
     )
     if isinstance(result, _o.Raised):
-        message = f"rank {rank} raised {result.summary}{named}\n\n{result.traceback.rstrip()}"
+        message = f"rank {rank} raised {result.summary}{named_text}\n\n{result.traceback.rstrip()}"
         error: RankError = RankFailed(
             rank,
             result.traceback,
@@ -340,7 +341,7 @@ def error_for(
         extra = ""
         if fatal_stack.strip():
             extra = f"\n\n----- fatal-signal stack of rank {rank} -----\n{fatal_stack}"
-        message = f"rank {rank} {result.how} before returning a result{named}" + extra
+        message = f"rank {rank} {result.how} before returning a result{named_text}" + extra
         error = RankCrashed(rank, result.exitcode, message + others, outputs, stacks)
     else:
         raise TypeError(f"rank {rank}: {result!r} is not a failure")

@@ -70,7 +70,8 @@ def decide(run: Finished) -> RankResults:
         also = {r: o for r, o in outcomes.items() if r != first and isinstance(o, _o.Failure)}
         stacks = {r: text for r, text in run.stacks.items() if r not in also and r != first}
         fatal = run.fatal.get(first, "")
-        error = error_for(first, outcomes[first], fatal, run.outputs, stacks, also)
+        named = [r for r in also if not _consequence(run, first, r)]
+        error = error_for(first, outcomes[first], fatal, run.outputs, stacks, also, named)
     else:
         error = _unfinished_error(run, outcomes)
     skips = sorted(r for r, o in outcomes.items() if isinstance(o, (_o.Skipped, _o.XFailed)))
@@ -83,6 +84,15 @@ def decide(run: Finished) -> RankResults:
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
     results.thread_errors = run.thread_errors
     return results
+
+
+def _consequence(run: Finished, cause: int, rank: int) -> bool:
+    """Whether ``rank``'s failure followed from ``cause``'s death: an exception (its peers'
+    "Connection closed by peer") that came after the death."""
+    outcomes = run.outcomes
+    if not isinstance(outcomes[cause], _o.Died) or isinstance(outcomes[rank], _o.Died):
+        return False
+    return run.order.index(rank) > run.order.index(cause)
 
 
 def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Exception | None:
