@@ -1,0 +1,1 @@
+"""DDP in practice, and what came after it (a course: see docs/ddp.md)."""
