@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from tutorial_impl.dist_tuto.process import print_line, run_main
 
@@ -42,11 +43,21 @@ MESH_SHAPE, MESH_DIMS = (2, 2), ("dp", "tp")
 
 
 def destroy_mesh_groups(mesh: DeviceMesh) -> None:
-    """Destroy the process groups ``init_device_mesh`` made for ``mesh`` (not the default)."""
+    """Destroy the process groups ``init_device_mesh`` made for ``mesh`` (not the default),
+    and forget the sharding decisions DTensor cached while using it.
+
+    The second part is a torch 2.13 trap: DTensor caches how each operation shards its
+    output, keyed by meshes that compare equal when their *layout* is equal, whatever
+    their groups. A later 2 x 2 mesh in the same process would be served the cached
+    output spec, which still names the old mesh and its destroyed groups: "Could not
+    resolve the process group registered under the name 2". ``debug._clear_sharding_prop_cache``
+    is torch's own documented way to empty that cache.
+    """
     for name in mesh.mesh_dim_names or range(mesh.ndim):
         group = mesh.get_group(name)
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
+    _clear_sharding_prop_cache()
 
 
 def whole() -> torch.Tensor:
