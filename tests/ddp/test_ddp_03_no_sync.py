@@ -30,7 +30,7 @@ def one_process_step(x: torch.Tensor, y: torch.Tensor, lr: float = toy.LR) -> di
     """The reference: one process, one SGD step on all of ``(x, y)``."""
     model = toy.mlp(0)
     F.mse_loss(model(x), y).backward()
-    torch.optim.SGD(model.parameters(), lr=lr).step()
+    toy.plain_sgd_step(model, lr)
     return toy.parameters(model)
 
 

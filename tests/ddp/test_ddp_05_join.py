@@ -41,17 +41,16 @@ def uneven_both_ways(rank: int, size: int, batches: list, deadline: float) -> di
 def reference(batches: list, divide_by_initial_world_size: bool) -> dict[str, torch.Tensor]:
     """One process replaying the ranks' steps: no DDP, no Join, no torch.distributed."""
     model = toy.mlp(0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=toy.LR)
     for step in range(max(STEPS)):
         active = [r for r in range(WORLD) if step < len(batches[r])]
-        optimizer.zero_grad()
+        model.zero_grad()
         for r in active:  # .grad accumulates the sum over the ranks that still train
             x, y = batches[r][step]
             F.mse_loss(model(x), y).backward()
         divisor = WORLD if divide_by_initial_world_size else len(active)
         for p in model.parameters():
             p.grad /= divisor
-        optimizer.step()
+        toy.plain_sgd_step(model)
     return toy.parameters(model)
 
 

@@ -27,7 +27,7 @@ ATOL = 1e-6  # float32 in another order: ~1e-8; one step moves the parameters ~1
 def one_process_step(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     model = toy.mlp(0, fsdp.SIZES)
     F.mse_loss(model(x), y).backward()
-    torch.optim.SGD(model.parameters(), lr=toy.LR).step()
+    toy.plain_sgd_step(model)
     return toy.parameters(model)
 
 

@@ -53,6 +53,16 @@ def shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return tensor.chunk(size)[rank]
 
 
+def plain_sgd_step(model: nn.Module, lr: float = LR) -> None:
+    """``p -= lr * p.grad`` for every parameter: ``torch.optim.SGD`` without momentum, written
+    out. The tests' one-process references step with it: independent of ``torch.optim``, and
+    cheap (the first ``torch.optim`` optimizer a process builds imports ``torch._dynamo``,
+    about a second of CPU)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+
+
 def parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of every parameter, by name: what a rank returns to be compared."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
