@@ -66,8 +66,8 @@ def test_join_finishes_uneven_ranks_where_a_bare_loop_blocks(run_ranks) -> None:
     # had, then its third step's all-reduce waited the whole deadline and timed out.
     bare = [r["bare"] for r in results]
     assert bare[0] == {"steps": 2, "error": None, "waited": 0.0}
-    assert bare[1]["steps"] == 2, f"rank 1 failed early, at step {bare[1]['steps']}: {bare[1]}"
-    assert "Timed out" in bare[1]["error"], bare[1]["error"]
+    assert bare[1]["steps"] == 2, f"rank 1 should stop at its third step: {bare[1]}"
+    assert "Timed out" in (bare[1]["error"] or "no error"), bare[1]
     assert DEADLINE * 0.9 <= bare[1]["waited"] < DEADLINE + 5, bare[1]["waited"]
 
     # With Join: each rank took all its steps, and all end with the reference's parameters.
