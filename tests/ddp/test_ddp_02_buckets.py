@@ -1,0 +1,88 @@
+"""2. DDP's all-reduces follow ``bucket_cap_mb`` and overlap backward (``ddp/buckets.py``).
+
+The claims: DDP makes one all-reduce per bucket; buckets are filled in the order backward
+produces gradients (the reverse of ``model.parameters()`` for a plain stack of layers) until
+they reach ``bucket_cap_mb``; and a bucket is reduced as soon as its last gradient exists,
+while backward is still computing the others. The lesson's comm hook counts the calls (it
+is the only thing that launches them); the expected buckets are computed here, from the
+parameters' sizes alone, by ``expected_buckets``: DDP's code is not consulted.
+
+Read in this order:
+
+1. ``expected_buckets`` and ``test_the_reference_rule_on_the_lessons_model``.
+2. ``test_all_reduce_count_follows_bucket_cap_mb_and_overlaps_backward``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tutorial_impl.ddp import buckets, toy
+
+pytestmark = pytest.mark.warm_world
+
+MIB = 2**20
+# bucket_cap_mb values (DDP multiplies by 2**20 and truncates to bytes; these are exact):
+# the default, 4 KiB, 656 bytes (exactly the last three gradients: a bucket closes when it
+# *reaches* its cap, so 656 is the value that tells ">=" from ">"), and one byte.
+CAPS = [None, 4096 / MIB, 656 / MIB, 1 / MIB]
+DEFAULT_CAP_MB = 25  # DDP's documented default
+
+
+def expected_buckets(model, cap_mb: float | None) -> list[list[str]]:
+    """The buckets from sizes alone: walk the parameters from last to first (the order
+    backward produces their gradients), close a bucket once it holds ``cap`` bytes."""
+    cap = int((DEFAULT_CAP_MB if cap_mb is None else cap_mb) * MIB)
+    found: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for name, p in reversed(list(model.named_parameters())):
+        current.append(name)
+        filled += p.numel() * p.element_size()
+        if filled >= cap:
+            found.append(current)
+            current, filled = [], 0
+    if current:
+        found.append(current)
+    return found
+
+
+def test_the_reference_rule_on_the_lessons_model() -> None:
+    """What the rule gives for the lesson's model: 16 + 512 + 128 + 4096 bytes reach 4 KiB
+    (the last two layers), 16 + 512 + 128 = 656 fill the 656-byte cap exactly."""
+    model = toy.mlp(0)
+    assert [len(b) for b in (expected_buckets(model, cap) for cap in CAPS)] == [1, 2, 3, 6]
+    assert expected_buckets(model, 4096 / MIB) == [
+        ["4.bias", "4.weight", "2.bias", "2.weight"],
+        ["0.bias", "0.weight"],
+    ]
+
+
+def test_all_reduce_count_follows_bucket_cap_mb_and_overlaps_backward(run_ranks) -> None:
+    """For each cap, two iterations on two ranks, every all-reduce recorded by the hook.
+
+    Iteration 0: one all-reduce of everything (DDP does not yet know the order gradients
+    come in). Iteration 1: the buckets ``expected_buckets`` computes, in that order, each
+    the size of its gradients. And bucket k's all-reduce starts while exactly the gradients
+    of the buckets after it are still missing: backward has not ended for any but the last.
+    """
+    model = toy.mlp(0)
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    everything = list(sizes)
+    results = run_ranks(buckets.buckets_by_cap, CAPS)
+    for rank, by_cap in enumerate(results):
+        for cap in CAPS:
+            first, second = by_cap[cap]
+            where = f"rank {rank}, bucket_cap_mb={cap}"
+            assert [sorted(c.names) for c in first] == [sorted(everything)], where
+            expected = expected_buckets(model, cap)
+            assert [c.names for c in second] == expected, where
+            assert [c.index for c in second] == list(range(len(expected))), where
+            assert [c.numel for c in second] == [sum(sizes[n] for n in b) for b in expected]
+            left = len(everything)
+            for call in second:
+                left -= len(call.names)
+                assert call.missing == left, f"{where}: bucket {call.index} saw {call.missing}"
+            if len(expected) > 1:  # the overlap, said plainly
+                assert second[0].missing > 0, f"{where}: the first all-reduce waited for backward"
+    assert results[0] == results[1]  # both ranks bucket alike, or their all-reduces mismatch

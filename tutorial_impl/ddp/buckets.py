@@ -1,0 +1,159 @@
+"""2. Buckets: how many all-reduces DDP makes, and why they start before backward ends.
+
+``average_gradients`` waits for the whole backward pass, then all-reduces each gradient on
+its own: one collective per tensor, none of them overlapping any computation. DDP does two
+things instead:
+
+* it packs gradients into **buckets** of about ``bucket_cap_mb`` MiB and all-reduces a
+  bucket as one flat tensor: few large messages instead of many small ones;
+* it fills the buckets in the order gradients become ready, roughly the *reverse* of
+  ``model.parameters()`` (backward runs from the last layer to the first), and launches a
+  bucket's all-reduce the moment its last gradient arrives, while autograd is still busy
+  computing the gradients of earlier layers. Communication hides behind computation.
+
+A **communication hook** (``DDP.register_comm_hook``) is called once per bucket with the
+flat bucket, and must return a future of the reduced tensor. ``BucketLog`` wraps DDP's own
+default (``allreduce_hook``: divide by the world size, all-reduce SUM) and records every
+call: which parameters the bucket holds, and how many of the model's gradients do not exist
+yet. Counting calls counts all-reduces honestly, because the hook is the only thing that
+launches them.
+
+One thing the documentation does not say: in the *first* iteration (unless
+``find_unused_parameters=True``) DDP puts every parameter in one bucket, because it does not
+trust ``model.parameters()`` to be the order backward produces gradients in. It records the
+real order during that first backward and rebuilds the buckets by ``bucket_cap_mb`` before
+the second. So the count follows ``bucket_cap_mb`` from the second iteration on.
+
+    python -m tutorial_impl.ddp.buckets       # 2 local ranks; or under torchrun
+"""
+
+# No ``from __future__ import annotations`` here: register_comm_hook inspects the hook's
+# annotations and refuses the *string* "dist.GradBucket" where it expects the class.
+import argparse
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tutorial_impl.ddp import toy
+from tutorial_impl.dist_tuto.process import print_line, run_main
+
+PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
+
+
+@dataclass
+class BucketCall:
+    """What one call of the hook saw: one bucket, about to be all-reduced."""
+
+    iteration: int
+    index: int  # the bucket's index (0 is the first to be reduced)
+    names: list[str]  # the parameters whose gradients the bucket holds, in bucket order
+    numel: int  # the flat bucket's length: the sum of its gradients' sizes
+    missing: int  # how many of the model's gradients autograd had not produced yet
+
+
+@dataclass
+class BucketLog:
+    """A comm hook's state: the model it watches, and every call so far."""
+
+    model: nn.Module
+    iteration: int = 0
+    calls: list[BucketCall] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.names = {p: name for name, p in self.model.named_parameters()}
+
+    def per_iteration(self) -> list[list[BucketCall]]:
+        """The calls grouped by iteration (an iteration without any is an empty list)."""
+        grouped: list[list[BucketCall]] = [[] for _ in range(self.iteration + 1)]
+        for call in self.calls:
+            grouped[call.iteration].append(call)
+        return grouped
+
+
+def logging_allreduce_hook(
+    log: BucketLog, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Record the bucket, then do exactly what DDP would have done without a hook."""
+    # With ``zero_grad(set_to_none=True)`` before backward, a gradient that is still None
+    # is one autograd has not computed yet: this all-reduce starts before backward ends.
+    missing = sum(p.grad is None for p in log.model.parameters())
+    names = [log.names[p] for p in bucket.parameters()]
+    numel = bucket.buffer().numel()
+    log.calls.append(BucketCall(log.iteration, bucket.index(), names, numel, missing))
+    return allreduce_hook(None, bucket)  # None: DDP's own process group
+
+
+def watched_ddp(model: nn.Module, bucket_cap_mb: float | None) -> tuple[DDP, BucketLog]:
+    """``model`` in DDP with buckets of ``bucket_cap_mb`` MiB, and the log of its buckets."""
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    log = BucketLog(model)
+    ddp.register_comm_hook(log, logging_allreduce_hook)  # before the first backward
+    return ddp, log
+
+
+def train(ddp: DDP, log: BucketLog, x: torch.Tensor, y: torch.Tensor, iterations: int) -> None:
+    """``iterations`` SGD steps on the same batch, the log told which iteration is which."""
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=toy.LR)
+    for i in range(iterations):
+        log.iteration = i
+        optimizer.zero_grad(set_to_none=True)  # None marks "not computed yet" (see the hook)
+        F.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+
+
+def buckets_by_cap(
+    rank: int, size: int, caps_mb: list[float | None], iterations: int = 2
+) -> dict[float | None, list[list[BucketCall]]]:
+    """For each cap, train a fresh DDP model ``iterations`` steps; the hook's calls per
+    iteration. ``None`` is DDP's default cap (25 MiB)."""
+    x, y = toy.batch(8 * size)
+    xs, ys = toy.shard(x, rank, size), toy.shard(y, rank, size)
+    found = {}
+    for cap in caps_mb:
+        ddp, log = watched_ddp(toy.mlp(0), cap)
+        train(ddp, log, xs, ys, iterations)
+        found[cap] = log.per_iteration()
+    return found
+
+
+def demo(rank: int, size: int) -> None:
+    """Print, for three caps, the buckets of the first two iterations (rank 0 only)."""
+    caps = [None, 4096 / 2**20, 1 / 2**20]  # the default, 4 KiB, one byte
+    for cap, iterations in buckets_by_cap(rank, size, caps).items():
+        if rank:
+            continue
+        label = "default" if cap is None else f"{cap * 2**20:g} bytes"
+        print_line(f"bucket_cap_mb = {label}:")
+        for i, calls in enumerate(iterations):
+            print_line(f"  iteration {i}: {len(calls)} all_reduce call(s)")
+            for call in calls:
+                print_line(
+                    f"    bucket {call.index}: {call.numel} floats {call.names}, "
+                    f"{call.missing} gradient(s) not computed yet"
+                )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tutorial_impl import cli  # the CLI's launcher, not the lesson's
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_impl.ddp.buckets",
+        description="2. DDP's buckets under three bucket_cap_mb values, from a comm hook.",
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="number of ranks")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
+    args = parser.parse_args(argv)
+    return cli.exit_status(lambda: cli.launch(demo, args.world_size, "gloo", args.timeout, PRELOAD))
+
+
+if __name__ == "__main__":
+    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
+    # name: run the package's copy of the module instead.
+    from tutorial_impl.ddp.buckets import main as package_main
+
+    run_main(package_main)

@@ -1,0 +1,68 @@
+"""The model and the data every lesson of this course uses, kept tiny on purpose.
+
+A lesson about communication should spend its time communicating. Three ``Linear`` layers
+with ReLUs between them have six parameters of clearly different sizes (enough to fill
+several DDP buckets, to shard unevenly, to split into two pipeline stages), and a step costs
+microseconds. The data is a regression problem (``y = x @ w_true + noise``) so the loss is a
+plain ``MSELoss`` and no dropout or batch norm can make two runs differ.
+
+Everything here is deterministic in its seed, so every rank, and the test that checks them
+in its own process, can rebuild *the same* model and *the same* global batch independently:
+no communication is needed to agree on the starting point (except where a lesson shows what
+DDP does when ranks do *not* agree, in ``equivalence.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+# (in, hidden, hidden, out): the parameters are 256 + 32, 1024 + 32, 128 + 4 floats.
+SIZES = (8, 32, 32, 4)
+LR = 0.1
+
+
+def mlp(seed: int = 0, sizes: tuple[int, ...] = SIZES) -> nn.Sequential:
+    """``Linear, ReLU, Linear, ReLU, Linear`` with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(fan_in, fan_out))
+    return nn.Sequential(*layers)
+
+
+def batch(rows: int, seed: int = 1, sizes: tuple[int, ...] = SIZES) -> tuple[torch.Tensor, ...]:
+    """``rows`` samples ``(x, y)`` of a noisy linear map, from their own generator.
+
+    A private ``torch.Generator`` leaves the global one alone, so drawing data never shifts
+    the weights a later ``mlp(seed)`` draws.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, sizes[0], generator=g)
+    w_true = torch.randn(sizes[0], sizes[-1], generator=g)
+    y = x @ w_true + 0.1 * torch.randn(rows, sizes[-1], generator=g)
+    return x, y
+
+
+def shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous share of a global batch (the rows split evenly)."""
+    if len(tensor) % size:
+        raise ValueError(f"a batch of {len(tensor)} rows does not split evenly over {size} ranks")
+    return tensor.chunk(size)[rank]
+
+
+def plain_sgd_step(model: nn.Module, lr: float = LR) -> None:
+    """``p -= lr * p.grad`` for every parameter: ``torch.optim.SGD`` without momentum, written
+    out. The tests' one-process references step with it: independent of ``torch.optim``, and
+    cheap (the first ``torch.optim`` optimizer a process builds imports ``torch._dynamo``,
+    about a second of CPU)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+
+
+def parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every parameter, by name: what a rank returns to be compared."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
