@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "tutorial_impl"
-TUTORIALS = sorted([*(PACKAGE / "dist_tuto").glob("*.py"), *(PACKAGE / "rpc").glob("*.py")])
+TUTORIALS = sorted(p for d in ("dist_tuto", "rpc", "ddp") for p in (PACKAGE / d).glob("*.py"))
 HARNESS = sorted((PACKAGE / "testing").glob("*.py"))
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 

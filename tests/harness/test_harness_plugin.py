@@ -395,8 +395,9 @@ def test_ranks_measure_coverage_exactly_when_the_parent_does():
 
 
 def _readme_blocks(section: str) -> dict[str, str]:
-    """The code blocks of a README section, keyed by the path in their first comment line."""
-    readme = (REPO / "README.md").read_text()
+    """The code blocks of a section of docs/harness.md, keyed by the path in their first
+    comment line."""
+    readme = (REPO / "docs" / "harness.md").read_text()
     start = readme.index(f"## {section}\n")
     end = readme.find("\n## ", start + 1)
     blocks = re.findall(r"```\w*\n(.*?)```", readme[start:end], re.S)
@@ -405,9 +406,9 @@ def _readme_blocks(section: str) -> dict[str, str]:
 
 
 def test_the_readme_examples_pass_as_written(pytester):
-    """The harness section's example and the complete project of "Testing your own
-    distributed code" (its library, its test file, its pytest configuration), run as
-    written: 3 + 3 tests, one per world size."""
+    """The README's harness example and the complete project of "Testing your own
+    distributed code" in docs/harness.md (its library, its test file, its pytest
+    configuration), run as written: 3 + 3 tests, one per world size."""
     files = _readme_blocks("Testing your own distributed code")
     assert set(files) == {"pyproject.toml", "src/mylib/averaging.py", "tests/test_averaging.py"}
     for path, body in files.items():
