@@ -48,7 +48,7 @@ ENV = "TUTORIAL_IMPL_RANK_PDB"
 # A process-group timeout that holds the other ranks while one is debugged (a day).
 HOLD = 24 * 3600.0
 ATTACH = "python -m tutorial_impl.testing.attach"
-ATTACH_WINDOW = 5.0  # seconds a debugger waits to be attached to, at least (else: deadline)
+ATTACH_WINDOW = 2.0  # seconds a debugger waits to be attached to, at least (else: deadline)
 
 
 def debug_rank() -> int | None:
