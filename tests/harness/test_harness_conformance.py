@@ -385,6 +385,19 @@ def test_c23_after_the_plain_hang():
     pass
 
 
+def group_timeout(rank, world_size):
+    note()
+    gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return gloo.options._timeout.total_seconds()
+
+
+@pytest.mark.rank_timeout(7)
+def test_c24_the_group_timeout_stays_behind_the_deadline(run_ranks):
+    # The harness's deadline fires first, while the ranks are still in their collective
+    # (and it takes their stacks there); gloo's own timeout comes 10 s later.
+    assert run_ranks(group_timeout) == [17.0, 17.0]
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -588,6 +601,7 @@ CASES: dict[str, Case] = {
         Expect("failed", starts("rank 1 exited with code 0"), within=5)
     ),
     "test_c21_rpc_gets_a_rendezvous_of_its_own": Case(Expect("passed")),
+    "test_c24_the_group_timeout_stays_behind_the_deadline": Case(Expect("passed")),
     "test_c22_matrix[world_size2]": Case(Expect("passed")),
     "test_c22_matrix[world_size3]": Case(
         Expect("passed"),
