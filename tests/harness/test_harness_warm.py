@@ -15,8 +15,12 @@ table, which tests shared ranks and whether any rank is still alive.
 from __future__ import annotations
 
 import pytest
+import torch  # noqa: F401 - before any in-process pytester run (see below)
 
 from tutorial_impl.testing import call, proctable, warm
+
+# pytester restores sys.modules after each in-process run: torch must have been imported
+# before the first, or the next run imports its C extension a second time and crashes.
 
 pytest_plugins = ["pytester"]
 
@@ -224,3 +228,47 @@ def test_a_bad_call_is_refused_before_any_world_starts():
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         pool.run(call.build(len, world_size=0))
     assert pool.pids() == []
+
+
+# What a warm world cannot see (state two levels deep in a module), --warm-audit catches: every
+# warm call runs fresh too, and a verdict that differs fails the test.
+NESTED = """
+import pytest
+
+pytestmark = pytest.mark.warm_world
+STATE = {"inner": {}}  # one level deeper than a warm rank looks
+
+
+def fill(rank, world_size):
+    STATE["inner"]["k"] = rank
+    return rank
+
+
+def read(rank, world_size):
+    return STATE["inner"]["k"]
+
+
+def test_fills(run_ranks):
+    assert run_ranks(fill) == [0, 1]
+
+
+def test_reads(run_ranks):
+    assert run_ranks(read) == [0, 1]
+"""
+
+
+def test_warm_audit_catches_what_a_warm_world_cannot_see(pytester):
+    pytester.makepyfile(test_nested=NESTED)
+    args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    # Warm alone, the second test passes on the state the first left (a documented blind
+    # spot); audited, it fails saying both verdicts.
+    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2)
+    audited = pytester.runpytest_inprocess(*args, "--warm-audit")
+    audited.assert_outcomes(passed=1, failed=1)
+    audited.stdout.fnmatch_lines(
+        [
+            "*WarmAuditError: --warm-audit: the warm world's verdict (passed) differs from "
+            "fresh ranks' (failed, rank ? raised KeyError)*",
+            "FAILED test_nested.py::test_reads - --warm-audit*",
+        ]
+    )
