@@ -20,6 +20,11 @@ check, the slowest rank's mean over ``--collectives`` calls, and their ratio (JS
 
 And warm worlds (``testing/warm.py``): the same test in a world whose ranks and group served
 the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms, both in this run),
+the same warm test under ``--warm-audit`` (``audit_ms``: it runs fresh too; ``audit_cost`` =
+audit_ms / warm_ms), the same test as one of a torchrun job's tests (``torchrun_ms``: every
+worker of ``torchrun --standalone --nproc-per-node=N -m pytest`` runs it in lockstep; the
+median time from one test's start to the next's, read by rank 0; ``--torchrun-tests 0``
+leaves it out, as None),
 the time a poisoned warm world costs to replace (``replace_ms``: the test after one that left
 a group behind, a fresh world), and the 1-minute load average while measuring
 (``load_average``): on a loaded machine every figure grows. The check runs torch's
@@ -33,8 +38,12 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,6 +51,8 @@ import torch.multiprocessing
 
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import forkserver, run_ranks
+from tutorial_impl.testing.audit import audited
+from tutorial_impl.testing.forked import FORKED
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
 from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.warm import WarmPool
@@ -144,6 +155,66 @@ def time_replace(world_size: int, repeats: int) -> list[float]:
     return times
 
 
+def time_audited(world_size: int, repeats: int) -> list[float]:
+    """Milliseconds per warm test under ``--warm-audit``: warm, then fresh, verdicts compared."""
+    pool = WarmPool()
+    call = _call.build(all_reduce_once, world_size=world_size, timeout=60)
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        audited(pool, FORKED, call)
+        if i:  # the first starts the world
+            times.append((time.perf_counter() - start) * 1e3)
+    pool.close_all()
+    return times
+
+
+TORCHRUN_TESTS = """
+import json, os, time
+import pytest
+import torch
+import torch.distributed as dist
+
+STARTS = []
+
+
+def all_reduce_once(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.parametrize("i", range({tests}))
+def test_all_reduce(run_ranks, world_size, i):
+    STARTS.append(time.perf_counter())
+    assert run_ranks(all_reduce_once) == [world_size * (world_size + 1) / 2] * world_size
+
+
+def test_zz_the_end():
+    STARTS.append(time.perf_counter())
+    if os.environ["RANK"] == "0":
+        with open(os.environ["BENCH_STARTS"], "w") as f:
+            json.dump(STARTS, f)
+"""
+
+
+def time_torchrun(world_size: int, tests: int) -> list[float]:
+    """Milliseconds per test of a torchrun job of ``world_size`` workers (one job)."""
+    with tempfile.TemporaryDirectory(prefix="bench-torchrun-") as work:
+        Path(work, "test_bench.py").write_text(TORCHRUN_TESTS.format(tests=tests))
+        starts = Path(work, "starts.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += [f"--nproc-per-node={world_size}", "--monitor-interval=0.1"]
+        command += ["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py"]
+        env = {**os.environ, "BENCH_STARTS": str(starts)}
+        env.pop("PYTEST_XDIST_WORKER", None)
+        done = subprocess.run(command, cwd=work, env=env, capture_output=True, timeout=300)
+        if done.returncode != 0 or not starts.exists():
+            raise RuntimeError(f"the torchrun job failed:\n{done.stdout.decode()[-3000:]}")
+        stamps = json.loads(starts.read_text())
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+
+
 def time_spawn(world_size: int, repeats: int) -> list[float]:
     """Milliseconds per ``torch.multiprocessing.spawn`` of a fresh group."""
     times = []
@@ -161,7 +232,11 @@ def time_spawn(world_size: int, repeats: int) -> list[float]:
 
 
 def measure(
-    world_sizes: list[int], repeats: int, spawn_repeats: int, collectives: int = 200
+    world_sizes: list[int],
+    repeats: int,
+    spawn_repeats: int,
+    collectives: int = 200,
+    torchrun_tests: int = 20,
 ) -> dict[str, dict]:
     forkserver.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
@@ -170,6 +245,9 @@ def measure(
         warm_ms = statistics.median(time_warm(world_size, repeats))
         harness_ms = statistics.median(time_harness(world_size, repeats))
         replace_ms = statistics.median(time_replace(world_size, max(1, repeats // 4)))
+        audit_ms = statistics.median(time_audited(world_size, repeats))
+        torchrun = time_torchrun(world_size, torchrun_tests) if torchrun_tests else None
+        torchrun_ms = statistics.median(torchrun) if torchrun else None
         spawn_ms = statistics.median(time_spawn(world_size, spawn_repeats))
         plain_us = time_collectives(world_size, collectives, checked=False)
         checked_us = time_collectives(world_size, collectives, checked=True)
@@ -183,6 +261,9 @@ def measure(
             "warm_ms": warm_ms,
             "warm_speedup": harness_ms / warm_ms,
             "replace_ms": replace_ms,
+            "audit_ms": audit_ms,
+            "audit_cost": audit_ms / warm_ms,
+            "torchrun_ms": torchrun_ms,
             "load_average": os.getloadavg()[0],
         }
         print(
@@ -194,6 +275,11 @@ def measure(
             f"world {world_size}: warm    {warm_ms:7.1f} ms  "
             f"fresh/warm {harness_ms / warm_ms:5.1f}x  "
             f"poisoned world replaced in {replace_ms:6.1f} ms   (load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+        print(
+            f"world {world_size}: audited {audit_ms:7.1f} ms  audit/warm {audit_ms / warm_ms:5.1f}x  "
+            + (f"torchrun {torchrun_ms:7.1f} ms a test" if torchrun_ms else "torchrun: not run"),
             flush=True,
         )
         print(
@@ -224,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=200,
         help="all_reduce calls per rank for the price of --check-collectives",
     )
+    parser.add_argument(
+        "--torchrun-tests",
+        type=int,
+        default=20,
+        help="tests of the torchrun job per world size (0: no torchrun job)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
@@ -232,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.repeats < 1 or args.spawn_repeats < 1 or args.collectives < 1:
         raise SystemExit("--repeats, --spawn-repeats and --collectives must be at least 1")
+    if args.torchrun_tests < 0 or args.torchrun_tests == 1:
+        raise SystemExit("--torchrun-tests must be 0 (none) or at least 2")
     if any(w < 1 for w in args.world_sizes):
         raise SystemExit("--world-sizes must be positive")
     # run_ranks's store does this itself; the spawn side's store and fresh interpreters need
@@ -242,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     # c10d's warning that it could not name its peer; ranks read this when importing torch.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; medians per test")
-    figures = measure(args.world_sizes, args.repeats, args.spawn_repeats, args.collectives)
+    figures = measure(
+        args.world_sizes, args.repeats, args.spawn_repeats, args.collectives, args.torchrun_tests
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
