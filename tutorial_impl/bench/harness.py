@@ -212,7 +212,7 @@ def time_torchrun(world_size: int, tests: int) -> list[float]:
         if done.returncode != 0 or not starts.exists():
             raise RuntimeError(f"the torchrun job failed:\n{done.stdout.decode()[-3000:]}")
         stamps = json.loads(starts.read_text())
-    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def time_spawn(world_size: int, repeats: int) -> list[float]:
@@ -278,7 +278,8 @@ def measure(
             flush=True,
         )
         print(
-            f"world {world_size}: audited {audit_ms:7.1f} ms  audit/warm {audit_ms / warm_ms:5.1f}x  "
+            f"world {world_size}: audited {audit_ms:7.1f} ms  "
+            f"audit/warm {audit_ms / warm_ms:5.1f}x  "
             + (f"torchrun {torchrun_ms:7.1f} ms a test" if torchrun_ms else "torchrun: not run"),
             flush=True,
         )
