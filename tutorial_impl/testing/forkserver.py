@@ -50,6 +50,7 @@ DEFAULT_PRELOAD = [
     "torch.distributed",
     "torch.nn",
     "tutorial_impl.testing.rank",
+    "tutorial_impl.testing.warm_rank",
 ]
 # The key of ``workerinput`` (xdist's dict sent from the controller to each worker).
 WORKERINPUT_KEY = "tutorial_impl_forkserver"

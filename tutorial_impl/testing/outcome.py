@@ -135,6 +135,23 @@ class Report:
     pid: int
     at: float  # time.time() when the function ended
     thread_errors: tuple[str, ...] = ()
+    forked: bool = False  # the function forked this process (os.fork, a fork-started Process)
+
+
+class _Forks:
+    """How many times this process has forked (``os.register_at_fork``): whether a rank
+    function forked is then a comparison, not a look at every child process."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_parent=self._one_more)
+
+    def _one_more(self) -> None:
+        self.count += 1
+
+
+FORKS = _Forks()
 
 
 def died(exitcode: int | None) -> Exited | Killed:
@@ -192,7 +209,7 @@ def capture(
     rank that says so (the parent tells it apart by ``pid``): a child answering for its rank
     would hide whatever the rank itself did.
     """
-    owner = os.getpid()
+    owner, forks = os.getpid(), FORKS.count
     thread_errors: list[str] = []
     hook = threading.excepthook
     threading.excepthook = lambda hook_args: thread_errors.append(_thread_error(hook_args))
@@ -209,7 +226,8 @@ def capture(
         threading.excepthook = hook
     if os.getpid() != owner:
         outcome = forked_child(rank, os.getpid())
-    return Report(outcome, os.getpid(), time.time(), tuple(thread_errors))
+    forked = FORKS.count != forks
+    return Report(outcome, os.getpid(), time.time(), tuple(thread_errors), forked)
 
 
 def forked_child(rank: int, pid: int) -> Raised:

@@ -216,20 +216,19 @@ def run_task(
     join_group: bool,
     send: Callable[[bytes], None],
     baseline: Any = None,
-) -> str | None:
+) -> None:
     """Run ``spec``'s function in this rank and ``send`` its pickled ``outcome.Report``.
 
     ``join_group``: join the process group first (a fresh rank; a warm one is in its
     world's group already). A child the function forked that comes back here sends its
     report (a failure of this rank: see ``outcome.capture``) and ends at once.
-    ``baseline`` (a warm rank's ``reuse.Baseline``) resets the rank right before the
-    function and checks it right after: its answer (None, or the problem) is returned."""
+    ``baseline`` (a warm rank's ``reuse.Baseline``) refreshes its snapshot right before the
+    function; the warm rank checks against it once the report is sent (``warm_rank``)."""
     rank_pid = os.getpid()
     debugging = _debugging.Debugging(spec.rank, os.path.dirname(spec.log_path), spec.timeout)
     if _debugging.debug_rank() is not None:
         spec.timeout = _debugging.HOLD  # hold every rank while one is debugged
     cov = _coverage.start_in_rank(spec.coverage)
-    checked: dict[str, str | None] = {}
     report = _outcome.capture(
         _set_up_and_call,
         spec.rank,
@@ -239,14 +238,14 @@ def run_task(
             "imported_with": imported_with,
             "join_group": join_group,
             "baseline": baseline,
-            "checked": checked,
         },
         on_error=debugging.post_mortem,
     )
     if os.getpid() != rank_pid:  # a forked child of the rank function: report and go
         send(pickle.dumps(report))
         os._exit(1)
-    _proctable.wait_for_forked_copies(FORK_GRACE)  # their reports first, if they come back
+    if report.forked:  # their reports first, if they come back
+        _proctable.wait_for_forked_copies(FORK_GRACE)
     try:
         message = dumps_on_cpu(report)
     except Exception as exc:  # noqa: BLE001
@@ -258,7 +257,6 @@ def run_task(
     sys.stdout.flush()
     sys.stderr.flush()
     send(message)
-    return checked.get("problem")
 
 
 def _set_up_and_call(
@@ -268,22 +266,18 @@ def _set_up_and_call(
     imported_with: dict[str, str],
     join_group: bool,
     baseline: Any,
-    checked: dict[str, str | None],
 ) -> Any:
     """What ``capture`` runs: find the function, join the group, call it (a warm rank's
-    ``baseline`` around the call alone: what the harness does is not the test's)."""
+    ``baseline`` snapshot taken right before the call: what the harness did is not the
+    test's)."""
     fn = resolve(spec.function)
     args, kwargs = pickle.loads(spec.payload)
     _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
     if join_group and spec.backend is not None:
         init_process_group(spec)
-    if baseline is None:
-        return fn(rank, world_size, *args, **kwargs)
-    baseline.before_task()
-    try:
-        return fn(rank, world_size, *args, **kwargs)
-    finally:
-        checked["problem"] = baseline.after_task()
+    if baseline is not None:
+        baseline.refresh()
+    return fn(rank, world_size, *args, **kwargs)
 
 
 def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:

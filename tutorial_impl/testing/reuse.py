@@ -73,6 +73,7 @@ WATCHED = (  # the modules whose attributes tests commonly monkeypatch
 # Rebound by torch itself (group and RPC counters; torch.Storage follows the default dtype,
 # which is reset), and Python's registry of warnings shown.
 OWN = {"_group_count", "_init_counter", "rendezvous_iterator", "Storage", "__warningregistry__"}
+OWN.add("breakpointhook")  # the harness's own, set for every task (``debugging``)
 BACKENDS = "cudnn.enabled cudnn.benchmark cudnn.deterministic cudnn.allow_tf32 "
 BACKENDS += "cuda.matmul.allow_tf32 mkldnn.enabled"
 MAX_ITEMS = 10_000  # a larger container is compared by its size only
@@ -88,6 +89,17 @@ _NOT_USER = (  # the standard library, installed packages, the harness
 _GONE = object()
 _blocked = partial(signal.pthread_sigmask, signal.SIG_BLOCK, [])  # the blocked-signal mask
 _is = operator.is_
+
+
+# Which loaded modules are the user's (``_is_user``), by name: filled once in the forkserver
+# (``classify_loaded``, from ``forkserver_ready``), so that a warm rank, forked from it, does
+# not classify the two thousand modules torch loads again (6 ms of CPU a rank).
+CLASSIFIED: dict[str, tuple[Any, bool]] = {}
+
+
+def classify_loaded() -> None:
+    for name, module in list(sys.modules.items()):
+        CLASSIFIED[name] = module, _is_user(module)
 
 
 class Baseline:
@@ -109,21 +121,47 @@ class Baseline:
         self.once = warnings.onceregistry, dict(warnings.onceregistry)
         self.handlers = {int(s): signal.getsignal(s) for s in signal.valid_signals()}
         self.problem: str | None = None  # a reset or snapshot that failed: after_task's answer
-        self.classified, self.modules, self.user = {}, {}, []  # type: ignore  # _user_modules
+        self.modules, self.user = {}, []  # type: ignore  # _user_modules
         self.threads, self.imported, self.attrs, self.globals = set(), 0, [], []  # type: ignore
 
     def before_task(self) -> None:
         """Reset what can be reset, snapshot what can only be compared (never raises)."""
+        self.reset()
+        self.snapshot()
+
+    def reset(self) -> None:
+        """Give back what a fresh rank has (never raises). A warm rank calls it, with
+        ``snapshot``, right after a task's check: between tasks, off the next test's path."""
         for step in (self._reset_rng, self._reset_settings, self._reset_python):
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - reported by after_task
                 self.problem = self.problem or f"the reset {step.__name__} failed: {exc!r}"
+
+    def snapshot(self) -> None:
+        """What after_task compares with (never raises)."""
+        try:
+            self.attrs = [(n, m, dict(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
+            self.globals = [(n, m, *_snapshot(m)) for n, m in self._user_modules()]
+        except Exception as exc:  # noqa: BLE001
+            self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Right before the function: the threads, and the modules imported since the
+        snapshot (the test module, on its first test), whose state is then the reference."""
         try:
             self.threads = set(threading.enumerate())
             self.imported = len(sys.modules)
-            self.attrs = [(n, m, dict(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
-            self.globals = [(n, m, *_snapshot(m)) for n, m in self._user_modules()]
+            have = {name for name, *_ in self.attrs}
+            self.attrs += [
+                (n, m, dict(vars(m)))
+                for n in WATCHED
+                if n not in have and (m := sys.modules.get(n))
+            ]
+            known = {name for name, *_ in self.globals}
+            new = [(n, m) for n, m in self._user_modules() if n not in known]
+            self.globals += [(n, m, *_snapshot(m)) for n, m in new]
         except Exception as exc:  # noqa: BLE001
             self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
 
@@ -233,9 +271,9 @@ class Baseline:
             return self.user
         self.modules, self.user = dict(sys.modules), []
         for name, module in self.modules.items():
-            known = self.classified.get(name)
+            known = CLASSIFIED.get(name)
             if known is None or known[0] is not module:
-                known = self.classified[name] = module, _is_user(module)
+                known = CLASSIFIED[name] = module, _is_user(module)
             if known[1]:
                 self.user.append((name, module))
         return self.user

@@ -192,7 +192,7 @@ def run_here(
     finally:
         sys.stdout, sys.stderr = tee_out.stream, tee_err.stream
     output = tee_out.copy.getvalue() + tee_err.copy.getvalue()
-    if ended is None:
+    if ended is None and box["report"].forked:
         proctable.wait_for_forked_copies(FORK_GRACE)
     child = _child_report(child_r, child_w)
     if ended is not None:  # still running: where?

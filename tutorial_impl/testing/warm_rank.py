@@ -122,6 +122,7 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
                 _rank.init_process_group(start)
             world = WorldCheck()
             baseline = reuse.Baseline()  # after WorldCheck, whose tracking it then includes
+            baseline.snapshot()
         except BaseException as exc:  # noqa: BLE001 - reported as the first test's failure
             report = _o.Report(_o.from_exception(exc), os.getpid(), time.time())
             conn.send_bytes(pickle.dumps(report))
@@ -131,10 +132,15 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             task.env = {**start.env, **task.env}
             _rank.take_task(task)
             world.begin()
-            problem = _rank.run_task(
+            _rank.run_task(
                 task, imported_with, join_group=False, send=conn.send_bytes, baseline=baseline
             )
-            conn.send_bytes(pickle.dumps(world.leftovers() or problem))
+            # The test has been answered: the check and the next test's reset run while the
+            # parent reports it and moves on (it reads the answer before the next task).
+            problem = world.leftovers() or baseline.after_task()
+            conn.send_bytes(pickle.dumps(problem))
+            if problem is None:  # as good as new: its snapshot still holds, only reset
+                baseline.reset()
             task = pickle.loads(conn.recv_bytes())  # EOF: the world is closed
     finally:
         os._exit(0)  # never run interpreter teardown (see rank.rank_main)
