@@ -29,7 +29,6 @@ the second. So the count follows ``bucket_cap_mb`` from the second iteration on.
 
 # No ``from __future__ import annotations`` here: register_comm_hook inspects the hook's
 # annotations and refuses the *string* "dist.GradBucket" where it expects the class.
-import argparse
 from dataclasses import dataclass, field
 
 import torch
@@ -139,16 +138,10 @@ def demo(rank: int, size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl import cli  # the CLI's launcher, not the lesson's
-
-    parser = argparse.ArgumentParser(
-        prog="python -m tutorial_impl.ddp.buckets",
-        description="2. DDP's buckets under three bucket_cap_mb values, from a comm hook.",
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="number of ranks")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
-    args = parser.parse_args(argv)
-    return cli.exit_status(lambda: cli.launch(demo, args.world_size, "gloo", args.timeout, PRELOAD))
+    args = toy.demo_parser(
+        __name__, "2. DDP's buckets under three bucket_cap_mb values, from a comm hook."
+    ).parse_args(argv)
+    return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":

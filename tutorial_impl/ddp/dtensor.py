@@ -29,14 +29,13 @@ the pieces are cut from rank 0's copy (``src_data_rank=0``), so the ranks need n
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+from tutorial_impl.ddp import toy
 from tutorial_impl.dist_tuto.process import print_line, run_main
 
 MESH_SHAPE, MESH_DIMS = (2, 2), ("dp", "tp")
@@ -115,17 +114,13 @@ def demo(rank: int, size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl import cli  # the CLI's launcher, not the lesson's
-
-    parser = argparse.ArgumentParser(
-        prog="python -m tutorial_impl.ddp.dtensor",
-        description="7. DeviceMesh and DTensor: Shard, Replicate, Partial and redistribute "
+    args = toy.demo_parser(
+        __name__,
+        "7. DeviceMesh and DTensor: Shard, Replicate, Partial and redistribute "
         "on a 2 x 2 mesh of 4 ranks.",
-    )
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
-    args = parser.parse_args(argv)
-    # DTensor's first operation imports torch._dynamo (~1.3 s of CPU a rank): preload it.
-    return cli.exit_status(lambda: cli.launch(demo, 4, "gloo", args.timeout, ["torch._dynamo"]))
+        world_size=None,
+    ).parse_args(argv)
+    return toy.main(demo, 4, args.timeout, ["torch._dynamo"])
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ is how the test compares the result with one process's step.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -108,16 +106,10 @@ def demo(rank: int, size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl import cli  # the CLI's launcher, not the lesson's
-
-    parser = argparse.ArgumentParser(
-        prog="python -m tutorial_impl.ddp.fsdp",
-        description="6. FSDP2 fully_shard: what each rank holds before, during and after a step.",
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="number of ranks")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
-    args = parser.parse_args(argv)
-    return cli.exit_status(lambda: cli.launch(demo, args.world_size, "gloo", args.timeout, PRELOAD))
+    args = toy.demo_parser(
+        __name__, "6. FSDP2 fully_shard: what each rank holds before, during and after a step."
+    ).parse_args(argv)
+    return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":

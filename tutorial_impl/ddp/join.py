@@ -29,7 +29,6 @@ every rank ends with the same model. What the shadowed steps compute:
 
 from __future__ import annotations
 
-import argparse
 import time
 from datetime import timedelta
 
@@ -116,17 +115,12 @@ def demo(rank: int, size: int, deadline: float = 1.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl import cli  # the CLI's launcher, not the lesson's
-
-    parser = argparse.ArgumentParser(
-        prog="python -m tutorial_impl.ddp.join",
-        description="5. Uneven inputs: a bare DDP loop blocks (seen with a short deadline); "
+    args = toy.demo_parser(
+        __name__,
+        "5. Uneven inputs: a bare DDP loop blocks (seen with a short deadline); "
         "Join lets every rank finish.",
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="number of ranks")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
-    args = parser.parse_args(argv)
-    return cli.exit_status(lambda: cli.launch(demo, args.world_size, "gloo", args.timeout, PRELOAD))
+    ).parse_args(argv)
+    return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":

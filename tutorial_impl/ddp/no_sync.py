@@ -21,7 +21,6 @@ ranks' values differ there: nothing was exchanged yet).
 
 from __future__ import annotations
 
-import argparse
 from contextlib import nullcontext
 
 import torch
@@ -74,16 +73,10 @@ def demo(rank: int, size: int, k: int = 4) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl import cli  # the CLI's launcher, not the lesson's
-
-    parser = argparse.ArgumentParser(
-        prog="python -m tutorial_impl.ddp.no_sync",
-        description="3. Gradient accumulation with DDP's no_sync: all-reduces per micro-batch.",
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="number of ranks")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
-    args = parser.parse_args(argv)
-    return cli.exit_status(lambda: cli.launch(demo, args.world_size, "gloo", args.timeout, PRELOAD))
+    args = toy.demo_parser(
+        __name__, "3. Gradient accumulation with DDP's no_sync: all-reduces per micro-batch."
+    ).parse_args(argv)
+    return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ one process's gradients. ``step`` returns the merged output on the last stage.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -123,15 +121,10 @@ def demo(rank: int, size: int, n_microbatches: int = 4) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tutorial_impl import cli  # the CLI's launcher, not the lesson's
-
-    parser = argparse.ArgumentParser(
-        prog="python -m tutorial_impl.ddp.pipeline",
-        description="8. A model split over 2 ranks, 4 micro-batches, GPipe and 1F1B.",
-    )
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
-    args = parser.parse_args(argv)
-    return cli.exit_status(lambda: cli.launch(demo, 2, "gloo", args.timeout, PRELOAD))
+    args = toy.demo_parser(
+        __name__, "8. A model split over 2 ranks, 4 micro-batches, GPipe and 1F1B.", world_size=None
+    ).parse_args(argv)
+    return toy.main(demo, 2, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":

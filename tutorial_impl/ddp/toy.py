@@ -14,6 +14,9 @@ DDP does when ranks do *not* agree, in ``equivalence.py``).
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -66,3 +69,28 @@ def plain_sgd_step(model: nn.Module, lr: float = LR) -> None:
 def parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of every parameter, by name: what a rank returns to be compared."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def demo_parser(
+    module: str, description: str, world_size: int | None = 2
+) -> argparse.ArgumentParser:
+    """A lesson demo's command line: its name, what it shows, --world-size, --timeout."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    if world_size is not None:
+        parser.add_argument("--world-size", type=int, default=world_size, help="number of ranks")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
+    return parser
+
+
+def main(
+    demo: Callable[[int, int], object],
+    world_size: int,
+    timeout: float,
+    preload: list[str] | None = None,
+) -> int:
+    """The lessons' demos' main: run a demo on local gloo ranks; the exit status (the CLI's
+    launcher, not the lesson's: a learner's own script would use ``torch.multiprocessing``
+    or torchrun)."""
+    from tutorial_impl import cli
+
+    return cli.exit_status(lambda: cli.launch(demo, world_size, "gloo", timeout, preload))

@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from tutorial_impl.testing.forensics import Place
@@ -75,12 +75,14 @@ class XFailed:
 @dataclass(frozen=True)
 class Exited:
     exitcode: int | None
+    # How it is said: forked or warm, the parent saw the process end; ``Lost`` is a torchrun
+    # worker its peers found gone (it said so through the store, or its heartbeat stopped).
+    UNKNOWN: ClassVar[str] = "closed its result pipe but is still running"
+    KNOWN: ClassVar[str] = "exited with code {} (os._exit or a crash)"
 
     @property
     def how(self) -> str:
-        if self.exitcode is None:
-            return "closed its result pipe but is still running"
-        return f"exited with code {self.exitcode} (os._exit or a crash)"
+        return self.UNKNOWN if self.exitcode is None else self.KNOWN.format(self.exitcode)
 
 
 @dataclass(frozen=True)
@@ -97,16 +99,13 @@ class Killed:
 
 
 @dataclass(frozen=True)
-class Lost:
-    """A torchrun worker that is gone: its heartbeat stopped; its exit code is its agent's."""
+class Lost(Exited):
+    """A torchrun worker that is gone: its exit code is what it passed to os._exit if it said
+    so first, else unknown (its heartbeat stopped; the code is its agent's)."""
 
-    exitcode: int | None = None  # what it passed to os._exit, if it said so first
-
-    @property
-    def how(self) -> str:
-        if self.exitcode is None:
-            return "exited (its worker process is gone: no heartbeat in the job's store)"
-        return f"exited with code {self.exitcode} (os._exit)"
+    exitcode: int | None = None
+    UNKNOWN: ClassVar[str] = "exited (its worker process is gone: no heartbeat in the job's store)"
+    KNOWN: ClassVar[str] = "exited with code {} (os._exit)"
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,8 @@ class Stopped:
 
 
 Outcome = Returned | Raised | Skipped | XFailed | Exited | Killed | Lost | TimedOut | Stopped
-Died = (Exited, Killed, Lost)  # ended without reporting: isinstance(o, Died)
-Failure = (Raised, Exited, Killed, Lost)  # beats everything else, wherever it happens
+Died = (Exited, Killed)  # ended without reporting (Lost is an Exited): isinstance(o, Died)
+Failure = (Raised, Exited, Killed)  # beats everything else, wherever it happens
 Unfinished = (TimedOut, Stopped)
 FORKED_CHILD = "tutorial_impl.testing.ForkedChildReturned"  # Raised.exc_type of an intruder
 

@@ -65,6 +65,8 @@ from functools import partial
 from os import path, sep
 from typing import Any
 
+from tutorial_impl.testing import fingerprint
+
 WATCHED = (  # the modules whose attributes tests commonly monkeypatch
     "torch torch.cuda torch.distributed torch.distributed.distributed_c10d torch.distributed.rpc "
     "torch.nn torch.nn.functional torch.nn.parallel torch.autograd torch.optim builtins os sys "
@@ -76,8 +78,6 @@ OWN = {"_group_count", "_init_counter", "rendezvous_iterator", "Storage", "__war
 OWN.add("breakpointhook")  # the harness's own, set for every task (``debugging``)
 BACKENDS = "cudnn.enabled cudnn.benchmark cudnn.deterministic cudnn.allow_tf32 "
 BACKENDS += "cuda.matmul.allow_tf32 mkldnn.enabled"
-MAX_ITEMS = 10_000  # a larger container is compared by its size only
-MAX_BYTES = 1 << 20  # a larger numpy array is not compared
 GRACE = 0.05  # seconds the threads a task started have to finish
 TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 # Signals faulthandler handles in C (SIGUSR1: the deadline's stack dumps, see ``ranks``).
@@ -221,7 +221,7 @@ class Baseline:
             now = dict(vars(module))
             changed = [] if _same_dict(now, names) else _changed(now, names)
             for key, (value, (seen, refs)) in deep.items():
-                state = _state(value, name) if now.get(key) is value else (seen, refs)
+                state = fingerprint.state_of(value, name) if now.get(key) is value else (seen, refs)
                 if state is None or state[0] != seen or not _same_refs(state[1], refs):
                     changed.append(f"{key} (its contents)")
             if changed:
@@ -363,75 +363,12 @@ def _changed(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
 
 
 def _snapshot(module: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A module's globals, and one level inside each (``_state``) but Python's dunders."""
+    """A module's globals, and one level inside each (``fingerprint``) but Python's dunders."""
     names, deep = dict(vars(module)), {}
     for key, value in names.items():
-        if not key.startswith("__") and (state := _state(value, module.__name__)) is not None:
+        if (
+            not key.startswith("__")
+            and (state := fingerprint.state_of(value, module.__name__)) is not None
+        ):
             deep[key] = value, state
     return names, deep
-
-
-State = tuple[Any, list[Any]]  # a key compared with ==, objects compared by identity (held)
-Reader = Callable[[Any, str], "State | None"]
-_READERS: dict[type, Reader] = {}  # by type: found once, through isinstance
-
-
-def _state(value: Any, module: str) -> State | None:
-    """What one level inside ``value`` (a global of ``module``) is now; None: not compared."""
-    kind = type(value)
-    reader = _READERS.get(kind)
-    if reader is None:
-        reader = _READERS[kind] = _reader(kind)
-    try:
-        return reader(value, module)
-    except Exception:  # noqa: BLE001 - an object that cannot be looked into is not compared
-        return None
-
-
-def _reader(kind: type) -> Reader:
-    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
-    readers: list[tuple[Any, Reader]] = [
-        (dict, lambda v, m: _sized(v, lambda: [*dict.keys(v), *dict.values(v)])),
-        (list, lambda v, m: _sized(v, lambda: list.copy(v))),
-        (set, lambda v, m: _sized(v, lambda: sorted(v, key=id))),
-        (bytearray, lambda v, m: (bytes(v) if len(v) <= MAX_BYTES else len(v), [])),
-        ((types.ModuleType, types.BuiltinFunctionType, types.MethodType), lambda v, m: None),
-        ((type, types.FunctionType), lambda v, m: _attributes(v) if v.__module__ == m else None),
-        (random.Random, lambda v, m: (v.getstate(), [])),
-    ]
-    if torch is not None:
-        readers += [(torch.Tensor, _tensor), (torch.nn.Module, _nn_module)]
-        readers += [(torch.Generator, lambda v, m: (bytes(v.get_state().numpy()), []))]
-    if np is not None:
-        readers += [(np.ndarray, _array)]
-        readers += [(np.random.Generator, lambda v, m: (v.bit_generator.state, []))]
-    return next((r for base, r in readers if issubclass(kind, base)), lambda v, m: _attributes(v))
-
-
-def _sized(value: Any, items: Callable[[], list[Any]]) -> State:
-    return len(value), (items() if len(value) <= MAX_ITEMS else [])
-
-
-def _attributes(value: Any) -> State | None:
-    names = getattr(value, "__dict__", None)
-    if not isinstance(names, (dict, types.MappingProxyType)):
-        return None
-    return _sized(names, lambda: [*names.keys(), *names.values()])
-
-
-def _tensor(value: Any, module: str) -> State:
-    grad = value.grad if value.is_leaf else None  # a non-leaf's .grad warns
-    return (value._version, value.requires_grad, getattr(grad, "_version", None)), [grad]
-
-
-def _nn_module(value: Any, module: str) -> State:
-    tensors = [*value.parameters(), *value.buffers()]
-    grads = [t.grad for t in tensors]
-    versions = [t._version for t in tensors + [g for g in grads if g is not None]]
-    return (tuple(versions), tuple(m.training for m in value.modules())), [*tensors, *grads]
-
-
-def _array(value: Any, module: str) -> State | None:
-    if value.nbytes > MAX_BYTES or value.dtype.hasobject:
-        return None
-    return (value.shape, value.dtype.str, hash(value.tobytes())), []
