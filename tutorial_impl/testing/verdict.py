@@ -86,13 +86,21 @@ def decide(run: Finished) -> RankResults:
     return results
 
 
+# What a rank's collective raises when a peer process is gone (gloo's words).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _consequence(run: Finished, cause: int, rank: int) -> bool:
-    """Whether ``rank``'s failure followed from ``cause``'s death: an exception (its peers'
-    "Connection closed by peer") that came after the death."""
+    """Whether ``rank``'s failure followed from ``cause``'s death: an exception that came
+    after the news of the death, or one that says a peer is gone (its news can arrive before
+    the death's: the parent learns of a rank's exit through the forkserver)."""
     outcomes = run.outcomes
-    if not isinstance(outcomes[cause], _o.Died) or isinstance(outcomes[rank], _o.Died):
+    failure = outcomes[rank]
+    if not isinstance(outcomes[cause], _o.Died) or not isinstance(failure, _o.Raised):
         return False
-    return run.order.index(rank) > run.order.index(cause)
+    if run.order.index(rank) > run.order.index(cause):
+        return True
+    return any(words in failure.message for words in PEER_GONE)
 
 
 def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Exception | None:
