@@ -171,7 +171,9 @@ def run_worker(rank, world_size, epochs=EPOCHS):
         )
 
         remote_emb_module = RemoteModule(
-            "ps/cpu",  # changed: torch now names the device too
+            # "ps" with no "/<device>" is ps's CPU: torch/distributed/remote_device.py parses
+            # a lone worker name as "<name>/cpu", and RemoteModule takes its device from that.
+            "ps",
             torch.nn.EmbeddingBag,
             args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
             kwargs={"mode": "sum"},
