@@ -130,7 +130,8 @@ def test_partition_dataset_gives_each_rank_its_batch_and_the_same_number_of_step
     loaders = [partition_dataset(dataset, 128, rank=r, size=size) for r in range(size)]
     assert [bsz for _, bsz in loaders] == batch_sizes(128, size)
     steps = [[batch[0] for batch in loader] for loader, _ in loaders]
-    # Equal step counts: a rank with one batch more would hang in its extra all_reduce.
+    # Equal step counts: a rank with one batch more would wait in its extra all_reduce until
+    # the group's timeout (30 minutes by default), then fail.
     assert len({len(s) for s in steps}) == 1
     assert len(steps[0]) == N // 128
     for step in zip(*steps, strict=True):

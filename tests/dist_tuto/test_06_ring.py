@@ -15,7 +15,8 @@ Read in this order:
    (many cases in one process group per world size, so the module stays cheap).
 3. ``bytes_sent`` + ``test_bytes_sent_per_rank_match_the_theory``: why the optimal ring is
    optimal, counted byte by byte: (N-1)K against 2(N-1)/N K from each rank.
-4. ``mismatched`` + its test: a rank with a different shape gets an error, not a hang.
+4. ``mismatched`` + its test: one rank with a different shape: an error on every rank, not a
+   crash.
 5. The demo, ``python -m tutorial_impl ring``.
 6. ``schedule`` + ``test_recorded_trace_is_the_rings_schedule``: the trace the pictures are
    drawn from (``dist_tuto/ring_trace.py``), recorded from the real rings, is step for step the
@@ -174,7 +175,7 @@ def test_bytes_sent_per_rank_match_the_theory(run_ranks):
         assert counts["ring"] == 2 * 3 * k // 4
 
 
-# --- 4. Mismatched inputs: an error on every rank, never a hang ------------------------
+# --- 4. Mismatched inputs: an error on every rank, not a crash of one ------------------
 
 
 def mismatched(rank: int, size: int, problem: str) -> str:
@@ -205,9 +206,11 @@ def mismatched(rank: int, size: int, problem: str) -> str:
 @pytest.mark.world_size(3)
 @pytest.mark.parametrize("problem", ["shape", "dtype", "recv"])
 def test_mismatched_inputs_raise_on_every_rank(run_ranks, problem):
-    """The last rank brings a different shape or dtype (or a recv of the wrong size): a ring
-    would wait forever for bytes that never come. Instead every rank, including the ones
-    whose own tensors are fine, raises a ValueError that says which rank has what."""
+    """The last rank brings a different shape or dtype (or a recv of the wrong size): without
+    the check gloo would abort a rank sent more bytes than it expects ("Received data size
+    doesn't match expected size"), its peers would see "Connection reset by peer", and a
+    rank sent fewer would return a partial sum silently. Instead every rank, including the
+    ones whose own tensors are fine, raises a ValueError that says which rank has what."""
     errors = run_ranks(mismatched, problem, timeout=30)
     for text in errors:
         assert "no error" not in text

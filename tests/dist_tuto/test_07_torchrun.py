@@ -25,11 +25,13 @@ trains on 256 samples for one epoch: the point is the plumbing, not the learning
 How a worker ends is a lesson of its own, and it comes first. ``destroy_process_group``
 forgets the group, but gloo's threads stop only when the last reference to the group goes;
 a worker that then returns from ``main`` lets the interpreter shut down around threads that
-may still touch Python objects, and aborts ("terminate called without an active exception")
-after all its work was done. The first test shows the threads outliving the group (no timing
-involved: a reference we hold keeps them for certain); the torchrun job then shows how our
-workers end instead (``process.exit_process``: flush, then ``os._exit``, no finalization): an
-``atexit`` hook, planted in every worker through the environment, never runs.
+may still touch Python objects: up to Python 3.13 it aborts ("terminate called without an
+active exception") after all its work was done; from 3.14 such a thread hangs instead
+(CPython gh-87135), which can deadlock the exit. The first test shows the threads outliving
+the group (no timing involved: a reference we hold keeps them for certain); the torchrun job
+then shows how our workers end instead (``process.exit_process``: flush, then ``os._exit``, no
+finalization): an ``atexit`` hook, planted in every worker through the environment, never
+runs.
 """
 
 from __future__ import annotations

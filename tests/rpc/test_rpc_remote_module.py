@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.nn import RemoteModule
 
 from tutorial_impl.rpc.remote_module import SeededLinear, remote_module_tour
 from tutorial_impl.rpc.workers import init_worker, shutdown_worker
@@ -29,6 +30,10 @@ def remote_module_lesson(rank: int, world_size: int) -> dict:
     report: dict = {}
     if rank == 0:
         report = remote_module_tour("worker1", X, lr=LR)
+        # The DDP + RPC tutorial's spelling: a worker name and no "/<device>".
+        bare = RemoteModule("worker1", SeededLinear, args=(3, 2, 0))
+        report["bare_name_device"] = bare.device
+        report["bare_name_on_owner"] = [p.rpc_sync().get_device() for p in bare.remote_parameters()]
     shutdown_worker(RPC_TIMEOUT)
     return report
 
@@ -65,6 +70,13 @@ def test_remote_parameters_are_rrefs_to_the_owners_parameters(report):
     weight, bias = seeded_weights()
     before = report["parameters_before"]
     assert torch.equal(before[0], weight) and torch.equal(before[1], bias)
+
+
+def test_a_worker_name_without_a_device_means_its_cpu(report):
+    """``RemoteModule("ps", ...)``, as the DDP + RPC tutorial writes it, needs no "/cpu":
+    torch/distributed/remote_device.py parses a lone worker name as "<name>/cpu"."""
+    assert report["bare_name_device"] == "cpu"
+    assert report["bare_name_on_owner"] == [-1, -1]  # get_device() of a CPU tensor, on worker1
 
 
 def test_parameters_is_refused_with_a_pointer_to_remote_parameters(report):

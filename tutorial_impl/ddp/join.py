@@ -4,8 +4,8 @@ The tutorial's partitioning (``tutorial_impl/dist_tuto/partition.py``) cuts ever
 data to the same number of batches, and ``DistributedSampler`` pads (lesson 4), for one
 reason: every backward of a DDP model is a collective. A rank with one batch more than the
 others calls an all-reduce that nobody answers, and waits. By default it waits for the
-process group's timeout, 30 minutes for gloo, then fails; with NCCL, without a watchdog, it
-may wait forever.
+process group's timeout, then fails: ``init_process_group``'s default is 30 minutes for gloo
+and 10 for NCCL; only with NCCL's watchdog turned off may it wait forever.
 
 ``train_without_join`` shows that block without waiting 30 minutes: its DDP model talks
 over a group made with a short ``timeout``, so the extra batch's all-reduce fails after

@@ -11,11 +11,12 @@ version, used as a ``DataLoader``'s ``sampler``, with three behaviours worth kno
   before each epoch, or every epoch sees the same order: the shuffle happens once, never
   again.
 * **Padding.** Every rank must yield the same number of samples, or the ranks take different
-  numbers of steps and one waits forever in an all-reduce (lesson 5). When the dataset does
-  not divide by the world size, the sampler *repeats* indices from the start of the
-  permutation until it does. So a padded sample is seen twice per epoch: it counts twice in
-  any average over the epoch (a loss, an accuracy, a gradient). ``drop_last=True`` drops the
-  tail instead: then some samples are not seen at all in that epoch.
+  numbers of steps and one waits in an all-reduce until the process group's timeout (30
+  minutes by default on gloo; lesson 5). When the dataset does not divide by the world size,
+  the sampler *repeats* indices from the start of the permutation until it does. So a padded
+  sample is seen twice per epoch: it counts twice in any average over the epoch (a loss, an
+  accuracy, a gradient). ``drop_last=True`` drops the tail instead: then some samples are not
+  seen at all in that epoch.
 
 ``epoch_shards`` records what a rank is given each epoch, and the average of a value over
 the epoch, all-reduced the way a validation loop would (sum and count over every rank).

@@ -14,7 +14,8 @@ Two things the tutorial leaves implicit are made explicit here:
   is even): after ``average_gradients`` every rank holds the gradient of the mean loss over
   all 128 samples, the same as one process training on the whole global batch.
 * **Every rank takes the same number of steps.** A rank that ran one batch more than the
-  others would wait forever in its extra ``all_reduce``. Each rank's partition is cut to
+  others would wait in its extra ``all_reduce`` until the process group's timeout (30
+  minutes by default on gloo), then fail. Each rank's partition is cut to
   ``steps * bsz`` samples, with ``steps`` computed identically on every rank.
 """
 

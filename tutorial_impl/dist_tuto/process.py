@@ -74,13 +74,17 @@ def exit_process(code: int) -> NoReturn:
     a reference to it: a ``Work`` object you kept, a DDP model, or a library imported after
     ``init_process_group`` (importing ``torch._dynamo``, which the first optimizer does,
     keeps the group alive: measured on torch 2.13). Such a thread, finishing the last
-    collective, drops tensors that still have Python objects; that needs the GIL, and a
-    thread asking for the GIL during finalization is made to exit, which in C++ ends in
+    collective, drops tensors that still have Python objects; that needs the GIL, and what
+    happens to a thread asking for the GIL during finalization depends on the Python version.
+    Up to 3.13 it is made to exit (``PyThread_exit_thread``), which in C++ ends in
     ``std::terminate``: "terminate called without an active exception", SIGABRT, after all
-    the work was done (seen 2 runs in 15 under torchrun on a loaded 2-core machine). So a
-    worker ends the way a forked child does, without finalization: nothing of gloo runs
-    after its last line of output. ``tests/dist_tuto/test_07_torchrun.py`` shows the threads
-    outliving the group.
+    the work was done (seen 2 runs in 15 under torchrun on a loaded 2-core machine). From
+    3.14 it hangs instead (``PyThread_hang_thread``; CPython gh-87135, "Hang non-main threads
+    that attempt to acquire the GIL during finalization"): the process exits once
+    finalization is done, unless a later stage of it waits on something the hung thread
+    holds, and then it deadlocks. So a worker ends the way a forked child does, without
+    finalization, on every version: nothing of gloo runs after its last line of output.
+    ``tests/dist_tuto/test_07_torchrun.py`` shows the threads outliving the group.
     """
     sys.stdout.flush()
     sys.stderr.flush()

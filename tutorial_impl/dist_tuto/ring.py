@@ -11,12 +11,14 @@ Every rank talks only to its two neighbours, ``left = rank - 1`` and ``right = r
   on). Every rank sends 2(N-1)/N * K bytes: for large N, about 2K whatever N is, which is
   the least any allreduce can do.
 
-Both first check that every rank brought a tensor of the same shape and dtype: a ring whose
-ranks disagree about the message sizes would hang forever, and the check turns that into a
-``ValueError`` on every rank. The check is one tiny exchange, but it synchronises all ranks,
-which costs a few milliseconds on a busy machine; ``check=False`` skips it for callers that
-know their layouts agree (torch's own collectives check nothing unless
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+Both first check that every rank brought a tensor of the same shape and dtype: in a ring whose
+ranks disagree about the message sizes, gloo aborts a rank that receives more bytes than its
+buffer holds (SIGABRT: "Received data size doesn't match expected size") and its peers then
+see "Connection reset by peer", while a rank that receives fewer returns silently with a
+partly summed tensor. The check turns both into a ``ValueError`` on every rank. It is one tiny
+exchange, but it synchronises all ranks, which costs a few milliseconds on a busy machine;
+``check=False`` skips it for callers that know their layouts agree (torch's own collectives
+check nothing unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def require_gloo() -> None:
 
     On NCCL a send and a receive between the same two ranks share one CUDA stream, so two
     ranks that both send before they receive (as a ring of two does) can wait on each other
-    forever. Refusing is better than a hang; NCCL's own all_reduce is a ring already.
+    until the process group's timeout. Refusing is better than a hang. On GPUs use NCCL's own
+    all_reduce: it is not always a ring, NCCL picks ring, tree, NVLS or CollNet by message
+    size and topology (``NCCL_ALGO`` overrides; NCCL's environment-variable documentation).
     """
     if dist.get_backend() != "gloo":
         raise ValueError(

@@ -26,8 +26,10 @@ The smallest changes, each marked ``# changed:`` where it is made:
   indices to ``cuda:rank`` before the remote lookup fails there).
 * **Length.** ``--epochs`` (the tutorial's 100 by default).
 
-RPC itself is stable but in maintenance mode: for new work the field has moved to DTensor,
-FSDP2 and ``torch.distributed.pipelining`` (see the README's RPC section).
+RPC itself is stable but not actively developed (pytorch/tutorials issue 3118, which asks
+only that the RPC tutorials be checked to still run, "since there are not active
+developments on these"): for new work the field has moved to DTensor, FSDP2 and
+``torch.distributed.pipelining`` (see "RPC today" in docs/course.md).
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ def run_worker(rank, world_size, epochs=EPOCHS):
         )
 
         remote_emb_module = RemoteModule(
-            "ps/cpu",  # changed: torch now names the device too
+            # "ps" with no "/<device>" is ps's CPU: torch/distributed/remote_device.py parses
+            # a lone worker name as "<name>/cpu", and RemoteModule takes its device from that.
+            "ps",
             torch.nn.EmbeddingBag,
             args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
             kwargs={"mode": "sum"},

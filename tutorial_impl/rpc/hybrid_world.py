@@ -110,8 +110,10 @@ def check_worker(name: str) -> rpc.WorkerInfo:
 def trainer_device(i: int, device: str) -> torch.device:
     """CPU, or trainer i's own GPU (round-robin when there are fewer GPUs than trainers).
 
-    The first tutorial's rule, never two ranks on one GPU, is NCCL's: two ranks of one NCCL
-    group on one device deadlock or are refused. The trainers' group here is gloo, which
+    Never two ranks on one GPU is this project's rule for the first tutorial's lessons
+    (``select_gpu`` in ``tutorial_impl/dist_tuto/process.py``), not the tutorial's; it is
+    there for NCCL: two ranks of one NCCL group on one device are refused ("Duplicate GPU
+    detected") or, on some versions, hang. The trainers' group here is gloo, which
     moves CUDA tensors through host memory, so two trainers may share a GPU; they then only
     share its memory and compute (a laptop with one GPU still runs the CUDA path). With as
     many GPUs as trainers, each trainer's Linear is on a GPU of its own.

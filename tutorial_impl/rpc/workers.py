@@ -120,11 +120,12 @@ def shutdown_with_work_in_flight(
 
 # --- Expected warnings ----------------------------------------------------------------------
 
-# Deprecation warnings torch 2.13 emits for this (maintenance-mode) API, each matched by its
-# message, category and the torch module that issues it. ``init_rpc`` and ``shutdown`` use a
-# gloo group internally, which warns; ``DistributedOptimizer`` builds TorchScript optimizers
-# in RPC handler threads of whichever process owns parameters. ``catch_warnings`` around our
-# own calls cannot catch warnings raised in those threads, so every process installs these.
+# Deprecation warnings torch 2.13 emits for this API (no longer actively developed: see
+# "RPC today" in docs/course.md), each matched by its message, category and the torch module
+# that issues it. ``init_rpc`` and ``shutdown`` use a gloo group internally, which warns;
+# ``DistributedOptimizer`` builds TorchScript optimizers in RPC handler threads of whichever
+# process owns parameters. ``catch_warnings`` around our own calls cannot catch warnings
+# raised in those threads, so every process installs these.
 EXPECTED_WARNINGS = (
     (
         r"You are using a Backend <class '.*ProcessGroupGloo'> as a ProcessGroup",
