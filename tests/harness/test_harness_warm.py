@@ -129,9 +129,10 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytest
         order += [f"test_poison.py::test_11_after[{how}]"]
     args = ["test_poison.py::test_00_plain", "test_poison.py::test_01_plain_again"]
     args += ["test_poison.py::test_02_opted_out", *order]
-    result = pytester.runpytest_subprocess(
-        "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist", *args,
-        timeout=120,
+    # In this process: its ranks come from the forkserver this session has (a subprocess
+    # would import torch and start a server of its own, seconds of CPU).
+    result = pytester.runpytest_inprocess(
+        "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist", *args
     )  # fmt: skip
     outcomes = result.parseoutcomes()
     # Nothing skipped: each poisoning test that fails is reported as failed, the rest pass.
