@@ -115,7 +115,7 @@ Current thread 0x00007e (most recent call first):
   File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2 in {op}
   File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 8 in wrapper
   File "/home/me/project/test_sum.py", line {line} in {fn}
-  File "/venv/lib/python3.11/site-packages/tutorial_impl/testing/ranks.py", line 9 in rank_main
+  File "/venv/lib/python3.11/site-packages/tutorial_impl/testing/rank.py", line 9 in rank_main
 """
 
 

@@ -1,20 +1,11 @@
-"""The multi-rank test harness, in layers.
+"""The multi-rank test harness: one call in, one verdict out.
 
-``rendezvous``  race-free stores and init methods (the parent owns the store)
-``lookup``      how a rank finds its function: by module name, or by file (test files too)
-``ranks``       starting rank processes fast (forkserver) and the rank's own main
-``forkserver_init`` / ``forkserver_ready``  run inside the forkserver only: no main-script
-                re-runs in ranks, rank groups killed when the server exits, heap frozen
-``supervisor``  ``run_ranks``: waiting with deadlines, fail-fast, no orphans
-``forensics``   the ranks' Python stacks, at the deadline and when one rank fails
-``coverage``    coverage measured inside ranks when the parent measures coverage
-``errors``      what ``run_ranks`` returns and raises, and the text of its failure reports
-``assertions``  ``assert_equal_across_ranks`` / ``assert_close_across_ranks``, inside ranks
-``matrix``      ``@pytest.mark.world_size(1, 2, 4)``: one test per world size
-``launched``    under torchrun: ``run_ranks`` in this worker, outcomes agreed through the store
-``launched_session``  the pytest side of a torchrun job: same tests, one verdict, one report
-``plugin``      pytest glue: options, markers, hooks, fixtures (a ``pytest11`` entry point)
-``proctable``   "is that process really gone?" asked of the kernel, for leak tests
+A test's markers and options become one checked ``call.Call``; a strategy runs it (``forked``:
+fresh ranks, ``warm``: a warm world, ``torchrun``: this worker of a torchrun job, all behind
+``runner``); each rank's result is caught by ``outcome.capture`` and ``verdict.decide`` turns
+every rank's report into the results or the one error. ``plugin`` is the pytest glue
+(options and hooks; the fixtures are in ``fixtures``). The module map, with what flows
+between the modules: ``docs/architecture.md``.
 
 Importing this package does not import torch; running ranks does.
 """

@@ -1,6 +1,6 @@
 """Backends and devices: which backend a test asked for, whether this machine has it, which GPUs.
 
-One module answers these questions for the plugin (skip at collection), the supervisor
+One module answers these questions for the plugin (skip at collection), the runners
 (refuse before any rank starts) and the rank (pick its device), so the three never disagree:
 
 * **Parsing.** A backend is ``"gloo"``, ``"nccl"``, ``"mpi"`` (any name in torch's

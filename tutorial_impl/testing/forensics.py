@@ -1,9 +1,9 @@
 """Where were the ranks? Their Python stacks, asked for at the moment it matters.
 
-Every rank enables ``faulthandler`` on SIGUSR1 (``ranks.rank_main``): when the signal
+Every rank enables ``faulthandler`` on SIGUSR1 (``rank.take_task``): when the signal
 arrives, the handler writes the Python stack of every thread of the rank to its stack file,
 straight from the C signal handler, so it answers even while the rank is blocked inside a
-C++ collective, holding the GIL or not. The supervisor asks at two moments:
+C++ collective, holding the GIL or not. The parent (``supervise``) asks at two moments:
 
 * **At the deadline**, every rank still running (``RankTimeout.stacks``): the hang.
 * **When a rank fails** (raises or dies), every *other* rank that has not reported yet,
@@ -34,7 +34,7 @@ _ENTRY = " in rank_main"  # the harness frame every rank's stack ends in
 
 
 class LiveRank(Protocol):
-    """What ``dump_stacks`` needs to know of a rank (the supervisor's ``_Rank``)."""
+    """What ``dump_stacks`` needs to know of a rank (``supervise.Proc``)."""
 
     rank: int
     stack_path: Path

@@ -13,7 +13,7 @@ server before its workers exist (``start_shared_forkserver``, from the plugin's
 instead of a server of its own, saving the worker a torch import (~3 s of CPU each). A
 server only forks: what a rank runs with (environment, ``sys.path``, directory, coverage)
 travels in its ``RankSpec`` from the worker that asked. Its death chain has three links:
-the test's supervisor kills its ranks; the server kills every rank when the controller is
+the test's runner kills its ranks; the server kills every rank when the controller is
 gone (``forkserver_init``); and each rank watches the worker that asked for it and kills
 its own process group when that worker dies (``_die_with_owner``).
 

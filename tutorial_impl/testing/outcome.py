@@ -1,6 +1,6 @@
 """What one rank reports: a small typed value, pickled once through the rank's result pipe.
 
-A rank ends in exactly one of these ways, and the supervisor decides from the type alone:
+A rank ends in exactly one of these ways, and ``verdict`` decides from the type alone:
 
 ``Returned(value)``            the rank function returned ``value``
 ``Raised(...)``                it raised: the exception's type, message and traceback, as text

@@ -9,8 +9,8 @@ conftest keeps one, for runs with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``) finds it
 and does not load it twice. ``-p no:tutorial_impl.testing.plugin`` turns it off.
 
 **Cheap to load.** A plugin loads in every pytest run of the environment, so this module
-imports no torch (two seconds) until a test needs it: the machinery it drives (``supervisor``,
-``ranks``, ``rendezvous``) imports torch on first use.
+imports no torch (two seconds) until a test needs it: the machinery it drives (``forked``,
+``forkserver``, ``rendezvous``) imports torch on first use.
 
 What pytest calls, in the order it calls it:
 
@@ -26,7 +26,7 @@ What pytest calls, in the order it calls it:
     registers the markers (so ``--strict-markers`` accepts them and ``pytest --markers``
     lists them) and sets up what ranks preload (in an xdist worker: which forkserver they
     come from); under torchrun (``--launcher``), joins the
-    job and registers ``launched_session.LaunchedSession``, whose hooks keep the ranks in
+    job and registers ``torchrun_session.LaunchedSession``, whose hooks keep the ranks in
     lockstep and let rank 0 report for all.
 ``pytest_configure_node``
     xdist's hook, in the controller: starts one rank forkserver for all its workers.

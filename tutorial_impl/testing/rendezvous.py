@@ -93,7 +93,7 @@ def avoid_reverse_dns_stalls() -> None:
     took 5 s instead of ~40 ms, which dwarfs everything else the harness costs. Over TCP a
     query is either answered or refused at once (refused there: the lookup fails and c10d
     logs the numeric address instead, with one warning line per process that
-    ``supervisor`` drops from rank output).
+    ``supervise`` drops from rank output).
 
     Scoped to the harness: ``AgentStore`` calls this when it first starts a store (pytest,
     the CLI and a script alike), and the ranks get the variable in their environment

@@ -80,7 +80,7 @@ BACKENDS = "cudnn.enabled cudnn.benchmark cudnn.deterministic cudnn.allow_tf32 "
 BACKENDS += "cuda.matmul.allow_tf32 mkldnn.enabled"
 GRACE = 0.05  # seconds the threads a task started have to finish
 TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
-# Signals faulthandler handles in C (SIGUSR1: the deadline's stack dumps, see ``ranks``).
+# Signals faulthandler handles in C (SIGUSR1: the deadline's stack dumps, see ``rank``).
 C_HANDLED = {getattr(signal, n) for n in "SIGUSR1 SIGSEGV SIGFPE SIGABRT SIGBUS SIGILL".split()}
 _NOT_USER = (  # the standard library, installed packages, the harness
     *{path.join(sysconfig.get_paths()[k], "") for k in "stdlib platstdlib purelib platlib".split()},

@@ -214,7 +214,7 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
 def checked(world: World) -> str | None:
     """Each rank's answer to "are you as good as new?": None when all say yes in time."""
     pending = {p.conn: p for p in world.procs}
-    for p in world.procs:  # answers the supervisor read already, after the reports
+    for p in world.procs:  # answers ``supervise`` read already, after the reports
         if p.extra:
             problem = _answer(p, p.extra.pop(0))
             if problem:
