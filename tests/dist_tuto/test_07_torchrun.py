@@ -43,7 +43,6 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -51,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import proctable
+from tutorial_impl.testing.rendezvous import agents_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,14 +188,7 @@ def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     """
     # The test owns the rendezvous store, bound to a port the kernel chose (see the module
     # docstring); the agents are clients, so no process has to guess a free port.
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        timeout=timedelta(seconds=DEADLINE),
-    )
+    store = agents_store(DEADLINE)
     agent = [
         *TORCHRUN,
         "--nnodes=2",

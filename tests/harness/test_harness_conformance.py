@@ -41,14 +41,13 @@ import time
 import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from tutorial_impl.testing import forkserver as _ranks
 from tutorial_impl.testing import proctable
+from tutorial_impl.testing.rendezvous import agents_store
 
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -951,18 +950,6 @@ AFTER_EXIT = 30.0  # seconds the job may go on after rank 1's os._exit, the last
 MARK = "TUTORIAL_HARNESS_CONFORMANCE_JOB"  # in the agents' environment, so in every worker's
 
 
-def _rendezvous_store() -> dist.TCPStore:
-    """The c10d rendezvous store both agents join as clients (as in test_harness_torchrun)."""
-    return dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        timeout=timedelta(seconds=JOB_LIMIT),
-    )
-
-
 def _agent(port: int, rdzv_id: str, pytest_args: list[str]) -> list[str]:
     return [
         *TORCHRUN,
@@ -1003,7 +990,7 @@ def test_torchrun(pytester: pytest.Pytester) -> None:
     pids = pytester.path / "pids"
     pids.mkdir()
     (pytester.path / f"{MODULE}.py").write_text(STRANGER)
-    store = _rendezvous_store()
+    store = agents_store(JOB_LIMIT)
     args = [*RUN_ARGS, "-v", "--junitxml=torchrun.xml", "-k", TORCHRUN_DESELECT, f"{MODULE}.py"]
     command = _agent(store.port, f"conformance-{uuid.uuid4().hex[:8]}", args)
     job = uuid.uuid4().hex

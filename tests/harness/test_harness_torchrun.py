@@ -16,28 +16,15 @@ import os
 import subprocess
 import sys
 import uuid
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
+
+from tutorial_impl.testing.rendezvous import agents_store
 
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 JOB_DEADLINE = 150.0  # seconds for a whole job; generous, the machine is shared
-
-
-def _rendezvous_store() -> dist.TCPStore:
-    """A c10d rendezvous store both agents join as clients, on a port the kernel chose
-    (see tests/dist_tuto/test_07_torchrun.py for why the test owns it)."""
-    return dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        timeout=timedelta(seconds=JOB_DEADLINE),
-    )
 
 
 COLLECTS_BY_RANK = """
@@ -57,7 +44,7 @@ def test_ranks_that_collect_different_tests_refuse_together(pytester: pytest.Pyt
     this claim and would cost a third interpreter): torchrun's variables, and the job's
     store hosted here, as the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``)."""
     pytester.makepyfile(test_uneven=COLLECTS_BY_RANK)
-    store = _rendezvous_store()
+    store = agents_store(JOB_DEADLINE)
     job = {
         "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
         "WORLD_SIZE": "2",

@@ -78,6 +78,24 @@ class AgentStore:
         self.close()
 
 
+def agents_store(timeout: float) -> Any:
+    """A rendezvous store for the agents of a multi-node torchrun job, hosted by the caller
+    (a test) on a port the kernel picks: the agents join it as clients with
+    ``--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT --rdzv-conf=is_host=0``, so no agent
+    has to guess a free port (the "external rendezvous store" of a real cluster)."""
+    import torch.distributed as dist
+
+    avoid_reverse_dns_stalls()
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=timeout),
+    )
+
+
 # What torch's TCPStore needs from glibc's resolver here (see ``avoid_reverse_dns_stalls``).
 DNS_WORKAROUND = {"RES_OPTIONS": "use-vc"}
 _dns_applied = False
