@@ -101,14 +101,23 @@ def children(parent: int) -> list[int]:
 
 
 def own_children() -> list[int]:
-    """This process's live children, from its own tasks' ``children`` lists (cheap: no scan
-    of every process)."""
-    found = []
-    for task in Path("/proc/self/task").glob("*/children"):
+    """This process's live children. Cheap in the common case, none at all: one system call
+    (``waitid`` without waiting or reaping); else its tasks' ``children`` lists, or, on a
+    kernel without them, a scan of every process."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return []
+    found, listed = [], False
+    for task in os.listdir("/proc/self/task"):
         try:
-            found += [int(pid) for pid in task.read_text().split()]
+            with open(f"/proc/self/task/{task}/children") as f:
+                found += [int(pid) for pid in f.read().split()]
+            listed = True
         except OSError:
             pass
+    if not listed:
+        return children(os.getpid())
     return [pid for pid in found if running(pid)]
 
 

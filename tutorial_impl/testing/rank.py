@@ -194,10 +194,7 @@ def take_task(spec: RankSpec) -> None:
     if _open.get("stacks") is not None:
         _open["stacks"].close()
     _open["stacks"] = stacks
-    if spec.parent_env is not None:
-        os.environ.clear()
-        os.environ.update(spec.parent_env)
-    os.environ.update(spec.env)
+    _replace_environ({**(spec.parent_env or os.environ), **spec.env})
     if spec.parent_path is not None:
         sys.path[:] = spec.parent_path
     if spec.parent_cwd is not None:
@@ -205,6 +202,17 @@ def take_task(spec: RankSpec) -> None:
             os.chdir(spec.parent_cwd)
         except OSError:
             pass  # the parent's directory is gone; the forkserver's will do
+
+
+def _replace_environ(target: dict[str, str]) -> None:
+    """Make ``os.environ`` equal ``target``, touching only what differs (``clear`` then
+    ``update`` costs a warm rank ~0.3 ms a test: a ``putenv`` per variable, twice)."""
+    environ, now = os.environ, dict(os.environ)
+    for name in now.keys() - target.keys():
+        del environ[name]
+    for name, value in target.items():
+        if now.get(name) != value:
+            environ[name] = value
 
 
 _open: dict[str, Any] = {}  # this rank's open stack file, which faulthandler writes to

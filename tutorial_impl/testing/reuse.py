@@ -48,6 +48,7 @@ inside a task and changed by that same task (snapshotted at the next ``before_ta
 
 from __future__ import annotations
 
+import _signal
 import copy
 import logging
 import operator
@@ -119,7 +120,7 @@ class Baseline:
         self.numpy = np.random.get_state() if np else None
         self.warnings = warnings.filters, list(warnings.filters), warnings.defaultaction
         self.once = warnings.onceregistry, dict(warnings.onceregistry)
-        self.handlers = {int(s): signal.getsignal(s) for s in signal.valid_signals()}
+        self.handlers = {int(s): _signal.getsignal(s) for s in signal.valid_signals()}
         self.problem: str | None = None  # a reset or snapshot that failed: after_task's answer
         self.modules, self.user = {}, []  # type: ignore  # _user_modules
         self.threads, self.imported, self.attrs, self.globals = set(), 0, [], []  # type: ignore
@@ -205,7 +206,7 @@ class Baseline:
         once.update(seen)
         _cancel_timers()
         for sig, handler in self.handlers.items():
-            if sig not in C_HANDLED and handler not in (None, signal.getsignal(sig)):
+            if sig not in C_HANDLED and handler is not None and handler != _signal.getsignal(sig):
                 signal.signal(sig, handler)
 
     def _threads(self) -> str | None:
@@ -248,7 +249,7 @@ class Baseline:
     def _signals(self) -> str | None:
         names = {s.value: s.name for s in signal.Signals}
         for sig, handler in self.handlers.items():
-            if (sig in C_HANDLED or handler is None) and signal.getsignal(sig) is not handler:
+            if (sig in C_HANDLED or handler is None) and _signal.getsignal(sig) is not handler:
                 return f"the handler of {names.get(sig, sig)} was changed: Python cannot restore it"
         return None
 
