@@ -43,12 +43,16 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy  # noqa: F401 - see below
 import pytest
+import torch  # noqa: F401 - see below
 
 from tutorial_impl.testing import forkserver as _ranks
 from tutorial_impl.testing import proctable
 from tutorial_impl.testing.rendezvous import agents_store
 
+# The stranger's file imports torch and numpy. pytester's in-process runs drop the modules
+# they imported, and neither can be loaded twice in one process: imported here, they stay.
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
