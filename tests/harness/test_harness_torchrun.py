@@ -8,6 +8,8 @@ each, as on two nodes). Here, what must stop a job before any test runs:
   is named, every worker exits with a usage error.
 * ``test_misuses_are_refused_with_the_reason``: ``--launcher torchrun`` outside torchrun,
   ``-n`` and ``--init-method`` under it, a malformed variable.
+
+And how a job ends: ``test_the_job_exits_with_every_ranks_status``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import uuid
 import pytest
 
 from tutorial_impl.testing.rendezvous import agents_store
+from tutorial_impl.testing.torchrun_report import job_status
 
 pytest_plugins = ["pytester"]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 JOB_DEADLINE = 150.0  # seconds for a whole job; generous, the machine is shared
 
@@ -39,6 +42,7 @@ if os.environ.get("RANK") == "1":
 """
 
 
+@pytest.mark.slow
 def test_ranks_that_collect_different_tests_refuse_together(pytester: pytest.Pytester) -> None:
     """Two workers started as torchrun starts them, without the agent (it adds nothing to
     this claim and would cost a third interpreter): torchrun's variables, and the job's
@@ -81,6 +85,7 @@ def test_ranks_that_collect_different_tests_refuse_together(pytester: pytest.Pyt
     assert [w.returncode for w in workers] == [pytest.ExitCode.USAGE_ERROR] * 2, outputs
 
 
+@pytest.mark.slow
 def test_misuses_are_refused_with_the_reason(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,3 +116,17 @@ def test_misuses_are_refused_with_the_reason(
     # --launcher fork: torchrun's variables are ignored, the test runs forked as usual
     result = pytester.runpytest("--launcher", "fork")
     assert result.ret == pytest.ExitCode.OK
+
+
+def test_the_job_exits_with_every_ranks_status() -> None:
+    # Every worker exits with the status the ranks agreed on, at the end of the session.
+    # All passed: 0. One rank failed (here rank 1, with rank 0's tests all passed): the job
+    # failed, with that rank's status, not rank 0's 0.
+    failed, usage = int(pytest.ExitCode.TESTS_FAILED), int(pytest.ExitCode.USAGE_ERROR)
+    assert job_status({0: 0, 1: 0}, 2) == 0
+    assert job_status({0: 0, 1: usage}, 2) == usage
+    # A rank that sent no status (its worker vanished) failed the job, even if rank 0 passed.
+    assert job_status({0: 0}, 2) == failed
+    assert job_status({0: 0, 1: 0}, 3) == failed
+    # Several failed: the first in rank order, the same answer on every rank.
+    assert job_status({0: 0, 1: usage, 2: failed}, 3) == usage

@@ -82,6 +82,15 @@ def collection_problem(got: dict[int, dict[str, Any]], world_size: int) -> str |
     return None
 
 
+def job_status(got: dict[int, int], world_size: int) -> int:
+    """The one exit status of the job: the first non-zero status in rank order, a rank that
+    sent none (its worker is gone) counting as failed. Never rank 0's alone: a job in which
+    a worker vanished has failed, whatever rank 0's tests did."""
+    failed = int(pytest.ExitCode.TESTS_FAILED)
+    statuses = [got.get(rank, failed) for rank in range(world_size)]
+    return next((status for status in statuses if status), 0)
+
+
 def verdict_of(rep: pytest.TestReport) -> Verdict:
     crash = getattr(rep.longrepr, "reprcrash", None)
     skip = rep.longrepr if rep.skipped and isinstance(rep.longrepr, tuple) else None

@@ -56,6 +56,7 @@ from tutorial_impl.testing.timing import (
 from tutorial_impl.testing.torchrun_report import (
     agree,
     collection_problem,
+    job_status,
     lockstep_problem,
     verdict_of,
 )
@@ -247,9 +248,7 @@ class LaunchedSession:
         if self.refusal:  # not "no tests collected": the ranks refused to run them
             mine = int(pytest.ExitCode.USAGE_ERROR)
         got = self.job.channel.gather("status", mine, STATUS_TIMEOUT, self.job.heartbeats)
-        missing = self.launch.world_size - len(got)
-        statuses = [got[r] for r in sorted(got)] + [int(pytest.ExitCode.TESTS_FAILED)] * missing
-        self.status = next((s for s in statuses if s), 0)
+        self.status = job_status(got, self.launch.world_size)
         session.exitstatus = self.status
         # torchrun SIGTERMs the workers still running once one has exited non-zero: those
         # exit with the agreed status too.
