@@ -9,19 +9,24 @@ each, as on two nodes). Here, what must stop a job before any test runs:
 * ``test_misuses_are_refused_with_the_reason``: ``--launcher torchrun`` outside torchrun,
   ``-n`` and ``--init-method`` under it, a malformed variable.
 
-And how a job ends: ``test_the_job_exits_with_every_ranks_status``.
+And how a job ends: ``test_the_job_exits_with_every_ranks_status``; what an abandoned
+function leaves: ``test_an_abandoned_functions_logs_stay_out_of_later_tests``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
+import types
 import uuid
 
 import pytest
 
 from tutorial_impl.testing.rendezvous import agents_store
+from tutorial_impl.testing.torchrun import AbandonedLogs
 from tutorial_impl.testing.torchrun_report import job_status
 
 pytest_plugins = ["pytester"]
@@ -130,3 +135,39 @@ def test_the_job_exits_with_every_ranks_status() -> None:
     assert job_status({0: 0, 1: 0}, 3) == failed
     # Several failed: the first in rank order, the same answer on every rank.
     assert job_status({0: 0, 1: usage, 2: failed}, 3) == usage
+
+
+LATER_TEST = """
+import logging
+
+def test_later(caplog):
+    logging.getLogger("tutorial_impl.demo").warning("this test's own record")
+    import conftest_shared
+    conftest_shared.release.set()  # the abandoned function logs now, during this test
+    conftest_shared.done.wait(5)
+    assert [r.getMessage() for r in caplog.records] == ["this test's own record"]
+"""
+
+
+def test_an_abandoned_functions_logs_stay_out_of_later_tests(pytester: pytest.Pytester) -> None:
+    # Under torchrun a rank function still running at its test's deadline is abandoned (a
+    # thread cannot be killed); when its collective fails later, at the group's timeout, torch
+    # logs it. That record must not appear in the captured log of the test running then.
+    release, done = threading.Event(), threading.Event()
+
+    def abandoned() -> None:
+        release.wait(5)
+        logging.getLogger("torch.distributed.distributed_c10d").warning("late, from a dead test")
+        done.set()
+
+    thread = threading.Thread(target=abandoned, name="rank 0", daemon=True)
+    thread.start()
+    job = types.SimpleNamespace(abandoned=[thread])
+    sys.modules["conftest_shared"] = types.SimpleNamespace(release=release, done=done)
+    try:
+        pytester.makepyfile(test_later=LATER_TEST)
+        result = pytester.inline_run(plugins=[AbandonedLogs(job)])
+    finally:
+        del sys.modules["conftest_shared"]
+    result.assertoutcome(passed=1)
+    assert done.is_set()  # the record was logged, during the later test

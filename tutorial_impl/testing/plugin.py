@@ -165,7 +165,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _join_the_job(config: pytest.Config, session: Session, launch: job.Launch) -> None:
     """This pytest is one worker of a torchrun job: join it, register its session hooks."""
-    from tutorial_impl.testing.torchrun import Launched
+    from tutorial_impl.testing.torchrun import AbandonedLogs, Launched
     from tutorial_impl.testing.torchrun_session import LaunchedSession
 
     if session.init_method is not None:
@@ -178,6 +178,7 @@ def _join_the_job(config: pytest.Config, session: Session, launch: job.Launch) -
     config.pluginmanager.register(
         LaunchedSession(config, the_job, _deadline_of), "tutorial-impl-launched-session"
     )
+    config.pluginmanager.register(AbandonedLogs(the_job), "tutorial-impl-abandoned-logs")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist (-p no:xdist) never called

@@ -14,11 +14,16 @@ ranks already exist (``job``): every worker runs the same test in lockstep, so t
   results or the same error on every rank, by the rules forked ranks are judged by.
 * **Nothing asked for is dropped.** A field of the call the job cannot honour
   (``NOT_HONOURED``) is refused by name, before anything runs.
+* **An abandoned function stays out of later tests' reports.** A function still running at
+  its deadline cannot be killed (it is a thread of this worker); it ends by itself once its
+  collective hits the group's timeout. Its log records then belong to a test that has ended:
+  ``AbandonedLogs`` keeps them out of the captured logs of the tests that come after.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import sys
@@ -249,3 +254,43 @@ def _child_report(reader: int, writer: int) -> _o.Report | None:
     finally:
         os.close(reader)
     return pickle.loads(data) if data else None
+
+
+class _FromAbandoned(logging.Filter):
+    """Drops the records logged by the rank functions this worker abandoned."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__()
+        self.job = job
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return all(thread.ident != record.thread for thread in self.job.abandoned)
+
+
+class AbandonedLogs:
+    """A pytest plugin of a torchrun worker: in each phase of each test, once a function has
+    been abandoned, every log handler (pytest's capture of this phase, and any logger's own)
+    drops that function's records. Its hooks are plain, not wrappers, so they run inside
+    pytest's logging capture, when this phase's handlers exist."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.filter = _FromAbandoned(job)
+
+    def mute(self) -> None:
+        if not self.job.abandoned:
+            return
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for logger in loggers:
+            for handler in getattr(logger, "handlers", ()):  # placeholders have none
+                if self.filter not in handler.filters:
+                    handler.addFilter(self.filter)
+
+    def pytest_runtest_setup(self) -> None:
+        self.mute()
+
+    def pytest_runtest_call(self) -> None:
+        self.mute()
+
+    def pytest_runtest_teardown(self) -> None:
+        self.mute()
