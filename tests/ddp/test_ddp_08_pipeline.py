@@ -19,12 +19,7 @@ import torch.nn.functional as F
 
 from tutorial_impl.ddp import toy
 
-# Not in a warm world: a warm rank replaces dist.isend/irecv with wrappers that record
-# pending work (tutorial_impl/testing/warm.py, _track_work), and P2POp, which the pipeline
-# stages build their sends with, accepts only the originals ("Invalid ``op``"). A fresh
-# world is a fork and a rendezvous more, tens of milliseconds.
-pytestmark = pytest.mark.warm_world(False)
-
+pytestmark = pytest.mark.warm_world  # as the other lessons: one world, checked between tests
 WORLD, MICRO, ROWS = 2, 4, 8  # 2 stages, 4 micro-batches of 2 rows
 ATOL = 1e-6
 

@@ -77,32 +77,34 @@ class WorldCheck:
 
 
 def _track_work(works: list[Any]) -> None:
-    """Record every point-to-point work a test starts (``dist.isend``, ``dist.irecv``,
-    ``dist.batch_isend_irecv``), so the check after it can ask whether any is still pending.
+    """Record every point-to-point work a test starts (``isend``, ``irecv``, ``send``,
+    ``recv``, ``batch_isend_irecv``, whoever calls them), so the check after it can ask
+    whether any is still pending.
 
     gloo has no list of a group's pending operations to ask instead. A test that leaves an
     ``irecv`` unwaited, with no matching send, leaves it posted: in a fresh world it dies with
     its rank, but in a warm one it would swallow the next test's message from that peer.
-    (Found only through ``torch.distributed``'s attributes, as ``dist.irecv(...)`` calls them;
-    a function imported by name before the world started is not seen.)"""
-    import torch.distributed as dist
+    The methods of torch's ``ProcessGroup`` class are wrapped, not ``torch.distributed``'s
+    functions: ``dist.P2POp`` accepts only the functions themselves (the pipelining
+    schedules use it), and a function imported by name before the world started would not
+    be seen."""
+    from torch._C._distributed_c10d import ProcessGroup
 
     def tracked(original: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            for work in result if isinstance(result, list) else [result]:
-                if work is not None:
-                    works.append(work)
-            return result
+        def call(group: Any, *args: Any, **kwargs: Any) -> Any:
+            work = original(group, *args, **kwargs)
+            if work is not None:
+                works.append(work)
+            return work
 
         call.__wrapped__ = original  # type: ignore[attr-defined]
         call.__name__ = original.__name__
         call.__doc__ = original.__doc__
         return call
 
-    for name in ("isend", "irecv", "batch_isend_irecv"):
-        original = getattr(dist, name)
-        setattr(dist, name, tracked(getattr(original, "__wrapped__", original)))
+    for name in ("send", "recv", "recv_anysource"):
+        original = getattr(ProcessGroup, name)
+        setattr(ProcessGroup, name, tracked(getattr(original, "__wrapped__", original)))
 
 
 def _rpc_agent_running() -> bool:
