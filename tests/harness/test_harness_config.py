@@ -17,6 +17,7 @@ what is accepted: never an INTERNALERROR that kills the session, never an argume
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 
@@ -223,7 +224,8 @@ def test_the_defaults_live_in_one_place():
     from tutorial_impl.testing import forked, timing
 
     assert timing.DEFAULT_DEADLINE == config.DEFAULT_DEADLINE
-    defaults = forked.run_ranks.__kwdefaults__
+    params = inspect.signature(forked.run_ranks).parameters
+    defaults = {name: param.default for name, param in params.items()}
     assert defaults["world_size"] == config.DEFAULT_WORLD_SIZE
     assert defaults["backend"] == config.DEFAULT_BACKEND
     assert defaults["init_method"] == config.DEFAULT_INIT_METHOD
