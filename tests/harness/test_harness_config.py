@@ -17,6 +17,7 @@ what is accepted: never an INTERNALERROR that kills the session, never an argume
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import os
 import time
@@ -230,6 +231,16 @@ def test_the_defaults_live_in_one_place():
     assert defaults["backend"] == config.DEFAULT_BACKEND
     assert defaults["init_method"] == config.DEFAULT_INIT_METHOD
     assert defaults["timeout"] == config.DEFAULT_DEADLINE
+
+
+def test_the_public_run_ranks_is_the_tests_own_in_the_tests_context_only(request):
+    """During a test's body the plugin hands the public ``run_ranks`` to this test's
+    (``forked.IN_TEST``); a fresh context, such as a thread the test starts, gets the
+    standalone function (``IN_TEST`` is None there), as code outside any test does."""
+    from tutorial_impl.testing import forked
+
+    assert forked.IN_TEST.get().args == (request.node,)
+    assert contextvars.Context().run(forked.IN_TEST.get) is None
 
 
 LEASED = """

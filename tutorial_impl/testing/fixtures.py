@@ -308,8 +308,8 @@ def reported(error: RankError) -> NoReturn:
         raise error
     error.in_message = False  # stacks and outputs go to report sections instead
     _warn_thread_errors(error.thread_errors)
-    if isinstance(error, RankSkipped):
-        pytest.skip(f"rank {error.rank}: {error.reason}")
+    if isinstance(error, RankSkipped):  # reported at the test's location, not the harness's
+        raise pytest.skip.Exception(f"rank {error.rank}: {error.reason}", _use_item_location=True)
     if isinstance(error, RankXFailed):
         pytest.xfail(f"rank {error.rank}: {error.reason}")
     raise error
