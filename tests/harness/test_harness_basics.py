@@ -12,6 +12,7 @@ import gc
 import os
 import sys
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
@@ -120,6 +121,11 @@ def bound_first(model: str, rank: int, world_size: int, *, scale: int = 1) -> No
     pass
 
 
+@mock.patch("os.getcwd")
+def patched(rank: int, world_size: int, getcwd: mock.Mock) -> None:
+    pass  # the decorator supplies getcwd: the call is not refused, as before
+
+
 @pytest.mark.parametrize(
     ("fn", "args", "fn_kwargs", "received"),
     [
@@ -130,6 +136,7 @@ def bound_first(model: str, rank: int, world_size: int, *, scale: int = 1) -> No
         (rank_then_keyword, (), {"scale": 3}, ((1,), {"scale": 3})),
         (defaulted, (), {}, ((1, 4), {})),  # as before: a defaulted second one gets the size
         (no_parameters, (), {}, ((), {})),
+        (patched, (), {}, ((1, 4), {})),
         (functools.partial(bound_first, "m", scale=2), (), {}, (("m", 1, 4), {"scale": 2})),
         (
             functools.partial(bound_first, "m", scale=2),

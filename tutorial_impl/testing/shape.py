@@ -19,7 +19,8 @@ with the call's own. The would-be call is then bound to the signature (``Signatu
 what cannot be called (an argument missing, one too many, a keyword it has no parameter
 for) is refused here, naming the function, the call and inspect's reason, before any rank
 starts. Functions without a signature inspect can read (some builtins) get today's shape
-unchecked.
+unchecked, and so does a decorated function (``functools.wraps``) whose inner signature
+does not bind: the decorator may supply arguments itself, as ``unittest.mock.patch`` does.
 
 The decision travels as a number (``Call.rank_params``, ``RankSpec.rank_params``): how many
 of ``(rank, world_size)`` come first; the rank puts the call together (``arguments``).
@@ -75,6 +76,8 @@ def decide(fn: Callable[..., Any], args: tuple[Any, ...], fn_kwargs: dict[str, A
     try:
         signature.bind(*RANK_PARAMS[:n], *args, **fn_kwargs)
     except TypeError as exc:
+        if hasattr(target, "__wrapped__"):  # read through a decorator, which may supply some
+            return Shape(target, head, n, kwargs)  # (mock.patch does): called unchecked
         name = getattr(target, "__qualname__", repr(target))
         full = f"{getattr(target, '__module__', '?')}.{name}"
         shown = full if target is fn else f"functools.partial({full}, ...)"
