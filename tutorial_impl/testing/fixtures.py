@@ -189,6 +189,8 @@ def _from_helper(item: pytest.Function, fn: Callable[..., Any], *args: Any, **op
     problem = _shadowing.run_ranks_refusal(item, __name__)
     if problem is not None:
         pytest.fail(f"harness configuration: {problem}", pytrace=False)
+    # The item's own request (pytest's, private but long-lived): the fixture as the test
+    # would have received it, set up once per test and torn down with it.
     runs: RunRanksOfTest = item._request.getfixturevalue("run_ranks")
     return runs.from_helper(fn, *args, **options)
 
