@@ -285,7 +285,8 @@ def _outcome(
             reported(error)
         raise
     _warn_thread_errors(results.thread_errors)
-    if session.launched is None:  # under torchrun each rank's own capture has the output
+    # Under torchrun each rank's own capture has the output; with stream= it was relayed live.
+    if session.launched is None and call.stream is None:
         for rank, text in enumerate(results.outputs):
             if text.strip():
                 sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
