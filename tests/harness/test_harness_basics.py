@@ -7,16 +7,18 @@ functions are defined here, above the tests that run them: ranks find them in th
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import RankResults, run_ranks
+from tutorial_impl.testing import RankResults, call, run_ranks, shape
 from tutorial_impl.testing.rendezvous import init_method_url
 
 pytest_plugins = ["pytester"]
@@ -93,6 +95,65 @@ def test_arguments_and_output_reach_every_rank():
     assert isinstance(results, RankResults)
     assert results == [(r, 2, (payload, 7), {"flag": True}) for r in range(2)]
     assert results.outputs == ["rank 0 got 2 args\n", "rank 1 got 2 args\n"]
+
+
+def only_rank(rank: int) -> int:
+    return rank
+
+
+def rank_then_keyword(rank: int, scale: int) -> int:
+    return rank * scale
+
+
+def keyword_only(rank: int, *, scale: int) -> int:
+    return rank * scale
+
+
+def defaulted(rank: int, world_size: int = 2) -> int:
+    return world_size
+
+
+def no_parameters() -> None:
+    pass
+
+
+def bound_first(model: str, rank: int, world_size: int, *, scale: int = 1) -> None:
+    pass
+
+
+@mock.patch("os.getcwd")
+def patched(rank: int, world_size: int, getcwd: mock.Mock) -> None:
+    pass  # the decorator supplies getcwd: the call is not refused, as before
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "fn_kwargs", "received"),
+    [
+        (only_rank, (), {}, ((1,), {})),
+        (all_reduce_rank, (), {}, ((1, 4), {})),
+        (echo, (7, "x"), {"flag": True}, ((1, 4, 7, "x"), {"flag": True})),
+        (keyword_only, (), {"scale": 3}, ((1,), {"scale": 3})),
+        (rank_then_keyword, (), {"scale": 3}, ((1,), {"scale": 3})),
+        (defaulted, (), {}, ((1, 4), {})),  # as before: a defaulted second one gets the size
+        (no_parameters, (), {}, ((), {})),
+        (patched, (), {}, ((1, 4), {})),
+        (functools.partial(bound_first, "m", scale=2), (), {}, (("m", 1, 4), {"scale": 2})),
+        (
+            functools.partial(bound_first, "m", scale=2),
+            (),
+            {"scale": 5},
+            (("m", 1, 4), {"scale": 5}),
+        ),
+        (functools.partial(functools.partial(echo, 1), 2), (3,), {}, ((1, 2, 1, 4, 3), {})),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) if callable(v) else None,
+)
+def test_the_signature_decides_what_each_rank_passes(fn, args, fn_kwargs, received):
+    """In the parent (no rank started): the call checked into its shape, and what rank 1 of
+    a world of 4 then passes its function (``shape.arguments``, the rank side's one step)."""
+    built = call.build(fn, args, fn_kwargs=fn_kwargs, world_size=4)
+    assert built.function.qualname == getattr(fn, "func", fn).__qualname__  # a partial's own
+    assert shape.arguments(built.payload, built.rank_params, 1, 4) == received
 
 
 def getenv(rank: int, world_size: int, name: str) -> str | None:

@@ -17,6 +17,8 @@ what is accepted: never an INTERNALERROR that kills the session, never an argume
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import os
 import time
 
@@ -223,11 +225,22 @@ def test_the_defaults_live_in_one_place():
     from tutorial_impl.testing import forked, timing
 
     assert timing.DEFAULT_DEADLINE == config.DEFAULT_DEADLINE
-    defaults = forked.run_ranks.__kwdefaults__
+    params = inspect.signature(forked.run_ranks).parameters
+    defaults = {name: param.default for name, param in params.items()}
     assert defaults["world_size"] == config.DEFAULT_WORLD_SIZE
     assert defaults["backend"] == config.DEFAULT_BACKEND
     assert defaults["init_method"] == config.DEFAULT_INIT_METHOD
     assert defaults["timeout"] == config.DEFAULT_DEADLINE
+
+
+def test_the_public_run_ranks_is_the_tests_own_in_the_tests_context_only(request):
+    """During a test's body the plugin hands the public ``run_ranks`` to this test's
+    (``forked.IN_TEST``); a fresh context, such as a thread the test starts, gets the
+    standalone function (``IN_TEST`` is None there), as code outside any test does."""
+    from tutorial_impl.testing import forked
+
+    assert forked.IN_TEST.get().args == (request.node,)
+    assert contextvars.Context().run(forked.IN_TEST.get) is None
 
 
 LEASED = """

@@ -58,6 +58,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODULE = "test_stranger"
 STRANGER = '''\
+import functools
 import os
 import signal
 import threading
@@ -70,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import assert_equal_across_ranks, proctable
+from tutorial_impl.testing import run_ranks as public_run_ranks
 
 pytestmark = []  # the warm run puts pytest.mark.warm_world here
 PIDS = os.environ["CONFORMANCE_PIDS"]  # where every process that runs a rank function signs
@@ -401,6 +403,32 @@ def test_c24_the_group_timeout_stays_behind_the_deadline(run_ranks):
     assert run_ranks(group_timeout) == [17.0, 17.0]
 
 
+def rank_only(rank):
+    note()
+    return rank
+
+
+def offset_sum(offset, rank, world_size, *, scale):
+    note()
+    total = torch.tensor([float(offset + rank)])
+    dist.all_reduce(total)
+    return total.item() * scale
+
+
+def test_c25_call_shapes(run_ranks):
+    assert run_ranks(rank_only) == [0, 1]
+    assert run_ranks(functools.partial(offset_sum, 10), fn_kwargs={"scale": 2}) == [42.0, 42.0]
+
+
+class Helper:  # a library's test helper, which calls run_ranks itself
+    def all_reduce(self):
+        return public_run_ranks(sum_of_ranks)
+
+
+def test_c26_a_helper_runs_the_tests_ranks():
+    assert Helper().all_reduce() == [1.0, 1.0]
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -605,6 +633,10 @@ CASES: dict[str, Case] = {
     ),
     "test_c21_rpc_gets_a_rendezvous_of_its_own": Case(Expect("passed")),
     "test_c24_the_group_timeout_stays_behind_the_deadline": Case(Expect("passed")),
+    # Rank functions of other shapes (shape.py), and run_ranks called by a helper during the
+    # test's body (the test's own run_ranks: its strategy too).
+    "test_c25_call_shapes": Case(Expect("passed")),
+    "test_c26_a_helper_runs_the_tests_ranks": Case(Expect("passed")),
     "test_c22_matrix[world_size2]": Case(Expect("passed")),
     "test_c22_matrix[world_size3]": Case(
         Expect("passed"),

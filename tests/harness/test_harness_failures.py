@@ -330,7 +330,11 @@ def _decorated(rank: int, world_size: int) -> None:
         ({"backend": "mpi", "world_size": 2}, ValueError, "each forked rank would be a world"),
         ({"fn": lambda rank, world_size: None}, TypeError, "not a module-level function"),
         ({"fn": _in_main}, TypeError, "defined in __main__"),
-        ({"fn": functools.partial(one_rank_sum)}, TypeError, "not a module-level function"),
+        ({"fn": functools.partial(lambda r, w, d: 0)}, TypeError, "not a module-level function"),
+        # a signature that cannot take the call: named, with inspect's reason
+        ({"args": (1, 2)}, TypeError, r"one_rank_sum\(rank, world_size, args\[0\], args\[1\]\)"),
+        ({"fn_kwargs": {"x": 1}}, TypeError, "got an unexpected keyword argument 'x'"),
+        ({"fn": functools.partial(one_rank_sum, 0, 1, "d")}, TypeError, "too many positional"),
         # the function under the decorator: its module holds the wrapper under that name
         ({"fn": _decorated.__wrapped__}, TypeError, "is not what its module"),
         ({"fn": 42}, TypeError, "must be callable"),

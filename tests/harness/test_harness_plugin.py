@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,156 @@ def test_a_failing_user_file_shows_what_went_wrong(pytester):
     # What cannot work is refused before any rank starts, saying why.
     assert text.count("is not a module-level function") >= 2
     assert "Define it at the top level of the test file" in text
+
+
+# A library's tests, ported as they were written: call shapes other than (rank, world_size),
+# and a helper that calls run_ranks itself (the docs' MetricTester, added from harness.md).
+PORTED_SHAPES = """
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import run_ranks
+
+
+def only_rank(rank):
+    return rank
+
+
+def scaled(rank, *, scale):
+    return rank * scale
+
+
+def by_keyword(rank, scale):
+    return rank * scale
+
+
+def offset_sum(offset, rank, world_size, *, scale=1):
+    total = torch.tensor([float(offset + rank)])
+    dist.all_reduce(total)
+    return total.item() * scale
+
+
+def needs_x(rank, world_size, x):
+    return x
+
+
+def skips(rank):
+    pytest.skip("no data on this machine")
+
+
+def test_shapes(run_ranks):
+    assert run_ranks(only_rank) == [0, 1]
+    assert run_ranks(scaled, fn_kwargs={"scale": 5}) == [0, 5]
+    assert run_ranks(by_keyword, fn_kwargs={"scale": 5}, world_size=3) == [0, 5, 10]
+    assert run_ranks(functools.partial(offset_sum, 10, scale=2)) == [42.0, 42.0]
+
+
+def test_a_call_the_signature_cannot_take(run_ranks):
+    run_ranks(needs_x)
+
+
+def test_a_skip_in_a_helpers_ranks_skips_the_test():
+    run_ranks(skips)  # the public function, in the test's body: the fixture's verdict
+"""
+# An ignite-style conftest: the project's own world_size fixture, for its own tests.
+PORTED_CONFTEST = """
+import pytest
+
+
+@pytest.fixture
+def world_size():
+    return 1
+"""
+PORTED_UNDER_CONFTEST = """
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.testing import run_ranks as public_run_ranks
+
+
+def all_reduced(rank, world_size):
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_two_rank_all_reduce(run_ranks, world_size):
+    assert run_ranks(all_reduced) == [float(world_size)] * world_size  # true on 1 rank too
+
+
+def test_two_rank_all_reduce_from_a_helper():
+    assert public_run_ranks(all_reduced) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_parametrized_size(run_ranks, world_size):
+    assert run_ranks(all_reduced) == [2.0, 2.0]
+
+
+def test_the_projects_own_meaning(world_size):
+    assert world_size == 1
+"""
+PORTED_OWN_RUNNER = """
+import pytest
+
+
+@pytest.fixture
+def run_ranks():
+    return lambda fn: [fn(0, 1)]
+
+
+def test_with_its_own_runner(run_ranks):
+    assert run_ranks(max) == [1]
+"""
+
+
+def test_a_ported_librarys_tests_run_as_written_or_are_refused_by_name(pytester):
+    """A stranger's library, ported (issue 25): rank functions of every shape its tests had,
+    the docs' helper class calling run_ranks (its world size from the test's marker), a skip
+    in a helper's ranks, and a conftest world_size fixture returning 1 that must not shrink a
+    two-rank test in silence, nor a run_ranks fixture of its own take the harness's place."""
+    files = {
+        **_readme_blocks("`run_ranks`"),
+        "tests/test_shapes.py": PORTED_SHAPES,
+        "tests/test_own_runner.py": PORTED_OWN_RUNNER,
+        "tests/ported/conftest.py": PORTED_CONFTEST,
+        "tests/ported/test_ported.py": PORTED_UNDER_CONFTEST,
+    }
+    assert "tests/test_metric.py" in files
+    for path, body in files.items():
+        (pytester.path / path).parent.mkdir(parents=True, exist_ok=True)
+        (pytester.path / path).write_text(body)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rA", "--junitxml=run.xml", "tests")
+    result.assert_outcomes(passed=4, skipped=1, failed=2, errors=2)
+    text = result.stdout.str()
+    for passing in (
+        "test_metric.py::test_sum_over_three_ranks",
+        "test_shapes.py::test_shapes",
+        "ported/test_ported.py::test_parametrized_size[2]",
+        "ported/test_ported.py::test_the_projects_own_meaning",
+    ):
+        assert f"PASSED tests/{passing}" in text
+    # Refused before any rank started, naming the function, the call and why.
+    assert (
+        "TypeError: run_ranks: rank function test_shapes.needs_x(rank, world_size, x) cannot be "
+        "called as needs_x(rank, world_size): missing a required argument: 'x'"
+    ) in text
+    times = {
+        case.get("name"): float(case.get("time"))
+        for case in ET.parse(pytester.path / "run.xml").iter("testcase")
+    }
+    assert times["test_a_call_the_signature_cannot_take"] < 1.0
+    assert "SKIPPED [1] tests/test_shapes.py" in text and "rank 0: no data on this machine" in text
+    # The conftest's world_size (1) shrinks no two-rank test: each is refused, by name.
+    shadowed = "fixture 'world_size' of tests/ported/conftest.py:5 shadows the harness's"
+    assert text.count(shadowed) >= 2, text
+    assert "ERROR tests/ported/test_ported.py::test_two_rank_all_reduce - " in text
+    assert "FAILED tests/ported/test_ported.py::test_two_rank_all_reduce_from_a_helper" in text
+    assert "fixture 'run_ranks' of tests/test_own_runner.py:5 shadows the harness's" in text
 
 
 def _copy_tutorial_tests(destination: Path) -> list[str]:

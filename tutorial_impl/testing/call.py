@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from tutorial_impl.testing import backends
 from tutorial_impl.testing import coverage as _coverage
+from tutorial_impl.testing import shape as _shape
 from tutorial_impl.testing.config import (
     DEFAULT_BACKEND,
     DEFAULT_DEADLINE,
@@ -57,7 +58,8 @@ class Call:
     """One run, checked: the function, where it runs, and for how long."""
 
     function: FunctionRef
-    payload: bytes  # pickle of (args, fn_kwargs): unpickled inside each rank
+    payload: bytes  # pickle of (a partial's args, args, keywords): unpickled in each rank
+    rank_params: int  # how many of (rank, world_size) the function takes first (``shape``)
     world_size: int
     backend: str | None
     init_method: str
@@ -109,9 +111,11 @@ def build(
     check_rank(o["debug_rank"], world_size)
     _check_gpus(backend, world_size, o["env"])
     ref = function_ref(fn)
+    shape = _shape.decide(fn, args, _check_kwargs(o["fn_kwargs"]))
     return Call(
         function=ref,
-        payload=_payload(ref, args, o["fn_kwargs"]),
+        payload=_payload(ref, shape, args),
+        rank_params=shape.rank_params,
         world_size=world_size,
         backend=backend,
         init_method=o["init_method"],
@@ -127,11 +131,16 @@ def build(
     )
 
 
-def _payload(ref: FunctionRef, args: tuple[Any, ...], fn_kwargs: Any) -> bytes:
+def _check_kwargs(fn_kwargs: Any) -> dict[str, Any]:
     if fn_kwargs is not None and not isinstance(fn_kwargs, dict):
         raise TypeError(f"fn_kwargs must be a dict of keyword arguments, got {fn_kwargs!r}")
+    return dict(fn_kwargs or {})
+
+
+def _payload(ref: FunctionRef, shape: _shape.Shape, args: tuple[Any, ...]) -> bytes:
+    """What each rank unpickles (``shape.arguments``)."""
     try:
-        return pickle.dumps((tuple(args), fn_kwargs or {}))
+        return pickle.dumps((shape.head, tuple(args), shape.kwargs))
     except Exception as exc:
         raise TypeError(f"arguments for {ref.qualname} cannot be sent to the ranks: {exc}") from exc
 
@@ -193,7 +202,7 @@ class RankSpec:
     rank: int
     world_size: int
     function: FunctionRef
-    payload: bytes  # pickle of (args, kwargs): unpickled inside the rank, errors reported
+    payload: bytes  # see Call.payload: unpickled inside the rank, errors reported
     env: dict[str, str]
     log_path: str
     stack_path: str
@@ -210,6 +219,7 @@ class RankSpec:
     parent_cwd: str | None = None
     coverage: dict[str, Any] | None = None  # the parent's coverage settings, if measuring
     owner_pid: int | None = None  # the process that asked for the rank: it dies with it
+    rank_params: int = 2  # how many of (rank, world_size) the function takes first
 
 
 def rank_spec(
@@ -227,6 +237,7 @@ def rank_spec(
         world_size=call.world_size,
         function=call.function,
         payload=call.payload,
+        rank_params=call.rank_params,
         env={**rank_env, **call.env, **(extra_env or {})},
         log_path=str(work / f"rank{rank}.log"),
         stack_path=str(work / f"rank{rank}.stacks"),

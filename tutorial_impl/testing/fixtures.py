@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import matrix
+from tutorial_impl.testing import shadowing as _shadowing
 from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
-from tutorial_impl.testing.forked import FORKED
+from tutorial_impl.testing.forked import FORKED, IN_TEST
 from tutorial_impl.testing.runner import Runner
 from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.warm import WarmPool
@@ -91,10 +94,12 @@ def world_size(request: pytest.FixtureRequest, _world_size_matrix: int | None) -
 def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> RunRanks:
     """Run a rank function on N processes and return each rank's return value.
 
-    ``run_ranks(fn, *args, **options)`` calls ``fn(rank, world_size, *args)`` in every rank,
-    inside a fresh process group, and returns a list of the return values (rank order) with
-    the ranks' printed output in ``.outputs``. ``fn`` may be defined in the test file itself.
-    Defaults come from the test's markers and the command line; keyword options
+    ``run_ranks(fn, *args, **options)`` calls ``fn(rank, world_size, *args)`` in every rank
+    (or ``fn(rank)``, as its signature asks: ``shape``), inside a fresh process group, and
+    returns a list of the return values (rank order) with the ranks' printed output in
+    ``.outputs``. ``fn`` may be defined in the test file itself, or be a
+    ``functools.partial`` of such a function. Defaults come from the test's markers and the
+    command line; keyword options
     (``world_size``, ``backend``, ``init_method``, ``timeout``, ``fn_kwargs``, ``env``,
     ``log_dir``, ``stream``, ``may_exit``, ``debug_rank``) override them for one call.
     ``backend=None`` starts the ranks without a process group, for functions that set up
@@ -103,41 +108,118 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
 
     A failure on any rank fails the test with that rank's traceback, where the other ranks
     were, and every rank's output; a skip (or xfail) on a rank skips it only if no rank
-    failed. The logs live in the test's ``tmp_path``.
+    failed. The logs live in the test's ``tmp_path``. During the test's body,
+    ``tutorial_impl.testing.run_ranks`` runs through this same fixture (``in_test``).
     """
-    item = request.node
-    session = request.config.stash[SESSION]
-    settings = item.stash.get(SETTINGS, None)
-    if settings is None:  # an item our collection hook did not see: read it now
-        try:
-            settings = _config.read(
-                item,
-                session.default_deadline,
-                session.init_method or _config.DEFAULT_INIT_METHOD,
-                default_size(request.config),
-            )
-        except _config.ConfigError as exc:
-            pytest.fail(f"harness configuration: {exc}", pytrace=False)
-    calls = iter(range(1_000_000))
+    return RunRanksOfTest(request, tmp_path, world_size)
 
-    def run(fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
+
+class RunRanksOfTest:
+    """One test's ``run_ranks``: the fixture's value, and what the public ``run_ranks``
+    calls while the test's body runs (``from_helper``). Both check a call the same way,
+    run it on the same strategy and log in the same ``tmp_path``."""
+
+    def __init__(self, request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> None:
+        self.item, self.config = request.node, request.config
+        self.session = request.config.stash[SESSION]
+        self.settings = _settings_of(self.item, self.session)
+        self.tmp_path, self.world_size = tmp_path, world_size
+        self.calls = itertools.count()
+        problem = _shadowing.size_refusal(self.item, __name__, world_size, self.settings.world_size)
+        if problem is not None:
+            pytest.fail(f"harness configuration: {problem}", pytrace=False)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
+        __tracebackhide__ = True
+        runner, call = self.prepare(fn, args, options)
+        return _outcome(runner, call, self.session)
+
+    def from_helper(self, fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
+        """The same run, raising what ``run_ranks`` raises outside a test (``RankSkipped``
+        included) for a helper to catch; what leaves the test is reported as the fixture's
+        (``in_test``)."""
+        __tracebackhide__ = True
+        runner, call = self.prepare(fn, args, options)
+        return _outcome(runner, call, self.session, as_pytest=False)
+
+    def prepare(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]
+    ) -> tuple[Runner, _call.Call]:
+        """The checked call (the test's settings, the call's own options on top) and the
+        strategy that runs it."""
         __tracebackhide__ = True
         unknown = _call.unknown_options(options)
         if unknown:
             raise TypeError(f"run_ranks() got unexpected keyword argument(s) {unknown}")
-        call = _build(fn, args, options, settings, session, world_size)
+        call = _build(fn, args, options, self.settings, self.session, self.world_size)
         call = dataclasses.replace(
             call,
-            deadline=min(call.deadline, item.stash.get(DEADLINE_CAP, float("inf"))),
-            log_dir=call.log_dir or tmp_path / f"ranks-{next(calls)}",
-            announce=_terminal_line(request.config),
+            deadline=min(call.deadline, self.item.stash.get(DEADLINE_CAP, float("inf"))),
+            log_dir=call.log_dir or self.tmp_path / f"ranks-{next(self.calls)}",
+            announce=_terminal_line(self.config),
         )
-        runner = session.runner(settings, call)
-        if runner is session.launched and call.world_size != world_size_of_job(runner):
+        runner = self.session.runner(self.settings, call)
+        if runner is self.session.launched and call.world_size != world_size_of_job(runner):
             pytest.skip(f"needs world_size {call.world_size}; this torchrun job has another")
-        return _outcome(runner, call, session)
+        return runner, call
 
-    return run
+
+# --- the public run_ranks inside a test ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def in_test(item: pytest.Item) -> Iterator[None]:
+    """While ``item``'s body runs (the plugin's ``pytest_runtest_call``): the public
+    ``run_ranks`` is this test's (``forked.IN_TEST``, in this thread's context), and a
+    ``RankError`` that leaves the body is reported as the fixture reports one."""
+    helper = functools.partial(_from_helper, item) if isinstance(item, pytest.Function) else None
+    token = IN_TEST.set(helper)
+    try:
+        yield
+    except RankError as error:
+        reported(error)
+    finally:
+        IN_TEST.reset(token)
+
+
+def _from_helper(item: pytest.Function, fn: Callable[..., Any], *args: Any, **options: Any) -> Any:
+    """``tutorial_impl.testing.run_ranks`` called during ``item``'s body: the test's own
+    ``run_ranks`` fixture runs it, requested now if the test did not ask for it."""
+    __tracebackhide__ = True
+    problem = _shadowing.run_ranks_refusal(item, __name__)
+    if problem is not None:
+        pytest.fail(f"harness configuration: {problem}", pytrace=False)
+    # The item's own request (pytest's, private but long-lived): the fixture as the test
+    # would have received it, set up once per test and torn down with it.
+    runs: RunRanksOfTest = item._request.getfixturevalue("run_ranks")
+    return runs.from_helper(fn, *args, **options)
+
+
+def refuse_shadowed(item: pytest.Item) -> None:
+    """At collection: a ``ConfigError`` for a test that uses ``run_ranks`` when a project's
+    own fixture has taken that name, or ``world_size`` whatever its value (``shadowing``)."""
+    if "run_ranks" in getattr(item, "fixturenames", ()):
+        problem = _shadowing.run_ranks_refusal(item, __name__)
+        problem = problem or _shadowing.size_refusal(item, __name__)
+        if problem is not None:
+            raise _config.ConfigError(problem)
+
+
+def _settings_of(item: pytest.Item, session: Session) -> _config.Settings:
+    """The test's settings, read at collection; for an item our collection hook did not see
+    (or one that calls run_ranks from a helper only), read now."""
+    settings = item.stash.get(SETTINGS, None)
+    if settings is not None:
+        return settings
+    try:
+        return _config.read(
+            item,
+            session.default_deadline,
+            session.init_method or _config.DEFAULT_INIT_METHOD,
+            default_size(item.config),
+        )
+    except _config.ConfigError as exc:
+        pytest.fail(f"harness configuration: {exc}", pytrace=False)
 
 
 def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
@@ -185,8 +267,11 @@ def _build(
         raise type(exc)(f"run_ranks: {exc}") from None
 
 
-def _outcome(runner: Runner, call: _call.Call, session: Session) -> RankResults:
-    """Run ``call`` and turn its verdict into pytest's: results, a failure, skip or xfail."""
+def _outcome(
+    runner: Runner, call: _call.Call, session: Session, as_pytest: bool = True
+) -> RankResults:
+    """Run ``call``: its results, or its verdict as pytest's (a failure, skip or xfail:
+    ``reported``), or with ``as_pytest=False`` the ``RankError`` itself."""
     __tracebackhide__ = True
     try:
         if runner is session.pool and session.warm_audit:
@@ -195,18 +280,13 @@ def _outcome(runner: Runner, call: _call.Call, session: Session) -> RankResults:
             results = audited(session.pool, FORKED, call)
         else:
             results = runner.run(call)
-    except RankSkipped as skip:
-        _warn_thread_errors(skip.thread_errors)
-        pytest.skip(f"rank {skip.rank}: {skip.reason}")
-    except RankXFailed as xfail:
-        _warn_thread_errors(xfail.thread_errors)
-        pytest.xfail(f"rank {xfail.rank}: {xfail.reason}")
     except RankError as error:
-        _warn_thread_errors(error.thread_errors)
-        error.in_message = False  # stacks and outputs go to report sections instead
+        if as_pytest:
+            reported(error)
         raise
     _warn_thread_errors(results.thread_errors)
-    if session.launched is None:  # under torchrun each rank's own capture has the output
+    # Under torchrun each rank's own capture has the output; with stream= it was relayed live.
+    if session.launched is None and call.stream is None:
         for rank, text in enumerate(results.outputs):
             if text.strip():
                 sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
@@ -220,3 +300,19 @@ def _warn_thread_errors(errors: dict[int, tuple[str, ...]]) -> None:
             warnings.warn(
                 pytest.PytestUnhandledThreadExceptionWarning(f"rank {rank}: {text}"), stacklevel=3
             )
+
+
+def reported(error: RankError) -> NoReturn:
+    """Raise ``error`` as the test's outcome: pytest's skip or xfail, else the error with its
+    stacks and outputs left to the report's sections (``report``); the exceptions of the
+    ranks' threads become warnings. An error reported once already is raised as it is."""
+    __tracebackhide__ = True
+    if not error.in_message:
+        raise error
+    error.in_message = False  # stacks and outputs go to report sections instead
+    _warn_thread_errors(error.thread_errors)
+    if isinstance(error, RankSkipped):  # reported at the test's location, not the harness's
+        raise pytest.skip.Exception(f"rank {error.rank}: {error.reason}", _use_item_location=True)
+    if isinstance(error, RankXFailed):
+        pytest.xfail(f"rank {error.rank}: {error.reason}")
+    raise error

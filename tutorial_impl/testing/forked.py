@@ -1,18 +1,22 @@
-"""Fresh ranks for every call: the default strategy, and ``run_ranks`` outside pytest.
+"""Fresh ranks for every call: the default strategy, and the public ``run_ranks``.
 
 ``run_ranks(fn, *args, world_size=2)`` forks ``world_size`` ranks from the forkserver, each
 joins a process group on a store the parent owns (``rendezvous``), runs ``fn`` through the
 one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` decides, and a
-``finally`` kills every rank's process group whatever happened, Ctrl-C included.
+``finally`` kills every rank's process group whatever happened, Ctrl-C included. During a
+pytest test's body, ``run_ranks`` hands the call to that test's own (``IN_TEST``, set by the
+plugin: ``fixtures.in_test``), so a helper that calls it runs with the test's settings.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Collection
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ParamSpec, TextIO
 
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import debugging as _debugging
@@ -27,6 +31,8 @@ from tutorial_impl.testing.config import (
 from tutorial_impl.testing.errors import RankResults
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.verdict import decide
+
+P = ParamSpec("P")
 
 
 class Forked:
@@ -80,7 +86,25 @@ def start(spec: _call.RankSpec) -> supervise.Proc:
 
 FORKED = Forked()
 
+# The run_ranks of the test whose body is running in this context, set by the pytest plugin
+# around each test's call (``fixtures.in_test``); None outside a test's body.
+IN_TEST: ContextVar[Callable[..., RankResults] | None] = ContextVar("in_test", default=None)
 
+
+def _in_a_test_its_own(outside: Callable[P, RankResults]) -> Callable[P, RankResults]:
+    """``outside`` (the standalone ``run_ranks``), except during a test's body, where the
+    test's own ``run_ranks`` takes the call: the options it was given, the rest the test's."""
+
+    @functools.wraps(outside)
+    def run_ranks(*args: P.args, **options: P.kwargs) -> RankResults:
+        __tracebackhide__ = True
+        in_test = IN_TEST.get()
+        return (in_test or outside)(*args, **options)
+
+    return run_ranks
+
+
+@_in_a_test_its_own
 def run_ranks(
     fn: Callable[..., Any],
     *args: Any,
@@ -97,6 +121,14 @@ def run_ranks(
     debug_rank: int | None = None,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args, **fn_kwargs)`` on ``world_size`` fresh ranks.
+
+    ``fn`` may also take ``(rank)`` only, keyword-only arguments from ``fn_kwargs``, or be a
+    ``functools.partial`` of a module-level function (``shape``); a call it cannot take is
+    refused before any rank starts. During a pytest test's body this runs through the test's
+    ``run_ranks`` fixture instead: the options given here, the rest from the test's markers
+    and the session's options, logs in its ``tmp_path``, the strategy it would use (warm,
+    torchrun); it raises the same exceptions, and one that leaves the test is reported as
+    the fixture's.
 
     With ``backend`` set (the default, ``"gloo"``) each rank has joined a process group with
     that backend through ``init_method`` (``env``, ``tcp`` or ``file``) before ``fn`` runs.

@@ -25,12 +25,15 @@ pytest's rewriter. Rewriting in every rank instead would cost 30-100 ms a rank.
 
 What truly cannot work is refused in the parent, with the reason: lambdas and nested
 functions (no name a rank could look up), functions of ``__main__`` (ranks do not re-run the
-main script or an interactive session), and functions of modules without a file.
+main script or an interactive session), and functions of modules without a file. A
+``functools.partial`` travels as its function's reference; its bound arguments go with the
+call's (``shape``).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import marshal
@@ -56,8 +59,12 @@ class FunctionRef:
 def function_ref(fn: Callable[..., Any]) -> FunctionRef:
     """Check, in the parent, that a rank will find ``fn``, and return the reference it needs.
 
-    Raises ``TypeError`` naming the reason when a rank could not find it.
+    Raises ``TypeError`` naming the reason when a rank could not find it. A
+    ``functools.partial`` is looked up as its function; its arguments travel with the
+    call's (``shape``).
     """
+    if isinstance(fn, functools.partial):
+        return function_ref(fn.func)
     if not callable(fn):
         raise TypeError(f"rank function must be callable, got {fn!r}")
     module_name = getattr(fn, "__module__", None)
@@ -66,7 +73,8 @@ def function_ref(fn: Callable[..., Any]) -> FunctionRef:
         raise TypeError(
             f"rank function {fn!r} is not a module-level function: a rank looks its function "
             "up by name in its module, and lambdas and functions nested in another function "
-            "have no such name. Define it at the top level of the test file (or any module)"
+            "have no such name. Define it at the top level of the test file (or any module); "
+            "to bind arguments, pass functools.partial(that_function, ...)"
         )
     if module_name == "__main__":
         main = sys.modules.get("__main__")

@@ -196,12 +196,11 @@ def from_exception(exc: BaseException) -> Raised | Skipped | XFailed:
 def capture(
     fn: Callable[..., Any],
     rank: int,
-    world_size: int,
     args: tuple,
     kwargs: dict,
     on_error: Callable[[BaseException], None] | None = None,
 ) -> Report:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` and report how it ended: the one
+    """Run ``fn(*args, **kwargs)`` in rank ``rank`` and report how it ended: the one
     rank-side capture of every strategy. Never raises (``exit()`` and Ctrl-C included).
 
     If the function forked and the *child* comes back here, its report is a failure of the
@@ -213,7 +212,7 @@ def capture(
     hook = threading.excepthook
     threading.excepthook = lambda hook_args: thread_errors.append(_thread_error(hook_args))
     try:
-        outcome: Outcome = Returned(fn(rank, world_size, *args, **kwargs))
+        outcome: Outcome = Returned(fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - everything is reported, even exit()
         outcome = from_exception(exc)
         if on_error is not None and os.getpid() == owner:

@@ -39,8 +39,11 @@ What pytest calls, in the order it calls it:
     with the reason, or marks it to fail under ``--require-gpu``; and keeps pytest-timeout
     from firing before the harness deadline.
 ``pytest_runtest_setup`` / ``pytest_runtest_teardown``
-    fails a misconfigured test, or one ``--require-gpu`` refused to skip, before its
-    fixtures run; leases a GPU test's GPUs for its run (``backends.lease``).
+    fails a misconfigured test (a project's own ``run_ranks`` fixture included:
+    ``shadowing``), or one ``--require-gpu`` refused to skip, before its fixtures run;
+    leases a GPU test's GPUs for its run (``backends.lease``).
+``pytest_runtest_call``
+    while the test's body runs, the public ``run_ranks`` is the test's (``fixtures.in_test``).
 fixtures ``run_ranks`` and ``world_size`` (``fixtures``)
     run a rank function on N processes; the size of this test's world.
 
@@ -57,7 +60,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, forkserver, job, matrix, report
+from tutorial_impl.testing import backends, fixtures, forkserver, job, matrix, report
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing.fixtures import (
     DEADLINE_CAP,
@@ -302,6 +305,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 )
             )
         try:
+            fixtures.refuse_shadowed(item)
             settings = _config.read(
                 item,
                 session.default_deadline,
@@ -321,6 +325,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.stash[SETTINGS], cap = _config.within_pytest_timeout(item, settings)
         if cap is not None:
             item.stash[DEADLINE_CAP] = cap
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    with fixtures.in_test(item):
+        return (yield)
 
 
 def _why_not_here(session: Session, settings: _config.Settings) -> str | None:

@@ -33,6 +33,7 @@ from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.lookup import resolve
 from tutorial_impl.testing.rendezvous import init_method_url
+from tutorial_impl.testing.shape import arguments
 from tutorial_impl.testing.timing import FORK_GRACE, group_timeout
 
 
@@ -240,7 +241,6 @@ def run_task(
     report = _outcome.capture(
         _set_up_and_call,
         spec.rank,
-        spec.world_size,
         (spec,),
         {
             "imported_with": imported_with,
@@ -268,24 +268,22 @@ def run_task(
 
 
 def _set_up_and_call(
-    rank: int,
-    world_size: int,
     spec: RankSpec,
     imported_with: dict[str, str],
     join_group: bool,
     baseline: Any,
 ) -> Any:
-    """What ``capture`` runs: find the function, join the group, call it (a warm rank's
-    ``baseline`` snapshot taken right before the call: what the harness did is not the
-    test's)."""
+    """What ``capture`` runs: find the function, join the group, call it in its shape
+    (``shape``; a warm rank's ``baseline`` snapshot taken right before the call: what the
+    harness did is not the test's)."""
     fn = resolve(spec.function)
-    args, kwargs = pickle.loads(spec.payload)
+    args, kwargs = arguments(spec.payload, spec.rank_params, spec.rank, spec.world_size)
     _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
     if join_group and spec.backend is not None:
         init_process_group(spec)
     if baseline is not None:
         baseline.refresh()
-    return fn(rank, world_size, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:

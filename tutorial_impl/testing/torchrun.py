@@ -2,7 +2,8 @@
 
 Forked, one pytest process starts fresh ranks for each test. Under a cluster launcher the
 ranks already exist (``job``): every worker runs the same test in lockstep, so the call runs
-``fn(rank, world_size)`` in this process, in the job's process group. What makes that safe:
+``fn(rank, world_size)`` (in the function's shape: ``shape``) in this process, in the job's
+process group. What makes that safe:
 
 * **The function runs in a thread of its own**, through the same capture as a forked rank
   (``outcome.capture``); the main thread watches four things: the function ending, another
@@ -41,6 +42,7 @@ from tutorial_impl.testing.job import Job
 from tutorial_impl.testing.lookup import resolve
 from tutorial_impl.testing.rank import dumps_on_cpu
 from tutorial_impl.testing.runner import refused_fields
+from tutorial_impl.testing.shape import arguments
 from tutorial_impl.testing.timing import (
     ANSWER_GRACE,
     FINISH_GRACE,
@@ -106,7 +108,8 @@ class Launched:
                 os.environ.update(rendezvous)
             else:
                 job.group(call.backend, call.deadline)
-            args, kwargs = pickle.loads(call.payload)
+            rank, size = launch.rank, launch.world_size
+            args, kwargs = arguments(call.payload, call.rank_params, rank, size)
             mine = run_here(job, key, resolve(call.function), args, kwargs, call.deadline)
             wait = call.deadline + ANSWER_GRACE
             answers = job.channel.gather(key, pickled(mine), wait, job.heartbeats)
@@ -181,7 +184,7 @@ def run_here(
     child_r, child_w = os.pipe()  # where a forked child that came back reports
 
     def rank_function() -> None:  # the name frames_of stops at
-        report = _o.capture(fn, launch.rank, launch.world_size, args, kwargs)
+        report = _o.capture(fn, launch.rank, args, kwargs)
         if report.pid != worker:  # a child the function forked came back here
             os.write(child_w, pickle.dumps(report))
             os._exit(1)
