@@ -210,6 +210,9 @@ class RankSpec:
     parent_cwd: str | None = None
     coverage: dict[str, Any] | None = None  # the parent's coverage settings, if measuring
     owner_pid: int | None = None  # the process that asked for the rank: it dies with it
+    # The rendezvous of the harness's own group, set only while it joins (``rendezvous``).
+    harness_env: dict[str, str] = field(default_factory=dict)
+    hosts_master_port: bool = False  # rank 0 of backend=None: hosts MASTER_PORT first
 
 
 def rank_spec(
@@ -218,10 +221,13 @@ def rank_spec(
     work: Path,
     rank_env: dict[str, str],
     extra_env: dict[str, str] | None = None,
+    harness_env: dict[str, str] | None = None,
 ) -> RankSpec:
     """What rank ``rank`` runs for ``call``, its files in ``work``. Its environment, last
     word first: ``extra_env`` (the debugger's), the caller's ``env``, ``rank_env`` (the
-    rendezvous), the parent's own."""
+    rendezvous the user's code sees), the parent's own; ``harness_env``: the harness's own
+    group's (``rendezvous.harness_view``). Under ``backend=None`` rank 0 hosts
+    ``MASTER_PORT`` before the function runs, unless the caller's ``env`` names another."""
     return RankSpec(
         rank=rank,
         world_size=call.world_size,
@@ -239,4 +245,11 @@ def rank_spec(
         parent_cwd=os.getcwd(),
         coverage=call.coverage,
         owner_pid=os.getpid(),
+        harness_env=dict(harness_env or {}),
+        hosts_master_port=(
+            rank == 0
+            and call.backend is None
+            and "MASTER_PORT" in rank_env
+            and "MASTER_PORT" not in call.env
+        ),
     )

@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 from tutorial_impl.testing import backends
-from tutorial_impl.testing.rendezvous import AgentStore, avoid_reverse_dns_stalls
+from tutorial_impl.testing.rendezvous import RankZeroStore, avoid_reverse_dns_stalls
 from tutorial_impl.testing.timing import (
     HEARTBEAT_LOST,
     REPORT_WAIT,
@@ -310,19 +310,16 @@ class Job:
         self.current = None
 
     def fresh_rendezvous(self, key: str, timeout: float) -> tuple[dict[str, str], Any]:
-        """MASTER_ADDR/MASTER_PORT of a new store rank 0 hosts on port 0 (for RPC, or a
-        test's own groups): what a ``backend=None`` rank function would get forked."""
+        """MASTER_ADDR/MASTER_PORT of a new store rank 0 hosts on a port reserved for it
+        (for RPC, or a test's own groups): what a ``backend=None`` rank function would get
+        forked. The caller also takes ``TORCHELASTIC_USE_AGENT_STORE`` away meanwhile, so
+        that torch's ``env://`` treats it as rank 0's, as in a forked rank."""
         host = None
         if self.launch.rank == 0:
-            host = AgentStore(host=self.launch.master_addr, timeout=timeout)
+            host = RankZeroStore(self.launch.master_addr, timeout)
             self.channel.set(key, host.port)
         port = self._wait_for(key, timeout)
-        env = {
-            "MASTER_ADDR": self.launch.master_addr,
-            "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0 connects as a client too
-        }
-        return env, host
+        return {"MASTER_ADDR": self.launch.master_addr, "MASTER_PORT": str(port)}, host
 
     def _wait_for(self, key: str, timeout: float) -> Any:
         stop = time.monotonic() + timeout

@@ -32,7 +32,7 @@ from tutorial_impl.testing import torchenv as _torchenv
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.lookup import resolve
-from tutorial_impl.testing.rendezvous import init_method_url
+from tutorial_impl.testing.rendezvous import harness_view, host_master_port, init_method_url
 from tutorial_impl.testing.timing import FORK_GRACE, group_timeout
 
 
@@ -143,8 +143,22 @@ def dumps_on_cpu(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def set_up_world(spec: RankSpec) -> None:
+    """What the harness does in a rank before a test's first function: join the test's
+    process group, or, under ``backend=None``, have rank 0 host ``MASTER_PORT`` (``_HOSTED``
+    keeps that store for the rank's life)."""
+    if spec.backend is not None:
+        init_process_group(spec)
+    elif spec.hosts_master_port:
+        _HOSTED.append(host_master_port(group_timeout(spec.timeout)))
+
+
+_HOSTED: list[Any] = []  # rank 0's store on MASTER_PORT (see ``set_up_world``)
+
+
 def init_process_group(spec: RankSpec) -> None:
-    """Join the process group of the test with the requested backend and init method."""
+    """Join the process group of the test with the requested backend and init method, on
+    the harness's store (``spec.harness_env``, set only meanwhile: ``rendezvous``)."""
     import torch
     import torch.distributed as dist
 
@@ -155,13 +169,14 @@ def init_process_group(spec: RankSpec) -> None:
         if shortage:
             raise RuntimeError(shortage)
         torch.cuda.set_device(spec.rank)
-    dist.init_process_group(
-        backend=spec.backend,
-        init_method=init_method_url(spec.init_method, spec.tmp_dir),
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=group_timeout(spec.timeout),  # behind the harness deadline: see timing
-    )
+    with harness_view(spec.harness_env):
+        dist.init_process_group(
+            backend=spec.backend,
+            init_method=init_method_url(spec.init_method, spec.tmp_dir),
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=group_timeout(spec.timeout),  # behind the harness deadline: see timing
+        )
 
 
 def enter_rank(spec: RankSpec) -> dict[str, str]:
@@ -281,8 +296,8 @@ def _set_up_and_call(
     fn = resolve(spec.function)
     args, kwargs = pickle.loads(spec.payload)
     _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
-    if join_group and spec.backend is not None:
-        init_process_group(spec)
+    if join_group:
+        set_up_world(spec)
     if baseline is not None:
         baseline.refresh()
     return fn(rank, world_size, *args, **kwargs)

@@ -104,6 +104,7 @@ class Launched:
                 job.no_group()
                 rendezvous, host = job.fresh_rendezvous(f"{key}/port", call.deadline)
                 os.environ.update(rendezvous)
+                os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts it
             else:
                 job.group(call.backend, call.deadline)
             args, kwargs = pickle.loads(call.payload)

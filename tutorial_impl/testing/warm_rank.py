@@ -120,8 +120,7 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
         imported_with = _rank.enter_rank(start)
         try:
             torchenv.apply_in_rank(imported_with, start.env)
-            if start.backend is not None:
-                _rank.init_process_group(start)
+            _rank.set_up_world(start)
             world = WorldCheck()
             baseline = reuse.Baseline()  # after WorldCheck, whose tracking it then includes
             baseline.snapshot()
