@@ -55,7 +55,7 @@ def library_test(rank: int, world_size: int, port: int) -> dict[str, object]:
 def own_ports():
     """Ports of the test's own, as a library would pick them, but kept bound (as the
     harness keeps MASTER_PORT: ``reserve_port``) so that no other test takes them meanwhile."""
-    sockets = [reserve_port("127.0.0.1") for _ in range(2)]
+    sockets = [reserve_port() for _ in range(2)]
     yield [s.getsockname()[1] for s in sockets]
     for s in sockets:
         s.close()

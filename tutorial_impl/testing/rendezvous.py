@@ -66,7 +66,7 @@ class AgentStore:
             timeout=timedelta(seconds=timeout),
         )
         self.port: int = self._store.port
-        self._reserved: socket.socket | None = reserve_port(host)
+        self._reserved: socket.socket | None = reserve_port()
         self.master_port: int = self._reserved.getsockname()[1]
 
     def rank_env(self, rank: int, world_size: int) -> dict[str, str]:
@@ -105,15 +105,15 @@ class AgentStore:
         self.close()
 
 
-def reserve_port(host: str) -> socket.socket:
-    """A port the kernel picks, kept for rank 0's store: a socket bound to it (never
-    listening) with ``SO_REUSEADDR``. While it is open, the kernel hands the port to no
-    other bind of port 0 and refuses a bind of it without ``SO_REUSEADDR``; a ``TCPStore``
-    server binds with ``SO_REUSEADDR`` (libuv's and the legacy one), and may listen on it,
-    since this socket never does. Close it when the ranks are gone."""
+def reserve_port() -> socket.socket:
+    """A port the kernel picks, kept for rank 0's store: a socket bound to it on every
+    address (never listening) with ``SO_REUSEADDR``. While it is open, the kernel hands the
+    port to no other bind of port 0 and refuses a bind of it without ``SO_REUSEADDR``; a
+    ``TCPStore`` server binds with ``SO_REUSEADDR`` (libuv's and the legacy one), and may
+    listen on it, since this socket never does. Close it when the ranks are gone."""
     reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    reserved.bind((host, 0))
+    reserved.bind(("", 0))
     return reserved
 
 
@@ -160,7 +160,7 @@ class RankZeroStore:
 
     def __init__(self, host: str, timeout: float) -> None:
         avoid_reverse_dns_stalls()
-        self._reserved: socket.socket | None = reserve_port(host)
+        self._reserved: socket.socket | None = reserve_port()
         self.port: int = self._reserved.getsockname()[1]
         self._store: Any = _rank_zero_server(host, self.port, timedelta(seconds=timeout))
 
