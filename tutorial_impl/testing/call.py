@@ -212,7 +212,6 @@ class RankSpec:
     owner_pid: int | None = None  # the process that asked for the rank: it dies with it
     # The rendezvous of the harness's own group, set only while it joins (``rendezvous``).
     harness_env: dict[str, str] = field(default_factory=dict)
-    hosts_master_port: bool = False  # rank 0 of backend=None: hosts MASTER_PORT first
 
 
 def rank_spec(
@@ -226,8 +225,7 @@ def rank_spec(
     """What rank ``rank`` runs for ``call``, its files in ``work``. Its environment, last
     word first: ``extra_env`` (the debugger's), the caller's ``env``, ``rank_env`` (the
     rendezvous the user's code sees), the parent's own; ``harness_env``: the harness's own
-    group's (``rendezvous.harness_view``). Under ``backend=None`` rank 0 hosts
-    ``MASTER_PORT`` before the function runs, unless the caller's ``env`` names another."""
+    group's (``rendezvous.harness_view``)."""
     return RankSpec(
         rank=rank,
         world_size=call.world_size,
@@ -246,10 +244,4 @@ def rank_spec(
         coverage=call.coverage,
         owner_pid=os.getpid(),
         harness_env=dict(harness_env or {}),
-        hosts_master_port=(
-            rank == 0
-            and call.backend is None
-            and "MASTER_PORT" in rank_env
-            and "MASTER_PORT" not in call.env
-        ),
     )

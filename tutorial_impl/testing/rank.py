@@ -32,7 +32,7 @@ from tutorial_impl.testing import torchenv as _torchenv
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.lookup import resolve
-from tutorial_impl.testing.rendezvous import harness_view, host_master_port, init_method_url
+from tutorial_impl.testing.rendezvous import harness_view, init_method_url
 from tutorial_impl.testing.timing import FORK_GRACE, group_timeout
 
 
@@ -141,19 +141,6 @@ def dumps_on_cpu(obj: Any) -> bytes:
     buffer = io.BytesIO()
     _CpuPickler(buffer).dump(obj)
     return buffer.getvalue()
-
-
-def set_up_world(spec: RankSpec) -> None:
-    """What the harness does in a rank before a test's first function: join the test's
-    process group, or, under ``backend=None``, have rank 0 host ``MASTER_PORT`` (``_HOSTED``
-    keeps that store for the rank's life)."""
-    if spec.backend is not None:
-        init_process_group(spec)
-    elif spec.hosts_master_port:
-        _HOSTED.append(host_master_port(group_timeout(spec.timeout)))
-
-
-_HOSTED: list[Any] = []  # rank 0's store on MASTER_PORT (see ``set_up_world``)
 
 
 def init_process_group(spec: RankSpec) -> None:
@@ -296,8 +283,8 @@ def _set_up_and_call(
     fn = resolve(spec.function)
     args, kwargs = pickle.loads(spec.payload)
     _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
-    if join_group:
-        set_up_world(spec)
+    if join_group and spec.backend is not None:
+        init_process_group(spec)
     if baseline is not None:
         baseline.refresh()
     return fn(rank, world_size, *args, **kwargs)

@@ -20,11 +20,11 @@ So nobody here guesses a port; the kernel hands out every one (port 0), and two 
   bound, never listening, ``SO_REUSEADDR``): the kernel gives it to no one else, and rank 0's
   own ``TCPStore`` server (which binds with ``SO_REUSEADDR`` too) can still take it. So
   ``init_process_group("gloo")`` on ``env://``, ``tcp://MASTER_ADDR:MASTER_PORT`` and RPC
-  behave as torch documents them: rank 0 hosts, the others connect. Under ``backend=None``
-  rank 0 already hosts it when the function starts (``host_master_port``: the multi-tenant
-  server torch's ``env://`` would start in rank 0, and reuses), so that no peer waits for
-  it; and a group on a port or file of the user's own is the user's business, as in plain
-  torch. ``file://`` needs no port at all: a fresh file in the test's tmp dir.
+  behave as torch documents them: rank 0 hosts the store when its code first asks (and
+  stops when torch lets go of it, so a group destroyed and made again meets at a fresh
+  store), the others connect; and a group on a port or file of the user's own is the user's
+  business, as in plain torch. ``file://`` needs no port at all: a fresh file in the test's
+  tmp dir.
 """
 
 from __future__ import annotations
@@ -131,44 +131,6 @@ def harness_view(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def host_master_port(timeout: timedelta) -> Any:
-    """In rank 0: start hosting the store at ``MASTER_ADDR:MASTER_PORT`` now, as torch's
-    ``env://`` would in rank 0 (a multi-tenant ``TCPStore`` server, which later stores of
-    this process on that port, torch's own included, share). Keep the result alive."""
-    return _rank_zero_server(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
-
-
-def _rank_zero_server(host: str, port: int, timeout: timedelta) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        host,
-        port,
-        None,
-        True,
-        timeout,
-        wait_for_workers=False,
-        multi_tenant=True,
-    )
-
-
-class RankZeroStore:
-    """Under torchrun, for a ``backend=None`` call: a port reserved in rank 0's worker and
-    hosted there as ``host_master_port`` hosts it, to be the call's ``MASTER_PORT``."""
-
-    def __init__(self, host: str, timeout: float) -> None:
-        avoid_reverse_dns_stalls()
-        self._reserved: socket.socket | None = reserve_port()
-        self.port: int = self._reserved.getsockname()[1]
-        self._store: Any = _rank_zero_server(host, self.port, timedelta(seconds=timeout))
-
-    def close(self) -> None:
-        self._store = None
-        if self._reserved is not None:
-            self._reserved.close()
-            self._reserved = None
 
 
 def agents_store(timeout: float) -> Any:

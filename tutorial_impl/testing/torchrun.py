@@ -118,7 +118,7 @@ class Launched:
         finished = finish(job, answers, call.deadline)
         job.dirty = any(not isinstance(o, _o.Returned) for o in finished.outcomes.values())
         if host is not None and job.dirty:
-            job.stale.append(host)  # a failed call's store stays up: a rank may still use it
+            job.stale.append(host)  # a failed call's port stays reserved: a rank may still use it
         elif host is not None:
             host.close()
         return decide(finished)

@@ -120,7 +120,8 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
         imported_with = _rank.enter_rank(start)
         try:
             torchenv.apply_in_rank(imported_with, start.env)
-            _rank.set_up_world(start)
+            if start.backend is not None:
+                _rank.init_process_group(start)
             world = WorldCheck()
             baseline = reuse.Baseline()  # after WorldCheck, whose tracking it then includes
             baseline.snapshot()
