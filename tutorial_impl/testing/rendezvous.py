@@ -24,8 +24,7 @@ So nobody here guesses a port; the kernel hands out every one (port 0), and two 
   stops when torch lets go of it: a store the harness kept alive would keep the first
   group's keys, and a group made again there would hang in gloo's connect), the others
   connect; and a group on a port or file of the user's own is the user's business, as in
-  plain torch. ``file://`` needs no port at all: a fresh file in the test's
-  tmp dir.
+  plain torch. ``file://`` needs no port at all: a fresh file in the test's tmp dir.
 """
 
 from __future__ import annotations
@@ -51,7 +50,8 @@ class AgentStore:
     harness's own group; and the port reserved for rank 0 (``MASTER_PORT``, the user's).
 
     The store outlives every rank, so a rank that exits early (or crashes) never takes the
-    rendezvous down with it, which is what happens when rank 0 hosts the store.
+    harness's rendezvous down with it, which is what happens when rank 0 hosts the store (as
+    it does the user's, in plain torch and here alike).
     """
 
     def __init__(self, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
