@@ -11,8 +11,8 @@ meanwhile, and the ``MASTER_PORT`` the user's code finds is a port reserved for 
 1. ``setup_ddp`` on its own port passes in fresh ranks (the harness's group destroyed first)
    and in a warm world, which is then replaced (its default group is not the harness's).
 2. Under ``backend=None`` every way of meeting forms a group, one after another in the same
-   ranks: ``env://`` on the harness's ``MASTER_PORT``, ``tcp://`` on a port of the user's
-   own, and ``file://``.
+   ranks: ``env://`` and ``tcp://`` on ports of the user's own, and ``file://`` (on the
+   ``MASTER_PORT`` the harness gave: ``test_harness_basics``).
 3. A group that cannot form says why on its first line.
 """
 
@@ -62,8 +62,8 @@ def own_ports():
 
 
 def test_a_librarys_setup_ddp_on_its_own_port_passes(run_ranks, own_ports):
-    results = run_ranks(library_test, own_ports[0], world_size=3)
-    assert results == [{"had_group": True, "agent_store": None, "sum": 6.0}] * 3
+    results = run_ranks(library_test, own_ports[0])
+    assert results == [{"had_group": True, "agent_store": None, "sum": 3.0}] * 2
 
 
 def test_in_a_warm_world_too_which_is_then_replaced(own_ports):
@@ -79,21 +79,14 @@ def test_in_a_warm_world_too_which_is_then_replaced(own_ports):
         pool.close_all()
 
 
-def on_master_port(rank: int, world_size: int) -> float:
-    dist.init_process_group("gloo")  # env:// on the MASTER_PORT the harness gave
-    try:
-        return summed(rank)
-    finally:
-        dist.destroy_process_group()
-
-
-def every_way(rank: int, world_size: int, port: int, tmp: str) -> list[float]:
-    """One group after another, each made, used and destroyed by the function: on the
-    MASTER_PORT the harness gave, then on a tcp:// port and a file of its own. (Not twice on
-    one port: a rank that destroys its group and makes the next one before rank 0 has let go
-    of the first store meets that store, and gloo then fails, as in plain torch.)"""
-    sums = [on_master_port(rank, world_size)]
-    for url in (f"tcp://127.0.0.1:{port}", f"file://{tmp}/own-group"):
+def every_way(rank: int, world_size: int, ports: list[int], tmp: str) -> list[float]:
+    """One group after another, each made, used and destroyed by the function: env:// on a
+    MASTER_PORT of its own (setup_ddp), tcp:// on another port, then a file of its own.
+    (env:// and tcp:// on the MASTER_PORT the harness gave: ``test_harness_basics``.)"""
+    setup_ddp(rank, world_size, ports[0])
+    sums = [summed(rank)]
+    dist.destroy_process_group()
+    for url in (f"tcp://127.0.0.1:{ports[1]}", f"file://{tmp}/own-group"):
         dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world_size)
         sums.append(summed(rank))
         dist.destroy_process_group()
@@ -101,7 +94,7 @@ def every_way(rank: int, world_size: int, port: int, tmp: str) -> list[float]:
 
 
 def test_backend_none_forms_groups_every_way(run_ranks, own_ports, tmp_path):
-    results = run_ranks(every_way, own_ports[0], str(tmp_path), backend=None)
+    results = run_ranks(every_way, own_ports, str(tmp_path), backend=None)
     assert results == [[3.0] * 3] * 2
 
 
