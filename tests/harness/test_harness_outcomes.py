@@ -4,7 +4,8 @@
    each failure into its exception, whose first line is the cause.
 2. The exceptions keep structured fields and survive pickling.
 3. A hang's headline says where each rank's own code was (``forensics.where``), and when the
-   ranks sit in different collectives it says so.
+   ranks sit in different collectives it says so; when they wait in a call that forms a
+   group, it says which, and why the group did not form.
 4. Through real ranks: a result the parent cannot unpickle is a ``RankFailed`` naming the
    rank, not a raw error from the harness's internals.
 """
@@ -147,6 +148,37 @@ def test_a_hang_in_different_collectives_says_so():
     # Ranks that had already ended are named, so a rank that returned early is seen.
     ended = errors.hang_headline([0], 5, {0: where[0]}, {1: "returned"})
     assert ended.endswith("rank 0 in all_reduce at t.py:3; rank 1 had returned")
+
+
+# torchmetrics' setup_ddp (a library frame) in torch's env:// rendezvous, as faulthandler shows it
+FORMING = """Current thread 0x00007e (most recent call first):
+  File "{v}/torch/distributed/rendezvous.py", line 190 in _create_c10d_store
+  File "{v}/torch/distributed/rendezvous.py", line 280 in _env_rendezvous_handler
+  File "{v}/torch/distributed/distributed_c10d.py", line 1892 in init_process_group
+  File "{v}/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "{v}/unittests/conftest.py", line 70 in setup_ddp
+  File "/home/me/project/test_ddp.py", line 7 in test_fn
+  File "{v}/tutorial_impl/testing/rank.py", line 9 in rank_main
+""".format(v="/venv/lib/python3.11/site-packages")
+
+
+def test_a_group_that_cannot_form_says_why():
+    """A hang in a call that forms a group names the call and its init method, and why:
+    the ranks that never joined it, or, when all wait in it, that they never meet."""
+    place = forensics.where(FORMING)
+    assert place == Place("test_ddp.py", 7, "test_fn", "setup_ddp", "init_process_group(env://)")
+    assert forensics.where(DUMP.format(op="all_reduce", line=3, fn="f")).joining is None
+    stuck = {0: place, 1: place}
+    line = errors.hang_headline([0, 1], 5, stuck)
+    assert line.endswith(
+        "rank 1 in setup_ddp at test_ddp.py:7: the group did not form in "
+        "init_process_group(env://): " + errors.NEVER_MET
+    )
+    assert "TORCHELASTIC_USE_AGENT_STORE=True" in errors.NEVER_MET
+    elsewhere = {0: place, 1: Place("t.py", 5, "f", "all_reduce")}
+    absent = errors.hang_headline([0, 1], 5, elsewhere, {2: "returned"})
+    assert absent.endswith("init_process_group(env://): rank(s) 1, 2 never joined")
+    assert errors.unformed_group([0], {0: Place("t.py", 5, "f", "barrier")}, {1: "returned"}) == ""
 
 
 # --- 4. a result the parent cannot unpickle ---------------------------------------------------

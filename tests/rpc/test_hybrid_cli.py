@@ -5,7 +5,7 @@ started by ``mp.spawn`` or ``torchrun``, print each trainer's loss per epoch and
 "Training complete"; with CUDA, each trainer's ``Linear`` runs on its own GPU.
 
 What this module proves: the same ``run_worker`` runs in all three settings. Our launcher
-starts the roles through the harness (a race-free rendezvous on the parent's store), torchrun
+starts the roles through the harness (a race-free port for rank 0's store), torchrun
 starts them itself (the agent's store), and each process's role follows from its RANK. Read
 the local run first, then ``--help``, then torchrun, then the GPU runs (skipped without GPUs).
 """

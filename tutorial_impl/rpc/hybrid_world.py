@@ -12,7 +12,7 @@ benchmark script put the master last; here both follow the tutorial.) Any config
 ``trainers`` and ``parameter_servers`` attributes describes a world.
 
 Trainers first join a gloo process group of the trainers only (for DDP), then everyone joins
-one RPC world. Both rendezvous on the same store (the harness's, or torchrun's agent store)
+one RPC world. Both rendezvous on the same store (rank 0's, or torchrun's agent store)
 without colliding: the process group keeps its keys under ``default_pg/``, RPC under
 ``rpc_prefix_N/``.
 
@@ -133,8 +133,9 @@ def rpc_init_method() -> str:
 
     ``TensorPipeRpcBackendOptions``'s default init method is ``env://`` itself, which reads
     these same two variables; the URL spells the address out so that errors and logs show
-    which store RPC used. Under torchrun (and our
-    CLI, which sets the same environment) this is the agent's store; RPC keeps its keys under
+    which store RPC used. Under the harness (and our CLI, which runs the harness) rank 0
+    hosts it, as torch's ``env://`` makes rank 0 do; under torchrun it is the agent's store
+    (or, for a ``backend=None`` test, again rank 0's). RPC keeps its keys under
     a prefix of its own there, so it never collides with a process group on the same store.
     """
     return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"

@@ -220,6 +220,8 @@ class RankSpec:
     coverage: dict[str, Any] | None = None  # the parent's coverage settings, if measuring
     owner_pid: int | None = None  # the process that asked for the rank: it dies with it
     rank_params: int = 2  # how many of (rank, world_size) the function takes first
+    # The rendezvous of the harness's own group, set only while it joins (``rendezvous``).
+    harness_env: dict[str, str] = field(default_factory=dict)
 
 
 def rank_spec(
@@ -228,10 +230,12 @@ def rank_spec(
     work: Path,
     rank_env: dict[str, str],
     extra_env: dict[str, str] | None = None,
+    harness_env: dict[str, str] | None = None,
 ) -> RankSpec:
     """What rank ``rank`` runs for ``call``, its files in ``work``. Its environment, last
     word first: ``extra_env`` (the debugger's), the caller's ``env``, ``rank_env`` (the
-    rendezvous), the parent's own."""
+    rendezvous the user's code sees), the parent's own; ``harness_env``: the harness's own
+    group's (``rendezvous.harness_view``)."""
     return RankSpec(
         rank=rank,
         world_size=call.world_size,
@@ -250,4 +254,5 @@ def rank_spec(
         parent_cwd=os.getcwd(),
         coverage=call.coverage,
         owner_pid=os.getpid(),
+        harness_env=dict(harness_env or {}),
     )

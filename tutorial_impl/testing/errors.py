@@ -252,7 +252,34 @@ def hang_headline(
     calls = {where[r].call for r in pending if where.get(r) and where[r].call in COLLECTIVES}
     if len(calls) > 1:
         line += f": the ranks are in different collectives ({CHECK_COLLECTIVES})"
-    return line
+    return line + unformed_group(pending, where, ended or {})
+
+
+# Why ranks that all wait in one group-forming call never meet (the parent cannot see which).
+NEVER_MET = (
+    "every rank waits there, so they disagree on where to meet (MASTER_ADDR/MASTER_PORT, the "
+    "tcp:// or file:// address) or on the world size, or no rank hosts the store "
+    "(TORCHELASTIC_USE_AGENT_STORE=True makes rank 0 a client too)"
+)
+
+
+def unformed_group(pending: list[int], where: dict[int, Place], ended: dict[int, str]) -> str:
+    """``: the group did not form in init_process_group(env://): rank(s) 1 never joined``
+    when ranks hang in a call that forms a group (``Place.joining``), else empty. A rank
+    that had ended, or hangs elsewhere, never joined it; if every rank is in it, they do not
+    agree on where to meet."""
+    joining = [r for r in pending if where.get(r) and where[r].joining]
+    if not joining:
+        return ""
+    calls = ", ".join(sorted({str(where[r].joining) for r in joining}))
+    absent = sorted([*ended, *(r for r in pending if where.get(r) and r not in joining)])
+    if absent:
+        return f": the group did not form in {calls}: rank(s) {_names(absent)} never joined"
+    return f": the group did not form in {calls}: {NEVER_MET}"
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
 
 
 def timeout_error(

@@ -117,6 +117,7 @@ class Place:
     line: int
     func: str  # the user's function at that line
     call: str | None = None  # e.g. "all_reduce": what that line called, still running
+    joining: str | None = None  # e.g. "init_process_group(env://)": a group it waits to form
 
     def __str__(self) -> str:
         if self.call:
@@ -135,8 +136,26 @@ def place(frames: list[Frame]) -> Place | None:
         if not _is_user(path):
             continue
         called = [f for _, _, f in reversed(frames[:i]) if f not in _WRAPPERS]
-        return Place(os.path.basename(path), line, func, called[0] if called else None)
+        call = called[0] if called else None
+        return Place(os.path.basename(path), line, func, call, joining(frames[:i]))
     return None
+
+
+# torch's calls that form a group (every rank of it must come), and the rendezvous handlers
+# below them that say how the ranks meet.
+_FORMING = ("init_process_group", "new_group", "init_rpc")
+_HANDLERS = {f"_{kind}_rendezvous_handler": f"{kind}://" for kind in ("env", "tcp", "file")}
+
+
+def joining(frames: list[Frame]) -> str | None:
+    """The outermost of torch's group-forming calls in ``frames`` (most recent first), with
+    the init method its rendezvous handler names: ``init_process_group(env://)``; or None."""
+    torch_calls = [func for path, _, func in frames if "/torch/distributed/" in path]
+    forming = [func for func in torch_calls if func in _FORMING]
+    if not forming:
+        return None
+    method = next((_HANDLERS[f] for f in torch_calls if f in _HANDLERS), None)
+    return f"{forming[-1]}({method})" if method else forming[-1]
 
 
 def frames_of_dump(dump: str) -> list[Frame]:

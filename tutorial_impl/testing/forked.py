@@ -55,7 +55,8 @@ class Forked:
         started: list[supervise.Proc] = []
         try:
             for r in range(call.world_size):
-                spec = _call.rank_spec(call, r, work, store.rank_env(r, call.world_size))
+                rank_env = store.rank_env(r, call.world_size)
+                spec = _call.rank_spec(call, r, work, rank_env, harness_env=store.harness_env())
                 spec.env.update(call.debug_env)
                 started.append(start(spec))
             announce = (call.announce or _to_stderr) if call.debug_rank is not None else None

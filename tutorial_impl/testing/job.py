@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 from tutorial_impl.testing import backends
-from tutorial_impl.testing.rendezvous import AgentStore, avoid_reverse_dns_stalls
+from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls, reserve_port
 from tutorial_impl.testing.timing import (
     HEARTBEAT_LOST,
     REPORT_WAIT,
@@ -249,7 +249,7 @@ class Job:
         self.dirty = False  # the last call failed: its group is not reused
         self.abandoned: list[threading.Thread] = []  # rank functions still running
         self.in_call = False  # a run_ranks call is on: it keeps its own deadline
-        self.stale: list[Any] = []  # rendezvous stores of failed backend=None calls
+        self.stale: list[Any] = []  # MASTER_PORTs reserved for failed backend=None calls
 
     def _exit_mid_session(self, code: int) -> None:
         """``os._exit`` called by a test while the session runs, in this worker (a child it
@@ -310,19 +310,17 @@ class Job:
         self.current = None
 
     def fresh_rendezvous(self, key: str, timeout: float) -> tuple[dict[str, str], Any]:
-        """MASTER_ADDR/MASTER_PORT of a new store rank 0 hosts on port 0 (for RPC, or a
-        test's own groups): what a ``backend=None`` rank function would get forked."""
-        host = None
+        """MASTER_ADDR/MASTER_PORT for a ``backend=None`` call (RPC, a test's own groups):
+        a port rank 0 reserves for its own store, as the parent of forked ranks does. The
+        caller also takes ``TORCHELASTIC_USE_AGENT_STORE`` away meanwhile, so that torch's
+        ``env://`` makes rank 0 the host, as in a forked rank. Returns the reservation (rank
+        0's; None elsewhere), to close once the call is over."""
+        reserved = None
         if self.launch.rank == 0:
-            host = AgentStore(host=self.launch.master_addr, timeout=timeout)
-            self.channel.set(key, host.port)
+            reserved = reserve_port()
+            self.channel.set(key, reserved.getsockname()[1])
         port = self._wait_for(key, timeout)
-        env = {
-            "MASTER_ADDR": self.launch.master_addr,
-            "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0 connects as a client too
-        }
-        return env, host
+        return {"MASTER_ADDR": self.launch.master_addr, "MASTER_PORT": str(port)}, reserved
 
     def _wait_for(self, key: str, timeout: float) -> Any:
         stop = time.monotonic() + timeout

@@ -32,7 +32,7 @@ from tutorial_impl.testing import torchenv as _torchenv
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.lookup import resolve
-from tutorial_impl.testing.rendezvous import init_method_url
+from tutorial_impl.testing.rendezvous import harness_view, init_method_url
 from tutorial_impl.testing.shape import arguments
 from tutorial_impl.testing.timing import FORK_GRACE, group_timeout
 
@@ -145,7 +145,8 @@ def dumps_on_cpu(obj: Any) -> bytes:
 
 
 def init_process_group(spec: RankSpec) -> None:
-    """Join the process group of the test with the requested backend and init method."""
+    """Join the process group of the test with the requested backend and init method, on
+    the harness's store (``spec.harness_env``, set only meanwhile: ``rendezvous``)."""
     import torch
     import torch.distributed as dist
 
@@ -156,13 +157,14 @@ def init_process_group(spec: RankSpec) -> None:
         if shortage:
             raise RuntimeError(shortage)
         torch.cuda.set_device(spec.rank)
-    dist.init_process_group(
-        backend=spec.backend,
-        init_method=init_method_url(spec.init_method, spec.tmp_dir),
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=group_timeout(spec.timeout),  # behind the harness deadline: see timing
-    )
+    with harness_view(spec.harness_env):
+        dist.init_process_group(
+            backend=spec.backend,
+            init_method=init_method_url(spec.init_method, spec.tmp_dir),
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=group_timeout(spec.timeout),  # behind the harness deadline: see timing
+        )
 
 
 def enter_rank(spec: RankSpec) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Race-free rendezvous: the parent owns the store, the ranks only connect to it.
+"""Race-free rendezvous: the harness's store is the parent's, ``MASTER_PORT`` is rank 0's.
 
 Every process group starts with a *rendezvous*: the ranks meet at a key-value store to
 exchange addresses. The tutorial's template hard-codes ``MASTER_PORT=29500`` and lets rank 0
@@ -6,21 +6,36 @@ host that store. Under ``pytest -n auto`` that is how suites break: two tests pi
 port (EADDRINUSE), or a harness "finds a free port", closes it, and another process grabs it
 before rank 0 binds it again.
 
-We do what ``torchrun`` does instead. Its *agent* (the parent of the ranks) hosts a
-``TCPStore`` and sets ``TORCHELASTIC_USE_AGENT_STORE=True``; every rank then connects to that
-store as a client and nobody binds a port but the agent. Our parent binds its ``TCPStore`` to
-port 0, so the kernel hands out a free port atomically and there is nothing to race for.
-Because all three of the tutorial's init methods (``env://``, ``tcp://`` and RPC's ``tcp://``)
-go through the same torch helper that honours that variable, they all rendezvous on the
-parent's store. ``file://`` needs no port at all: a fresh file in the test's tmp dir.
+So nobody here guesses a port; the kernel hands out every one (port 0), and two are in play:
+
+* **The harness's own group** meets at a ``TCPStore`` the parent hosts (``AgentStore``), as
+  torchrun's agent hosts one: while the harness makes *its* group, and only then, a rank's
+  environment names that store and says ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's
+  ``env://`` and ``tcp://`` handlers then connect as clients instead of having rank 0 start a
+  server; ``harness_view``). The store outlives every rank, so a rank that dies never takes
+  the rendezvous down with it.
+* **The user's code** sees what plain torch sees in a process that ``mp.spawn`` started with
+  ``MASTER_ADDR``/``MASTER_PORT`` set (``AgentStore.rank_env``): no ``TORCHELASTIC_*``
+  variable, and ``MASTER_PORT`` a port the parent *reserved* for rank 0 (``reserve_port``:
+  bound, never listening, ``SO_REUSEADDR``): the kernel gives it to no one else, and rank 0's
+  own ``TCPStore`` server (which binds with ``SO_REUSEADDR`` too) can still take it. So
+  ``init_process_group("gloo")`` on ``env://``, ``tcp://MASTER_ADDR:MASTER_PORT`` and RPC
+  behave as torch documents them: rank 0 hosts the store when its code first asks (and
+  stops when torch lets go of it: a store the harness kept alive would keep the first
+  group's keys, and a group made again there would hang in gloo's connect), the others
+  connect; and a group on a port or file of the user's own is the user's business, as in
+  plain torch. ``file://`` needs no port at all: a fresh file in the test's tmp dir.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
+import socket
 import sys
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,10 +46,12 @@ _file_counter = itertools.count()
 
 
 class AgentStore:
-    """A ``TCPStore`` server owned by the parent process, on a port the kernel picks.
+    """A ``TCPStore`` server owned by the parent process, on a port the kernel picks, for the
+    harness's own group; and the port reserved for rank 0 (``MASTER_PORT``, the user's).
 
     The store outlives every rank, so a rank that exits early (or crashes) never takes the
-    rendezvous down with it, which is what happens when rank 0 hosts the store.
+    harness's rendezvous down with it, which is what happens when rank 0 hosts the store (as
+    it does the user's, in plain torch and here alike).
     """
 
     def __init__(self, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
@@ -50,32 +67,71 @@ class AgentStore:
             timeout=timedelta(seconds=timeout),
         )
         self.port: int = self._store.port
+        self._reserved: socket.socket | None = reserve_port()
+        self.master_port: int = self._reserved.getsockname()[1]
 
     def rank_env(self, rank: int, world_size: int) -> dict[str, str]:
-        """The environment ``torchrun`` would give this rank (single node)."""
+        """What the user's code finds in a rank's environment: ``torchrun``'s rendezvous
+        variables (single node), ``MASTER_PORT`` the port reserved for rank 0."""
         return {
             "MASTER_ADDR": self.host,
-            "MASTER_PORT": str(self.port),
+            "MASTER_PORT": str(self.master_port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
-            # Make env:// and tcp:// rendezvous connect to our store as clients instead of
-            # having rank 0 start a second server on MASTER_PORT.
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": "0",
             **dns_env(),
+        }
+
+    def harness_env(self) -> dict[str, str]:
+        """The rendezvous of the harness's own group (``harness_view``): this store, which
+        every rank joins as a client, as torchrun's workers join their agent's."""
+        return {
+            "MASTER_ADDR": self.host,
+            "MASTER_PORT": str(self.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
 
     def close(self) -> None:
         # Dropping the last reference stops the server thread and frees the port.
         self._store = None
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
 
     def __enter__(self) -> AgentStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def reserve_port() -> socket.socket:
+    """A port the kernel picks, kept for rank 0's store: a socket bound to it on every
+    address (never listening) with ``SO_REUSEADDR``. While it is open, the kernel hands the
+    port to no other bind of port 0 and refuses a bind of it without ``SO_REUSEADDR``; a
+    ``TCPStore`` server binds with ``SO_REUSEADDR`` (libuv's and the legacy one), and may
+    listen on it, since this socket never does. Close it when the ranks are gone."""
+    reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reserved.bind(("", 0))
+    return reserved
+
+
+@contextlib.contextmanager
+def harness_view(env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` (``AgentStore.harness_env``) while the harness makes its
+    group, then as it was: the user's code never sees the harness's store."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def agents_store(timeout: float) -> Any:
@@ -141,7 +197,8 @@ def dns_env() -> dict[str, str]:
 def init_method_url(kind: str, tmp_dir: str | os.PathLike[str] | None = None) -> str:
     """The ``init_method`` URL of one of the tutorial's three init methods, inside a rank.
 
-    ``env`` and ``tcp`` read MASTER_ADDR/MASTER_PORT, which the harness set to its store.
+    ``env`` and ``tcp`` read MASTER_ADDR/MASTER_PORT: the harness's store inside
+    ``harness_view``, else the port rank 0 hosts.
     ``file`` needs a *fresh* file for every init (a FileStore file that already holds keys
     from an earlier group confuses the next one), so each call names a new file.
     """
@@ -163,7 +220,6 @@ def rpc_init_method() -> str:
     """``init_method`` for ``TensorPipeRpcBackendOptions`` inside a rank.
 
     RPC keys live under their own ``rpc_prefix_N`` in the store, so RPC and a process
-    group can share the parent's store without colliding (file:// would need two files).
-    Under ``torchrun`` this is the agent's store, exactly as in the harness.
+    group can share rank 0's store without colliding (file:// would need two files).
     """
     return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"

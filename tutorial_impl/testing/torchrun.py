@@ -106,6 +106,7 @@ class Launched:
                 job.no_group()
                 rendezvous, host = job.fresh_rendezvous(f"{key}/port", call.deadline)
                 os.environ.update(rendezvous)
+                os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts it
             else:
                 job.group(call.backend, call.deadline)
             rank, size = launch.rank, launch.world_size
@@ -120,7 +121,7 @@ class Launched:
         finished = finish(job, answers, call.deadline)
         job.dirty = any(not isinstance(o, _o.Returned) for o in finished.outcomes.values())
         if host is not None and job.dirty:
-            job.stale.append(host)  # a failed call's store stays up: a rank may still use it
+            job.stale.append(host)  # a failed call's port stays reserved: a rank may still use it
         elif host is not None:
             host.close()
         return decide(finished)

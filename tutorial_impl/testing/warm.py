@@ -193,7 +193,9 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
     rank_env = [store.rank_env(rank, call.world_size) for rank in range(call.world_size)]
     try:
         for spec in specs:
-            first = _call.rank_spec(call, spec.rank, home, rank_env[spec.rank])
+            first = _call.rank_spec(
+                call, spec.rank, home, rank_env[spec.rank], harness_env=store.harness_env()
+            )
             first.log_path, first.stack_path, first.payload = spec.log_path, spec.stack_path, b""
             parent_end, rank_end = ctx.Pipe(duplex=True)
             process = ctx.Process(
