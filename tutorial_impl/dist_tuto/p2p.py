@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,35 @@ def run_blocking(rank: int, size: int) -> torch.Tensor:
         dist.recv(tensor=tensor, src=0)
     print_line("Rank ", rank, " has data ", tensor[0].cpu())
     return tensor.cpu()
+
+
+def run_send_waits_for_recv(
+    rank: int, size: int, delay: float = 0.1
+) -> list[tuple[float, float]] | float:
+    """2.1, seen on a clock: a gloo ``send`` returns only after its receiver called ``recv``.
+
+    Receiver ``r`` is late: it sleeps ``r * delay`` seconds, notes when it calls ``recv``
+    (``time.monotonic()``, one clock for every process of a machine) and returns that time.
+    Rank 0 returns, per receiver, when its ``send`` was called and when it returned. With
+    gloo every send returns after its receiver's ``recv`` began, whatever the size, one
+    float included: gloo's TCP transport sends no data ahead. A ``send`` only announces
+    itself; the data leaves when the receiver answers that its ``recv`` is posted, and
+    ``send`` returns once it has left. (MPI may copy a small message into a buffer and
+    return at once; NCCL's ``send`` returns as soon as it is queued on the GPU's stream.
+    "Blocking" promises only that the tensor may be reused when ``send`` returns.)
+    """
+    tensor = torch.zeros(1, device=rank_device())
+    if rank == 0:
+        times = []
+        for dst in range(1, size):
+            called = time.monotonic()
+            dist.send(tensor=tensor, dst=dst)
+            times.append((called, time.monotonic()))
+        return times
+    time.sleep(rank * delay)  # a late receiver
+    entered = time.monotonic()
+    dist.recv(tensor=tensor, src=0)
+    return entered
 
 
 def run_nonblocking(rank: int, size: int) -> torch.Tensor:
