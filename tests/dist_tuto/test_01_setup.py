@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from tutorial_impl import __main__ as cli
 from tutorial_impl.cli import check_backend, launch
 from tutorial_impl.dist_tuto import init_methods, p2p
-from tutorial_impl.dist_tuto.process import init_process, select_gpu
+from tutorial_impl.dist_tuto.process import init_process, rank_device, select_gpu
 from tutorial_impl.testing import proctable
 
 
@@ -121,6 +122,25 @@ def test_env_init_reads_the_variables_the_rank_set(run_ranks):
     assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
     assert {r["init_method"] for r in results} == {"env://"}
     assert store.num_keys() > 0  # the ranks met here, not at the harness's store
+
+
+def barrier_warnings(rank: int, size: int) -> dict[str, object]:
+    """In the group ``init_process`` made: this rank's device, and what ``barrier`` warned."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.barrier()
+    said = [str(w.message) for w in caught if "barrier()" in str(w.message)]
+    return {"device": str(rank_device()), "barrier_warnings": said}
+
+
+@pytest.mark.dist_gpu(2)
+@pytest.mark.world_size(2)
+def test_init_process_binds_each_nccl_rank_to_its_own_gpu(run_ranks):
+    """NCCL: rank r on ``cuda:r``, its group bound to that GPU (``device_id``), so a barrier
+    knows which GPU to use and says nothing (an unbound group's rank 0 would warn
+    "barrier(): using the device under current context")."""
+    results = run_ranks(init_process, barrier_warnings, "nccl", backend=None)
+    assert results == [{"device": f"cuda:{r}", "barrier_warnings": []} for r in range(2)]
 
 
 @pytest.mark.parametrize("kind", ["tcp", "file"])
