@@ -15,7 +15,8 @@ Read in this order:
 4. ``irecv_before_send`` + ``test_irecv_buffer_is_only_valid_after_wait``: the buffer of a
    posted ``irecv`` is still zero until the sender sends and ``wait`` returns.
 5. ``test_isend_buffer_must_not_change_before_wait``: the sender's half of the rule.
-6. The same on NCCL (skipped without GPUs), then the CLI.
+6. ``test_a_ring_exchange_in_one_batch``: ``batch_isend_irecv``, where send-then-recv hangs.
+7. The same on NCCL (skipped without GPUs), then the CLI.
 """
 
 from __future__ import annotations
@@ -143,11 +144,26 @@ def test_isend_buffer_must_not_change_before_wait(run_ranks):
     assert receiver["broken"] == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_ring_exchange_in_one_batch(run_ranks, world_size):
+    """``batch_isend_irecv``: each rank lists its send first and still gets its left
+    neighbour's value, where a ``send`` then ``recv`` on every rank would wait forever."""
+    results = run_ranks(p2p.run_ring_exchange, world_size=world_size)
+    assert results == [[float((rank - 1) % world_size)] * 2 for rank in range(world_size)]
+
+
 @pytest.mark.dist_gpu(2)
 @pytest.mark.dist_backend("nccl")
 @pytest.mark.parametrize("fn", [p2p.run_blocking, p2p.run_nonblocking], ids=["send", "isend"])
 def test_p2p_on_nccl_with_cuda_tensors(run_ranks, fn):
     assert [t.tolist() for t in run_ranks(fn)] == [[1.0], [1.0]]
+
+
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
+def test_a_ring_exchange_in_one_batch_on_nccl(run_ranks):
+    """The same batch on two GPUs: one NCCL group of operations, a send and a receive."""
+    assert run_ranks(p2p.run_ring_exchange) == [[1.0, 1.0], [0.0, 0.0]]
 
 
 def test_cli_runs_both_modes(capsys):

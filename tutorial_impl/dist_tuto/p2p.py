@@ -123,6 +123,30 @@ def run_send_buffer_reuse(rank: int, size: int, refill_before_wait: bool = False
     return received
 
 
+def run_ring_exchange(rank: int, size: int) -> list[float]:
+    """Every rank sends to its right neighbour and receives from its left, in one batch.
+
+    Written as two blocking calls, ``send`` then ``recv``, this ring would hang on gloo: every
+    rank would sit in ``send`` waiting for its neighbour's ``recv``, which comes only after
+    that neighbour's own ``send`` (``run_send_waits_for_recv`` shows why). With
+    ``batch_isend_irecv`` the sends and receives of the list are posted together, so their
+    order in the list does not matter; here every rank lists its send first. On NCCL the
+    batch becomes one NCCL group of operations (``ncclGroupStart``/``ncclGroupEnd``), which
+    is how NCCL wants a rank's sends and receives issued together, and the current GPU must be
+    this rank's own (``select_gpu``). Returns what arrived from the left: ``rank - 1``'s value.
+    """
+    device = rank_device()
+    mine = torch.full((2,), float(rank), device=device)
+    from_left = torch.full((2,), -1.0, device=device)
+    ops = [
+        dist.P2POp(dist.isend, mine, (rank + 1) % size),
+        dist.P2POp(dist.irecv, from_left, (rank - 1) % size),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return from_left.cpu().tolist()
+
+
 MODES = {"blocking": run_blocking, "nonblocking": run_nonblocking}
 
 
