@@ -116,7 +116,7 @@ def test_net_is_the_tutorials_model_layer_by_layer() -> None:
     images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
     log_probs = net.eval()(images)  # a batch of MNIST-sized images -> log_softmax over 10
     assert log_probs.shape == (4, 10)
-    torch.testing.assert_close(log_probs.exp().sum(dim=1), torch.ones(4))
+    assert torch.allclose(log_probs.exp().sum(dim=1), torch.ones(4))  # probabilities
     # Its two dropouts draw a fresh mask on each pass in training mode, none in eval mode
     # (why the parity tests below compare in eval mode).
     assert not torch.equal(net.train()(images), net(images))
