@@ -9,7 +9,8 @@ group) returns a wrong sum, and every rank's sum is checked against the closed f
 Read in this order:
 
 1. ``test_the_tutorials_run_py_as_written``: the tutorial's own ``run.py``, spawn and all.
-2. ``init_process`` and the three init methods, started through the harness.
+2. ``init_process`` and the three init methods, started through the harness; for
+   ``env://`` the rank sets every variable it reads itself (``join_through_env_set_here``).
 3. The CLI: ``python -m tutorial_impl setup`` and its answers to bad input.
 4. Backends this machine may not have (MPI, a GPU per NCCL rank), refused clearly.
 5. Ctrl-C stops a demo and every one of its ranks.
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from tutorial_impl import __main__ as cli
 from tutorial_impl.cli import check_backend, launch
 from tutorial_impl.dist_tuto import init_methods, p2p
-from tutorial_impl.dist_tuto.process import init_process, select_gpu
+from tutorial_impl.dist_tuto.process import init_process, rank_device, select_gpu
 from tutorial_impl.testing import proctable
 
 
@@ -85,9 +87,65 @@ def test_init_process_runs_fn_in_a_group_on_every_rank(run_ranks):
     ]
 
 
-@pytest.mark.parametrize("kind", ["env", "tcp", "file"])
+def join_through_env_set_here(rank: int, size: int, port: int) -> dict[str, object]:
+    """``env://``, with every variable it reads set right here, as the template sets them.
+
+    ``init_process_group("gloo", init_method="env://")`` takes no rank and no world size:
+    it reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``. The tutorial's
+    template sets the first two in ``init_process``; torchrun sets all four. We set all four,
+    overwriting what the harness gave this process, and number the ranks backwards
+    (``RANK = size - 1 - rank``) so that the group's ranks can only have come from here.
+    """
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)  # the store the test hosts, on a port it was given
+    # Connect to that store as a client, as torchrun's workers connect to their agent's,
+    # instead of rank 0 starting one (the tutorial's rank 0 hosts it on 29500).
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    os.environ["WORLD_SIZE"] = str(size)
+    os.environ["RANK"] = str(size - 1 - rank)
+    return init_methods.join_with(rank, size, "env", shared_dir="")
+
+
+@pytest.mark.world_size(3)
+def test_env_init_reads_the_variables_the_rank_set(run_ranks):
+    """env:// found the group through the variables ``join_through_env_set_here`` set.
+
+    The ranks came from its ``RANK``: harness rank r is group rank 2 - r. The rendezvous
+    was at its ``MASTER_PORT``: the store this test hosts on a port the kernel picked held
+    no keys before the run, and the group's keys (the ranks' addresses) after it. And the
+    group works: every rank's all_reduce of rank + 1 gives 1 + 2 + 3.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert store.num_keys() == 0
+    results = run_ranks(join_through_env_set_here, store.port, backend=None)
+    assert [r["rank"] for r in results] == [2, 1, 0]
+    assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
+    assert {r["init_method"] for r in results} == {"env://"}
+    assert store.num_keys() > 0  # the ranks met here, not at the harness's store
+
+
+def barrier_warnings(rank: int, size: int) -> dict[str, object]:
+    """In the group ``init_process`` made: this rank's device, and what ``barrier`` warned."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.barrier()
+    said = [str(w.message) for w in caught if "barrier()" in str(w.message)]
+    return {"device": str(rank_device()), "barrier_warnings": said}
+
+
+@pytest.mark.dist_gpu(2)
+@pytest.mark.world_size(2)
+def test_init_process_binds_each_nccl_rank_to_its_own_gpu(run_ranks):
+    """NCCL: rank r on ``cuda:r``, its group bound to that GPU (``device_id``), so a barrier
+    knows which GPU to use and says nothing (an unbound group's rank 0 would warn
+    "barrier(): using the device under current context")."""
+    results = run_ranks(init_process, barrier_warnings, "nccl", backend=None)
+    assert results == [{"device": f"cuda:{r}", "barrier_warnings": []} for r in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["tcp", "file"])
 def test_each_init_method_forms_a_working_group(run_ranks, tmp_path, kind):
-    """The rank calls init_process_group itself with env://, tcp://HOST:PORT or file://."""
+    """The rank calls init_process_group itself with tcp://HOST:PORT or file://."""
     results = run_ranks(init_methods.join_with, kind, str(tmp_path), world_size=3, backend=None)
     assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
     assert [r["rank"] for r in results] == [0, 1, 2]

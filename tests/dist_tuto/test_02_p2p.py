@@ -1,19 +1,22 @@
 """2. Point-to-point communication (``tutorial_impl/dist_tuto/p2p.py``).
 
 The tutorial claims ``send``/``recv`` move a tensor from one rank to another, blocking until
-done, and that ``isend``/``irecv`` return at once with a request whose data is valid only
-after ``wait()``. Rank 0 starts with zeros, adds one and sends; the others hold zeros until
-the data arrives. So a receiver that reports 1.0 has really received it: nothing else could
-have changed its buffer. Every rank returns its tensor, and every rank is checked.
+done (with gloo a ``send`` returns only after its receiver has called ``recv``), and that
+``isend``/``irecv`` return at once with a request whose data is valid only after ``wait()``.
+Rank 0 starts with zeros, adds one and sends; the others hold zeros until the data arrives.
+So a receiver that reports 1.0 has really received it: nothing else could have changed its
+buffer. Every rank returns its tensor, and every rank is checked.
 
 Read in this order:
 
 1. ``test_every_rank_ends_with_rank_0s_tensor``: both modes, worlds of 2 and 3.
 2. ``test_prints_what_the_tutorial_prints``: the tutorial's own lines.
-3. ``irecv_before_send`` + ``test_irecv_buffer_is_only_valid_after_wait``: the buffer of a
+3. ``test_send_returns_only_after_the_receiver_called_recv``: what "blocking" means on gloo.
+4. ``irecv_before_send`` + ``test_irecv_buffer_is_only_valid_after_wait``: the buffer of a
    posted ``irecv`` is still zero until the sender sends and ``wait`` returns.
-4. ``test_isend_buffer_must_not_change_before_wait``: the sender's half of the rule.
-5. The same on NCCL (skipped without GPUs), then the CLI.
+5. ``test_isend_buffer_must_not_change_before_wait``: the sender's half of the rule.
+6. ``test_a_ring_exchange_in_one_batch``: ``batch_isend_irecv``, where send-then-recv hangs.
+7. The same on NCCL (skipped without GPUs), then the CLI.
 """
 
 from __future__ import annotations
@@ -51,6 +54,25 @@ def test_prints_what_the_tutorial_prints(run_ranks):
         "Rank 1 started receiving",
         "Rank  1  has data  tensor(1.)",
     ]
+
+
+@pytest.mark.world_size(3)
+def test_send_returns_only_after_the_receiver_called_recv(run_ranks):
+    """Rank 1 calls ``recv`` 0.1 s late, rank 2 0.2 s; rank 0's ``send`` to each waits for it.
+
+    Every time is ``time.monotonic()``, one clock for all processes of a machine. Rank 0
+    called each send before its receiver called ``recv`` (the premise: the receiver really
+    was late), and each send returned only after the receiver entered ``recv``, for a message
+    of one float: gloo sends no data before the receiver says its ``recv`` is posted
+    (``p2p.run_send_waits_for_recv``). A transport that sent ahead (MPI's eager small
+    messages) would have returned at once, while the receiver still slept.
+    """
+    sends, *recv_entered = run_ranks(p2p.run_send_waits_for_recv)
+    assert len(sends) == len(recv_entered) == 2
+    for dst, entered in enumerate(recv_entered, start=1):
+        called, returned = sends[dst - 1]
+        assert called < entered, f"rank {dst} was not late: the test shows nothing"
+        assert returned >= entered, f"rank 0's send to rank {dst} returned before its recv"
 
 
 def irecv_before_send(rank: int, size: int) -> dict[str, object]:
@@ -122,11 +144,26 @@ def test_isend_buffer_must_not_change_before_wait(run_ranks):
     assert receiver["broken"] == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_ring_exchange_in_one_batch(run_ranks, world_size):
+    """``batch_isend_irecv``: each rank lists its send first and still gets its left
+    neighbour's value, where a ``send`` then ``recv`` on every rank would wait forever."""
+    results = run_ranks(p2p.run_ring_exchange, world_size=world_size)
+    assert results == [[float((rank - 1) % world_size)] * 2 for rank in range(world_size)]
+
+
 @pytest.mark.dist_gpu(2)
 @pytest.mark.dist_backend("nccl")
 @pytest.mark.parametrize("fn", [p2p.run_blocking, p2p.run_nonblocking], ids=["send", "isend"])
 def test_p2p_on_nccl_with_cuda_tensors(run_ranks, fn):
     assert [t.tolist() for t in run_ranks(fn)] == [[1.0], [1.0]]
+
+
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
+def test_a_ring_exchange_in_one_batch_on_nccl(run_ranks):
+    """The same batch on two GPUs: one NCCL group of operations, a send and a receive."""
+    assert run_ranks(p2p.run_ring_exchange) == [[1.0, 1.0], [0.0, 0.0]]
 
 
 def test_cli_runs_both_modes(capsys):

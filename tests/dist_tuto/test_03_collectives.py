@@ -18,7 +18,8 @@ Read in this order:
 4. ``test_every_collective``: the tour of 3.2, against the definitions.
 5. ``coll.run_barrier`` and ``excluding_groups``: what a barrier guarantees; groups that
    leave a rank out.
-6. ``check_op``'s messages, the CLI, then the same on NCCL (skipped without GPUs).
+6. ``test_async_all_reduce_then_wait``: ``async_op=True``, and what ``wait()`` waits for.
+7. ``check_op``'s messages, the CLI, then the same on NCCL (skipped without GPUs).
 """
 
 from __future__ import annotations
@@ -275,6 +276,22 @@ def test_check_op_messages_name_op_dtype_and_backend():
         ValueError, match=r"PREMUL_SUM needs a floating-point tensor, got torch.int64"
     ):
         coll.check_op(ReduceOp.PREMUL_SUM, torch.int64, "nccl")  # NCCL: floating types only
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_async_all_reduce_then_wait(run_ranks, world_size):
+    """``async_op=True``, ``wait()``, then doubling: every rank holds twice 1 + ... + N."""
+    twice_the_sum = world_size * (world_size + 1)  # 2 * (1 + 2 + ... + N)
+    results = run_ranks(coll.run_async_all_reduce, world_size=world_size)
+    assert results == [[float(twice_the_sum)] * 4] * world_size
+
+
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
+def test_async_all_reduce_then_wait_on_nccl(run_ranks):
+    """On NCCL ``wait()`` orders the GPU's streams, not the CPU: the doubling still comes
+    after the sum, 2 * (1 + 2) on both GPUs."""
+    assert run_ranks(coll.run_async_all_reduce) == [[6.0] * 4, [6.0] * 4]
 
 
 def gloo_all_reduce_on_gpus(rank: int, size: int) -> tuple[str, float]:

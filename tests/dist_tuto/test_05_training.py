@@ -14,11 +14,12 @@ momentum) is untouched.
 
 Read in this order:
 
-1. The reference (one process, whole batches) and ``test_the_tolerance_can_tell_right_from_wrong``.
-2. ``train_global_batches`` + ``test_n_ranks_reach_the_parameters_of_one_process``: 2, 3 and
+1. ``test_net_is_the_tutorials_model_layer_by_layer``: the model, pinned to the tutorial's.
+2. The reference (one process, whole batches) and ``test_the_tolerance_can_tell_right_from_wrong``.
+3. ``train_global_batches`` + ``test_n_ranks_reach_the_parameters_of_one_process``: 2, 3 and
    4 ranks with ``average_gradients``, and DDP, against the reference.
-3. ``test_synthetic_data_is_learnable_and_replicas_stay_identical``: the real loop.
-4. The data: the MNIST IDX reader and the synthetic set; then the CLI; then NCCL (skipped
+4. ``test_synthetic_data_is_learnable_and_replicas_stay_identical``: the real loop.
+5. The data: the MNIST IDX reader and the synthetic set; then the CLI; then NCCL (skipped
    without GPUs).
 """
 
@@ -89,6 +90,37 @@ def reference(global_batches) -> dict[str, torch.Tensor]:
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_net_is_the_tutorials_model_layer_by_layer() -> None:
+    """``Net`` as the tutorial's section 4.3 defines it, pinned shape by shape.
+
+    ``conv1``: 1 -> 10 channels, 5x5; ``conv2``: 10 -> 20, 5x5, with ``Dropout2d`` after it;
+    ``fc1``: 320 -> 50; ``fc2``: 50 -> 10. The 320 is the image after both convolutions and
+    poolings: 28 -> 24 (5x5 conv) -> 12 (pool) -> 8 (5x5 conv) -> 4 (pool), times 20
+    channels, 20 * 4 * 4. In all 21,840 parameters: 260 + 5,020 + 16,050 + 510.
+    """
+    net = Net()
+    assert {name: tuple(p.shape) for name, p in net.named_parameters()} == {
+        "conv1.weight": (10, 1, 5, 5),
+        "conv1.bias": (10,),
+        "conv2.weight": (20, 10, 5, 5),
+        "conv2.bias": (20,),
+        "fc1.weight": (50, 320),
+        "fc1.bias": (50,),
+        "fc2.weight": (10, 50),
+        "fc2.bias": (10,),
+    }
+    assert sum(p.numel() for p in net.parameters()) == 21_840
+    assert isinstance(net.conv2_drop, nn.Dropout2d)
+    images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    log_probs = net.eval()(images)  # a batch of MNIST-sized images -> log_softmax over 10
+    assert log_probs.shape == (4, 10)
+    assert torch.allclose(log_probs.exp().sum(dim=1), torch.ones(4))  # probabilities
+    # Its two dropouts draw a fresh mask on each pass in training mode, none in eval mode
+    # (why the parity tests below compare in eval mode).
+    assert not torch.equal(net.train()(images), net(images))
+    assert torch.equal(net.eval()(images), log_probs)
 
 
 def test_the_tolerance_can_tell_right_from_wrong(global_batches, reference) -> None:

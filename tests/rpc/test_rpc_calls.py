@@ -10,14 +10,15 @@ worker has reached it and all outstanding work is complete, so a worker can star
 ``rpc_async``, never wait for it, and still leave safely.
 
 This module runs one world of three workers (``calls_lesson``): worker0 makes every call,
-worker1 and worker2 serve. Read the tests in order: the three calls, then the driver /
-parameter server / trainer story and why ``rpc_sync`` would be the wrong call for it, then
-names and ids, a call to a worker that does not exist, and last how the world ends: worker0
-tells worker2 to start 0.2 s of work of its own, starts 0.2 s of work on worker1 without
-waiting for it, and shuts down at once; worker2 calls shutdown when its work is done. The
-shutdown claims are orderings of ``time.monotonic()`` (one clock for every process of a
-machine), which a slow machine cannot reverse; their premises (worker0 called shutdown before
-the others were done) have 0.2 s of slack.
+worker1 and worker2 serve. Read the tests in order: the three calls (``rpc_sync`` sits out
+0.1 s of work on worker1; ``rpc_async`` returns while worker1 still waits for worker0's
+go-ahead), then the driver / parameter server / trainer story and why ``rpc_sync`` would be
+the wrong call for it, then names and ids, a call to a worker that does not exist, and last
+how the world ends: worker0 tells worker2 to start 0.2 s of work of its own, starts 0.2 s of
+work on worker1 without waiting for it, and shuts down at once; worker2 calls shutdown when
+its work is done. The timing claims are orderings of ``time.monotonic()`` (one clock for
+every process of a machine), which a slow machine cannot reverse; the shutdown claims'
+premises (worker0 called shutdown before the others were done) have 0.2 s of slack.
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from tutorial_impl.rpc.calls import driver, make_table, profiled_call, three_calls, what_arrives
+from tutorial_impl.rpc.calls import (
+    driver,
+    make_table,
+    profiled_call,
+    three_calls,
+    what_arrives,
+    when_each_call_returns,
+)
 from tutorial_impl.rpc.workers import init_worker, shutdown_with_work_in_flight, shutdown_worker
 
 RPC_TIMEOUT = 10.0  # far above any healthy call here, even on a loaded machine
 INDICES, OFFSETS = torch.tensor([4, 0, 9, 4, 1]), torch.tensor([0, 2])  # bags {4, 0}, {9, 4, 1}
 SEED = 3
 WORK = 0.2  # seconds of work in flight, or still to do, when worker0 shuts down
+CALLEE_WORK = 0.1  # seconds of work on worker1 that rpc_sync must wait for
 
 
 _start_own_work = threading.Event()
@@ -59,6 +68,7 @@ def calls_lesson(rank: int, world_size: int) -> dict:
         report["remote_is_rref"] = isinstance(rref, rpc.PyRRef)  # the base class of rpc.RRef
         report["remote_owner"] = rref.owner_name()
         report["worker2_id"] = rpc.get_worker_info("worker2").id
+        report["who_waits"] = when_each_call_returns("worker1", CALLEE_WORK)
 
         story = driver("worker1", "worker2", INDICES, OFFSETS, seed=SEED)
         table = story.pop("table")
@@ -92,6 +102,20 @@ def reports(rpc_worlds) -> list[dict]:
 def test_rpc_sync_blocks_and_returns_the_value(reports):
     # torch.add(ones(2), 3) ran on worker1; the tensor came back.
     assert torch.equal(reports[0]["three_calls"]["rpc_sync"], torch.full((2,), 4.0))
+    # It blocks: worker1's work (0.1 s of sleep) ended before worker0's rpc_sync returned,
+    # on one clock for both processes; so worker0 sat in rpc_sync for at least those 0.1 s.
+    sync = reports[0]["who_waits"]["rpc_sync"]
+    assert sync["called"] < sync["work_ended"] <= sync["returned"]
+    assert sync["returned"] - sync["called"] >= CALLEE_WORK
+
+
+def test_rpc_async_returns_before_the_callee_is_done(reports):
+    """worker1's ``add_when_told`` waits for worker0's go-ahead, which worker0 sends only
+    after its ``rpc_async`` returned and it looked at the future: not done. Had ``rpc_async``
+    blocked, worker0 could never have sent it (the run would have hit its deadline)."""
+    seen = reports[0]["who_waits"]["rpc_async"]
+    assert seen["done_when_returned"] is False
+    assert torch.equal(seen["value"], torch.full((2,), 4.0))  # ones(2) + 3, after the go-ahead
 
 
 def test_rpc_async_returns_futures_that_collect_all_waits_for(reports):

@@ -6,6 +6,7 @@
 ``Rank  0  has data  tensor(2.)``. ``tour`` then calls each collective of 3.2 once (plus
 ``reduce_scatter``) and prints what every rank holds afterwards. ``run_barrier`` is the
 lesson of ``barrier``: after it, every rank has done what it did before it.
+``run_async_all_reduce`` is ``async_op=True`` and what ``wait()`` means on gloo and on NCCL.
 
 Backends do not all support every ``ReduceOp``. ``all_reduce`` here checks the op against the
 backend and the dtype *before* any communication, so an unsupported combination raises the
@@ -177,6 +178,26 @@ def run_barrier(rank: int, size: int, directory: str) -> list[str]:
         f.write(str(rank))
     dist.barrier()
     return sorted(os.listdir(directory))
+
+
+def run_async_all_reduce(rank: int, size: int) -> list[float]:
+    """``all_reduce(async_op=True)``: start it, ``wait()``, and only then use the tensor.
+
+    The rule is the same on every backend; what ``wait()`` waits for is not. On gloo the
+    collective runs on gloo's threads, and ``wait()`` blocks the CPU until the sum is in the
+    tensor. On NCCL the collective is queued on NCCL's own CUDA stream and the CPU never waits
+    for it: ``wait()`` makes this rank's current stream wait for NCCL's, so the GPU work queued
+    after it (the doubling here) runs after the sum has arrived; skip it and the doubling may
+    run while the sum is still on its way. Reading a CUDA tensor on the CPU (``.cpu()``,
+    ``.item()``, ``.tolist()``) waits for the work queued before it on the current stream.
+    Every rank returns ``2 * (1 + 2 + ... + size)``, four times.
+    """
+    tensor = torch.full((4,), float(rank + 1), device=rank_device())
+    work = dist.all_reduce(tensor, async_op=True)
+    # Here the CPU is free to do work that does not touch ``tensor``.
+    work.wait()
+    tensor.mul_(2)
+    return tensor.cpu().tolist()
 
 
 def demo(rank: int, size: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,35 @@ def run_blocking(rank: int, size: int) -> torch.Tensor:
         dist.recv(tensor=tensor, src=0)
     print_line("Rank ", rank, " has data ", tensor[0].cpu())
     return tensor.cpu()
+
+
+def run_send_waits_for_recv(
+    rank: int, size: int, delay: float = 0.1
+) -> list[tuple[float, float]] | float:
+    """2.1, seen on a clock: a gloo ``send`` returns only after its receiver called ``recv``.
+
+    Receiver ``r`` is late: it sleeps ``r * delay`` seconds, notes when it calls ``recv``
+    (``time.monotonic()``, one clock for every process of a machine) and returns that time.
+    Rank 0 returns, per receiver, when its ``send`` was called and when it returned. With
+    gloo every send returns after its receiver's ``recv`` began, whatever the size, one
+    float included: gloo's TCP transport sends no data ahead. A ``send`` only announces
+    itself; the data leaves when the receiver answers that its ``recv`` is posted, and
+    ``send`` returns once it has left. (MPI may copy a small message into a buffer and
+    return at once; NCCL's ``send`` returns as soon as it is queued on the GPU's stream.
+    "Blocking" promises only that the tensor may be reused when ``send`` returns.)
+    """
+    tensor = torch.zeros(1, device=rank_device())
+    if rank == 0:
+        times = []
+        for dst in range(1, size):
+            called = time.monotonic()
+            dist.send(tensor=tensor, dst=dst)
+            times.append((called, time.monotonic()))
+        return times
+    time.sleep(rank * delay)  # a late receiver
+    entered = time.monotonic()
+    dist.recv(tensor=tensor, src=0)
+    return entered
 
 
 def run_nonblocking(rank: int, size: int) -> torch.Tensor:
@@ -91,6 +121,30 @@ def run_send_buffer_reuse(rank: int, size: int, refill_before_wait: bool = False
             dist.recv(tensor=buffer, src=0)
             received.append(buffer.item())
     return received
+
+
+def run_ring_exchange(rank: int, size: int) -> list[float]:
+    """Every rank sends to its right neighbour and receives from its left, in one batch.
+
+    Written as two blocking calls, ``send`` then ``recv``, this ring would hang on gloo: every
+    rank would sit in ``send`` waiting for its neighbour's ``recv``, which comes only after
+    that neighbour's own ``send`` (``run_send_waits_for_recv`` shows why). With
+    ``batch_isend_irecv`` the sends and receives of the list are posted together, so their
+    order in the list does not matter; here every rank lists its send first. On NCCL the
+    batch becomes one NCCL group of operations (``ncclGroupStart``/``ncclGroupEnd``), which
+    is how NCCL wants a rank's sends and receives issued together, and the current GPU must be
+    this rank's own (``select_gpu``). Returns what arrived from the left: ``rank - 1``'s value.
+    """
+    device = rank_device()
+    mine = torch.full((2,), float(rank), device=device)
+    from_left = torch.full((2,), -1.0, device=device)
+    ops = [
+        dist.P2POp(dist.isend, mine, (rank + 1) % size),
+        dist.P2POp(dist.irecv, from_left, (rank - 1) % size),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return from_left.cpu().tolist()
 
 
 MODES = {"blocking": run_blocking, "nonblocking": run_nonblocking}

@@ -7,7 +7,8 @@ with four changes, each for a reason a learner will meet sooner or later:
 * the address is a *default* (``setdefault``), so whoever starts the ranks can give a
   better one: ``torchrun``'s agent, or our CLI, whose parent owns the rendezvous store on a
   port the kernel picked, so two demos never fight over 29500;
-* with NCCL each rank first takes *its own* GPU (``select_gpu``), as section 5.1 says;
+* with NCCL each rank first takes *its own* GPU (``select_gpu``), as section 5.1 says, and
+  binds its group to it (``device_id``);
 * the ranks leave the group together (``barrier``, then ``destroy_process_group``);
 * a torchrun worker ends without interpreter finalization (``exit_process``, ``run_main``).
 
@@ -30,10 +31,13 @@ def init_process(rank: int, size: int, fn: Callable[[int, int], Any], backend: s
     """Initialize the distributed environment, run ``fn(rank, size)``, leave the group."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    device_id = None
     if backend == "nccl":
-        # One GPU per rank, chosen before NCCL initialises (5.1: "Set device").
-        select_gpu(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group(backend, rank=rank, world_size=size)
+        # One GPU per rank, chosen before NCCL initialises (5.1: "Set device"), and the group
+        # bound to it: with ``device_id`` NCCL connects now, not at the first collective, and
+        # ``barrier`` knows which GPU to use instead of guessing (and warning that it did).
+        device_id = select_gpu(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(backend, rank=rank, world_size=size, device_id=device_id)
     try:
         result = fn(rank, size)
         # Leave together: a rank that closes its connections while a peer still reads from

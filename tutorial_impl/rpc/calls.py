@@ -7,6 +7,10 @@ The reference's rule of thumb:
 * ``rpc_async`` otherwise: it returns a ``Future`` at once, so several calls can be in flight
   together; ``fut.wait()`` (or ``torch.futures.collect_all`` for a list) when the value is
   needed.
+
+``when_each_call_returns`` shows the difference rather than saying it: the caller's
+``rpc_sync`` returns only after the callee's work has ended, and ``rpc_async`` returns while
+the callee is still waiting for a go-ahead that only the caller can give.
 * ``remote`` when something should be *created* on another worker and stay there: it returns
   an ``RRef`` (a reference to the value on its owner), never the value itself.
 
@@ -35,11 +39,15 @@ itself is deprecated in favour of ``torch.compile``: this course does not use it
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
+
+from tutorial_impl.rpc.workers import slow_work
 
 
 def three_calls(callee: str, other: str) -> dict[str, Any]:
@@ -60,6 +68,46 @@ def three_calls(callee: str, other: str) -> dict[str, Any]:
         "rpc_async": [fut.wait() for fut in done],
         "remote": rref,
         "remote_value": rref.to_here(),  # fetched only because this lesson asks for it
+    }
+
+
+# --- Who waits: rpc_sync blocks, rpc_async does not ----------------------------------------
+
+_go_ahead = threading.Event()  # in the callee's process: set when its caller says go
+
+
+def add_when_told(x: torch.Tensor, y: float, timeout: float = 60.0) -> torch.Tensor:
+    """Runs on the callee: wait for the caller's ``go_ahead``, then return ``x + y``."""
+    if not _go_ahead.wait(timeout):
+        raise TimeoutError(f"no go-ahead within {timeout} s")
+    _go_ahead.clear()  # ready for the next call
+    return x + y
+
+
+def go_ahead() -> None:
+    """Runs on the callee, on another of its RPC threads: let ``add_when_told`` finish."""
+    _go_ahead.set()
+
+
+def when_each_call_returns(callee: str, seconds: float) -> dict[str, Any]:
+    """``rpc_sync`` returns after the callee's work, ``rpc_async`` before it even starts.
+
+    ``rpc_sync`` runs ``slow_work`` (``seconds`` of sleep) on ``callee``, which returns the
+    time its work ended on ``time.monotonic()``, one clock for every process of a machine:
+    the caller's own clock says when ``rpc_sync`` returned. Then ``rpc_async`` calls
+    ``add_when_told``, which cannot finish before the caller sends ``go_ahead``; the caller
+    looks at the future first, and only then sends it. Had ``rpc_async`` blocked like
+    ``rpc_sync``, the caller would never get to send it, and both would wait forever.
+    """
+    called = time.monotonic()
+    work_ended = rpc.rpc_sync(callee, slow_work, args=(seconds,))
+    sync_returned = time.monotonic()
+    future = rpc.rpc_async(callee, add_when_told, args=(torch.ones(2), 3))
+    done_when_returned = future.done()  # the callee is waiting for us: it cannot be done
+    rpc.rpc_sync(callee, go_ahead)  # the caller goes on working while the call is out
+    return {
+        "rpc_sync": {"called": called, "work_ended": work_ended, "returned": sync_returned},
+        "rpc_async": {"done_when_returned": done_when_returned, "value": future.wait()},
     }
 
 
