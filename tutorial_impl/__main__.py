@@ -34,7 +34,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "hybrid": ("tutorial_impl.rpc.hybrid", "DDP + RPC: DDP trainers, a master, parameter servers"),
     "pictures": (
         "tutorial_impl.pictures",
-        "the images in docs/images: both rings step by step (traced), the DDP + RPC layout",
+        "the images in docs/images, drawn from recorded runs of the lessons",
     ),
 }
 BENCHES: dict[str, tuple[str, str]] = {

@@ -62,9 +62,24 @@ class BucketLog:
     model: nn.Module
     iteration: int = 0
     calls: list[BucketCall] = field(default_factory=list)
+    # (iteration, parameter) each time autograd has written a gradient: the order backward
+    # produces them in (recorded by a post-accumulate-grad hook on every parameter).
+    ready: list[tuple[int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.names = {p: name for name, p in self.model.named_parameters()}
+        for p in self.model.parameters():
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        self.ready.append((self.iteration, self.names[p]))
+
+    def ready_order(self) -> list[list[str]]:
+        """Per iteration, the parameters in the order their gradients were written."""
+        grouped: list[list[str]] = [[] for _ in range(self.iteration + 1)]
+        for iteration, name in self.ready:
+            grouped[iteration].append(name)
+        return grouped
 
     def per_iteration(self) -> list[list[BucketCall]]:
         """The calls grouped by iteration (an iteration without any is an empty list)."""
@@ -105,19 +120,21 @@ def train(ddp: DDP, log: BucketLog, x: torch.Tensor, y: torch.Tensor, iterations
         optimizer.step()
 
 
+def watched_run(rank: int, size: int, cap_mb: float | None, iterations: int = 2) -> BucketLog:
+    """Train a fresh DDP model ``iterations`` steps on this rank's share of the batch, with
+    buckets of ``cap_mb`` MiB (``None``: DDP's default, 25 MiB); the log of its buckets."""
+    x, y = toy.batch(8 * size)
+    ddp, log = watched_ddp(toy.mlp(0), cap_mb)
+    train(ddp, log, toy.shard(x, rank, size), toy.shard(y, rank, size), iterations)
+    return log
+
+
 def buckets_by_cap(
     rank: int, size: int, caps_mb: list[float | None], iterations: int = 2
 ) -> dict[float | None, list[list[BucketCall]]]:
     """For each cap, train a fresh DDP model ``iterations`` steps; the hook's calls per
-    iteration. ``None`` is DDP's default cap (25 MiB)."""
-    x, y = toy.batch(8 * size)
-    xs, ys = toy.shard(x, rank, size), toy.shard(y, rank, size)
-    found = {}
-    for cap in caps_mb:
-        ddp, log = watched_ddp(toy.mlp(0), cap)
-        train(ddp, log, xs, ys, iterations)
-        found[cap] = log.per_iteration()
-    return found
+    iteration."""
+    return {cap: watched_run(rank, size, cap, iterations).per_iteration() for cap in caps_mb}
 
 
 def demo(rank: int, size: int) -> None:

@@ -29,14 +29,22 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 
+def design_note_forward(
+    callee: str, t1: torch.Tensor, t2: torch.Tensor, t4: torch.Tensor
+) -> torch.Tensor:
+    """The design note's forward, inside a context: ``t3 = t1 + t2`` on ``callee``, then
+    ``loss = (t3 * t4).sum()`` here. (``rpc/autograd_graph.py`` records the graph it builds.)"""
+    t3 = rpc.rpc_sync(callee, torch.add, args=(t1, t2))
+    t5 = torch.mul(t3, t4)
+    return t5.sum()
+
+
 def design_note_example(
     callee: str, t1: torch.Tensor, t2: torch.Tensor, t4: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """The design note's forward (``t1 + t2`` on ``callee``), backward, and the gradients."""
     with dist_autograd.context() as context_id:
-        t3 = rpc.rpc_sync(callee, torch.add, args=(t1, t2))
-        t5 = torch.mul(t3, t4)
-        loss = t5.sum()
+        loss = design_note_forward(callee, t1, t2, t4)
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)
         return {"t1": grads[t1], "t2": grads[t2], "t4": grads[t4]}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed.rpc as rpc
@@ -161,18 +162,29 @@ def wait_for_alive(owner: str, count: int, timeout: float = 5.0) -> int:
     return alive
 
 
-def rref_lifetime(owner: str, third: str) -> list[tuple[str, int, bool | None]]:
+def rref_lifetime(
+    owner: str, third: str, observe: Callable[[str], None] | None = None
+) -> list[tuple[str, int, bool | None]]:
     """Create an object on ``owner``, share it with ``third``, drop the references one by
-    one; after each step: (step, objects alive on the owner, this step's confirmation)."""
+    one; after each step: (step, objects alive on the owner, this step's confirmation).
+
+    ``observe(step)``, if given, is called after each step (``rpc/rref_trace.py`` looks at
+    every worker's RRef bookkeeping there)."""
     steps: list[tuple[str, int, bool | None]] = []
+
+    def step(name: str, alive: int, confirmed: bool | None) -> None:
+        steps.append((name, alive, confirmed))
+        if observe is not None:
+            observe(name)
+
     rref = rpc.remote(owner, Tracked)
-    steps.append(("created", wait_for_alive(owner, 1), wait_until_confirmed(rref)))
+    step("created", wait_for_alive(owner, 1), wait_until_confirmed(rref))
     confirmed = rpc.rpc_sync(third, hold, args=(rref,))
-    steps.append(("shared with the third", wait_for_alive(owner, 1), confirmed))
+    step("shared with the third", wait_for_alive(owner, 1), confirmed)
     del rref
     gc.collect()
     time.sleep(0.2)  # give a wrong owner time to free it: it must not
-    steps.append(("creator dropped its rref", wait_for_alive(owner, 1), None))
+    step("creator dropped its rref", wait_for_alive(owner, 1), None)
     rpc.rpc_sync(third, release)
-    steps.append(("third dropped its rref", wait_for_alive(owner, 0), None))
+    step("third dropped its rref", wait_for_alive(owner, 0), None)
     return steps
