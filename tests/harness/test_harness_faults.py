@@ -1,12 +1,14 @@
-"""Faults on purpose (``faults``, ``faulty_group``).
+"""Faults on purpose (``faults``, ``faulty_group``) and the flight recorder's records read as
+one line (``recorder``, ``desync``).
 
 Read in order: the plan is checked, field by field, and travels through the environment;
-the injector counts and fires deterministically (in this process, no ranks); then real
-ranks, each run folding several claims: every path a collective comes from reaches the
-faulty group (direct, DDP's buckets, a functional collective, DTensor), a delay is
-survived, ``Close`` breaks the group on every rank; a raise at the third all_reduce, and
-one inside a DDP bucket, are the verdict's first line; a SIGKILL at the second is seen by
-the peer at once. Each rank function builds its own group (``backend=None``).
+the injector counts and fires deterministically (in this process, no ranks); the one-line
+explanation of hand-built records; then real ranks, each run folding several claims: every
+path a collective comes from reaches the faulty group (direct, DDP's buckets, a functional
+collective, DTensor), a delay is survived, ``Close`` breaks the group on every rank, and the
+records of a real two-rank desync explain it; a raise at the third all_reduce, and one inside
+a DDP bucket, are the verdict's first line; a SIGKILL at the second is seen by the peer at
+once. Each rank function builds its own group (``backend=None``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import RankExited, RankFailed, faults, faulty_group
+from tutorial_impl.testing import RankExited, RankFailed, desync, faults, faulty_group, recorder
 from tutorial_impl.testing.faults import Close, Delay, Exit, Fault, Hang, Kill, Point, Raise
+from tutorial_impl.testing.recorder import Record
 
 GROUP_TIMEOUT = timedelta(seconds=30)  # far above what any run here needs
 
@@ -139,10 +142,72 @@ def test_raise_names_rank_and_point_and_kill_exit_hang_close_act(monkeypatch):
     assert acted == [("kill", 9), ("exit", 3), "hang", ("close", [(99, "socket:[1]")])]
 
 
+# --- one line from every rank's records (hand-built) -----------------------------------------
+
+
+def rec(rank, seq, op="all_reduce", sizes=((4,),), dtypes=("Float",), done=True, **kw):
+    group, desc = kw.get("group", ("0", "default_pg"))
+    frames = kw.get("frames", ())
+    return Record(rank, group, desc, seq, op, False, sizes, dtypes, sizes, dtypes, "scheduled",
+                  done, frames)  # fmt: skip
+
+
+def test_the_explanation_names_the_rank_behind_and_where_the_others_wait():
+    calls = [("/x/site-packages/torch/distributed/distributed_c10d.py", 3245, "all_reduce")]
+    user = [*calls, ("/tests/test_x.py", 12, "train")]
+    records = {
+        0: [rec(0, 16), rec(0, 17, done=False, frames=user)],
+        1: [rec(1, 16)],
+        2: [rec(2, 16), rec(2, 17, done=False)],
+    }
+    assert desync.explain(records) == (
+        "ranks 0, 2 wait in all_reduce #17 at test_x.py:12; rank 1 never reached #17 "
+        "(its last: all_reduce #16)"
+    )
+    assert desync.explain(records, world_size=4).endswith(
+        "; rank 3 left no record (a killed rank dumps nothing)"
+    )
+
+
+def test_the_explanation_names_different_collectives_and_different_inputs():
+    different = {r: [rec(r, 5), rec(r, 6, done=False)] for r in (0, 2, 3)}
+    different[1] = [rec(1, 5), rec(1, 6, op="broadcast", done=False)]
+    assert desync.explain(different) == (
+        "ranks 0, 2, 3 wait in all_reduce #6; rank 1 waits in broadcast #6: "
+        "the ranks are in different collectives"
+    )
+    sizes = {0: [rec(0, 1, done=False)], 1: [rec(1, 1, sizes=((5,),), dtypes=("Half",))]}
+    assert desync.explain(sizes) == (
+        "ranks 0, 1 are in all_reduce #1 with different inputs: rank 0 [4] Float, rank 1 [5] Half"
+    )
+
+
+def test_the_explanation_of_agreement_a_shared_hang_subgroups_and_a_short_memory():
+    agree = {r: [rec(r, 1), rec(r, 2, op="broadcast")] for r in (0, 1)}
+    assert desync.explain(agree) is None
+    stuck = {r: [rec(r, 1), rec(r, 2, done=False)] for r in (0, 1)}
+    assert desync.explain(stuck) == (
+        "ranks 0, 1 wait in all_reduce #2: every rank reached it (the hang is inside the "
+        "collective)"
+    )
+    sub = ("1", "mysub")
+    parted = {r: [rec(r, 1), rec(r, 1, group=sub, done=r == 1)] for r in (0, 1)}
+    parted[1].pop()  # rank 1 never reached the subgroup's first collective
+    # Who else is in group 1? The records cannot say: only where rank 0 waits.
+    assert desync.explain(parted) == "rank 0 waits in all_reduce #1 on group 1 (mysub)"
+    assert desync.explain(parted, members={"1": [0, 1]}) == (
+        "rank 0 waits in all_reduce #1 on group 1 (mysub); rank 1 never reached #1"
+    )
+    # Rank 0's recorder kept only #3 on: #1 and #2 are not compared (rank 1's #1 differs).
+    short = {0: [rec(0, 3)], 1: [rec(1, 1, op="broadcast"), rec(1, 2), rec(1, 3)]}
+    assert desync.explain(short) is None
+
+
 # --- real ranks ------------------------------------------------------------------------------
 
 
 def join(rank: int, world_size: int, plan: faults.Plan) -> None:
+    recorder.enable()  # on by default in torch 2.13; here before the rank's first group
     faulty_group.init_process_group(rank, world_size, plan, timeout=GROUP_TIMEOUT)
 
 
@@ -177,6 +242,7 @@ def every_path(rank: int, world_size: int) -> dict[str, object]:
     ddp_all_reduces, buckets = ddp_steps(steps=2)
     mesh = init_device_mesh("cpu", (world_size,))
     whole = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+    records = recorder.dump(rank)
     ops = [p.op for p in faults.INJECTOR.history]
     faults.fault_point("cut")
     try:
@@ -189,6 +255,8 @@ def every_path(rank: int, world_size: int) -> dict[str, object]:
         "fired": [str(p) for _, p in faults.INJECTOR.fired],
         "ddp": (ddp_all_reduces, buckets),
         "dtensor": (whole.to_local().tolist(), ops[-1]),
+        "records": records,
+        "seqs": [p.seq for p in faults.INJECTOR.history if p.op not in faults.P2P][: len(records)],
         "cut": cut,
     }
 
@@ -199,8 +267,44 @@ def test_every_path_reaches_the_faulty_group(run_ranks):
         assert out["ddp"][0] == 2 * out["ddp"][1] >= 4  # every bucket's all_reduce, each step
         assert out["dtensor"] == ([0.0, 1.0, 2.0, 3.0], "all_gather_into_tensor_coalesced")
         assert "Connection closed by peer" in out["cut"] or "reset by peer" in out["cut"]
+        records = out["records"]
+        assert [r.op for r in records[:3]] == ["all_reduce", "broadcast", "all_reduce"]
+        assert [r.seq for r in records] == out["seqs"]  # our numbers are the recorder's
+        assert all(r.completed and r.group_desc == "default_pg" for r in records)
     assert results[1]["fired"] == ["all_reduce #3", "fault_point('cut') #1"]
     assert results[0]["fired"] == [] and results[0]["waited"] >= 0.25  # delayed, survived
+    assert desync.explain({r: out["records"] for r, out in enumerate(results)}) is None
+
+
+def behind_at_the_third(rank: int, world_size: int) -> list[Record]:
+    """Rank 1 raises at all_reduce #3 and catches it; rank 0 waits in #3 (asynchronously)
+    and dumps its records there; then rank 1 joins #3 late, so the run ends well."""
+    join(rank, world_size, (Fault(1, Raise("late"), at=3),))
+    store = dist.distributed_c10d._get_default_store()
+    for _ in range(2):
+        dist.all_reduce(torch.ones(2))
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(2), async_op=True)
+        records = recorder.dump(rank)
+        store.set("dumped", "1")
+        work.wait()
+        return records
+    with pytest.raises(faults.InjectedFault):
+        dist.all_reduce(torch.ones(2))
+    records = recorder.dump(rank)
+    store.wait(["dumped"])
+    dist.all_reduce(torch.ones(2))
+    return records
+
+
+def test_the_records_of_a_real_run_say_which_rank_is_behind(run_ranks):
+    records = run_ranks(behind_at_the_third, backend=None, timeout=30)
+    line = desync.explain(dict(enumerate(records)))
+    assert re.fullmatch(
+        r"rank 0 waits in all_reduce #3 at test_harness_faults.py:\d+; "
+        r"rank 1 never reached #3 \(its last: all_reduce #2\)",
+        line or "",
+    ), line
 
 
 def raise_at(rank: int, world_size: int, where: str) -> None:
