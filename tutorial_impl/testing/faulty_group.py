@@ -43,12 +43,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tutorial_impl.testing import faults
+from tutorial_impl.testing import fault_plan, faults
 
 BACKEND = "faulty"
 
 
-# Each ProcessGroup method the group intercepts, and the collective it is (``faults.OPS``).
+# Each ProcessGroup method the group intercepts, and the collective it is (``fault_plan.OPS``).
 METHODS: dict[str, str] = {
     "allreduce": "all_reduce",
     "allreduce_coalesced": "all_reduce_coalesced",
@@ -91,7 +91,7 @@ def register() -> None:
 
 
 def init_process_group(
-    rank: int, world_size: int, plan: faults.Plan | None = None, **kwargs: Any
+    rank: int, world_size: int, plan: fault_plan.Plan | None = None, **kwargs: Any
 ) -> None:
     """Arm ``plan`` (None: the one in ``TUTORIAL_IMPL_FAULTS``, checked against the world),
     then join the default group on the faulty backend (``init_method`` default ``env://``:
@@ -128,7 +128,7 @@ def _sockets() -> dict[int, str]:
 def _intercept(method: str, op: str) -> Callable[..., Any]:
     """``method`` of the faulty group: count the point (a fault fires here), then the plain
     group's ``method`` (see the module's doc)."""
-    p2p = op in faults.P2P
+    p2p = op in fault_plan.P2P
 
     def intercept(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._reached(op, p2p)
@@ -180,7 +180,7 @@ def group_class() -> type:
                 self._seq[p2p] += 1
                 seq = self._seq[p2p]
             name, desc = self._names
-            faults.INJECTOR.reached(faults.Point(op, seq, name, desc))
+            faults.INJECTOR.reached(fault_plan.Point(op, seq, name, desc))
 
     for method, op in METHODS.items():
         setattr(FaultyGroup, method, _intercept(method, op))

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tutorial_impl.testing.faults import collective_name
+from tutorial_impl.testing.fault_plan import collective_name
 from tutorial_impl.testing.forensics import Frame, Place, place
 
 ENV = "TORCH_FR_BUFFER_SIZE"
