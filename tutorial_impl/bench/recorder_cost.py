@@ -1,0 +1,133 @@
+"""The price of torch's flight recorder, and of the faulty group, per small all_reduce.
+
+    python -m tutorial_impl.bench.recorder_cost [--rounds 9] [--calls 1000] [--json PATH]
+
+Each round runs, in alternating order (reversed every other round, so that a drift of the
+machine's load favours no side), one fresh world of ``--world-size`` ranks per condition:
+
+* ``off``: a plain gloo group, the recorder off (``TORCH_FR_BUFFER_SIZE=0``);
+* ``on``: a plain gloo group, the recorder on (2000 entries: torch 2.13's default);
+* ``faulty``: the faulty group (``testing/faulty_group.py``, an empty plan), recorder on.
+
+A world times ``--calls`` all_reduces of one float after a warm-up; its figures are the
+slowest rank's mean wall-clock microseconds per call (``<condition>_us``) and the ranks' mean
+CPU microseconds per call, all threads of the process (``<condition>_cpu_us``: what the
+recorder adds to a rank's work, less disturbed than the wall clock by other jobs on the
+machine). The recorder's cost is the median over rounds of each round's ``on / off``
+(``recorder_ratio``, ``recorder_cpu_ratio``), the faulty group's the median of ``faulty /
+on`` (``faulty_ratio``, ``faulty_cpu_ratio``); ``--json PATH`` writes them, the medians per
+condition, every round and the load average.
+The recorder can only be switched per process (torch reads the variable once), hence a
+world per condition instead of alternating inside one. Figures: docs/faults.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+CONDITIONS = ("off", "on", "faulty")
+
+
+def timed_all_reduces(
+    rank: int, world_size: int, condition: str, calls: int
+) -> tuple[float, float]:
+    """Join a group as ``condition`` says, then the mean wall and CPU microseconds per
+    all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    from tutorial_impl.testing import faulty_group
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "0" if condition == "off" else "2000"
+    timeout = timedelta(seconds=60)
+    if condition == "faulty":
+        faulty_group.init_process_group(rank, world_size, (), timeout=timeout)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    t = torch.ones(1)
+    for _ in range(20):  # the group's first calls set up connections and buffers
+        dist.all_reduce(t)
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        dist.all_reduce(t)
+    wall = time.perf_counter() - start
+    return wall / calls * 1e6, (time.process_time() - cpu) / calls * 1e6
+
+
+def summarize(rounds: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Medians per condition (keys ``<condition>_us``, ``<condition>_cpu_us``, as in each
+    round) and the medians of the per-round ratios."""
+    out = {}
+    for unit in ("us", "cpu_us"):
+        for c in CONDITIONS:
+            out[f"{c}_{unit}"] = statistics.median(r[f"{c}_{unit}"] for r in rounds)
+        kind = "" if unit == "us" else "_cpu"
+        for name, (a, b) in {"recorder": ("on", "off"), "faulty": ("faulty", "on")}.items():
+            ratios = (r[f"{a}_{unit}"] / r[f"{b}_{unit}"] for r in rounds)
+            out[f"{name}{kind}_ratio"] = statistics.median(ratios)
+    return out
+
+
+def measure(rounds: int, calls: int, world_size: int) -> list[dict[str, float]]:
+    from tutorial_impl.testing import run_ranks
+
+    measured = []
+    for i in range(rounds):
+        order = CONDITIONS if i % 2 == 0 else CONDITIONS[::-1]
+        row: dict[str, float] = {}
+        for condition in order:
+            per_rank = run_ranks(
+                timed_all_reduces,
+                condition,
+                calls,
+                world_size=world_size,
+                backend=None,
+                timeout=120,
+            )
+            row[f"{condition}_us"] = max(wall for wall, _ in per_rank)
+            row[f"{condition}_cpu_us"] = statistics.mean(cpu for _, cpu in per_rank)
+        print(
+            "  ".join(
+                f"{c} {row[c + '_us']:6.1f} us ({row[c + '_cpu_us']:5.1f} cpu)" for c in CONDITIONS
+            ),
+            flush=True,
+        )
+        measured.append(row)
+    return measured
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    rows = measure(args.rounds, args.calls, args.world_size)
+    summary = summarize(rows)
+    summary["load_average"] = os.getloadavg()[0]
+    for unit, kind in (("us", ""), ("cpu_us", "_cpu")):
+        print(
+            f"median {unit} per all_reduce: "
+            + ", ".join(f"{c} {summary[f'{c}_{unit}']:.1f}" for c in CONDITIONS)
+            + f"; recorder on/off {summary[f'recorder{kind}_ratio']:.3f}x"
+            + f", faulty/on {summary[f'faulty{kind}_ratio']:.3f}x"
+        )
+    print(f"load average {summary['load_average']:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": rows, **summary}, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":  # run by its module name: ranks look their function up there
+    from tutorial_impl.bench.recorder_cost import main as _main
+
+    _main()

@@ -1,0 +1,170 @@
+"""Faults on purpose, inside a rank: the armed plan, the counts, and the actions taken.
+
+The plan (``fault_plan``: which ranks, which point, which action) reaches a rank before its
+group is made: ``arm(plan, rank)``, or the environment variable ``TUTORIAL_IMPL_FAULTS``
+(``arm_from_env``). The collectives are counted at the process-group level by
+``faulty_group`` (direct ``dist.*`` calls, DDP's buckets, functional collectives and DTensor
+alike), which reports each to ``INJECTOR.reached``; the rank's own code names points with
+``fault_point(name)``. A fault fires *before* the collective starts on its rank (so torch's
+flight recorder on that rank never records it: see ``desync``). Deterministic: the same
+program reaches the same point in every run, because points are counted, never timed or
+drawn at random. ``INJECTOR`` is the rank's one state: the plan, the counts, what fired
+(``fired``) and what was seen (``history``). Nothing here imports torch (docs/faults.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tutorial_impl.testing.fault_plan import (
+    ENV,
+    Close,
+    Delay,
+    Exit,
+    Fault,
+    Hang,
+    Plan,
+    Point,
+    Raise,
+    check_plan,
+    decode,
+)
+
+HISTORY = 10_000  # points a rank remembers (``Injector.history``)
+
+
+class InjectedFault(RuntimeError):
+    """What ``Raise`` raises: the rank, the point and the plan's message."""
+
+
+@dataclass
+class Injector:
+    """A rank's faults: the armed plan, what each fault counted, what fired, what was seen."""
+
+    rank: int | None = None
+    plan: Plan = ()
+    counts: list[int] = field(default_factory=list)  # per fault of the plan
+    fired: list[tuple[Fault, Point]] = field(default_factory=list)
+    history: deque[Point] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    sockets: list[tuple[int, str]] = field(default_factory=list)  # (fd, "socket:[inode]")
+    steps: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def arm(self, plan: Plan, rank: int, world_size: int | None = None) -> None:
+        """Arm ``plan`` for this rank (counts start again; what was seen is kept)."""
+        plan = check_plan(plan, world_size) if world_size is not None else tuple(plan)
+        with self.lock:
+            self.rank, self.plan = rank, plan
+            self.counts = [0] * len(plan)
+            self.fired.clear()
+            self.steps.clear()
+
+    def reached(self, point: Point) -> None:
+        """The rank is at ``point``: count it for every fault of this rank that matches, and
+        act for the one whose count reaches its ``at`` (before the collective starts)."""
+        due: list[Fault] = []
+        with self.lock:
+            self.history.append(point)
+            for i, fault in enumerate(self.plan):
+                if self.rank in fault.ranks and fault.matches(point):
+                    self.counts[i] += 1
+                    if self.counts[i] == fault.at:
+                        due.append(fault)
+                        self.fired.append((fault, point))
+        for fault in due:
+            self._perform(fault, point)
+
+    def step(self, name: str) -> None:
+        with self.lock:
+            self.steps[name] = seq = self.steps.get(name, 0) + 1
+        self.reached(Point(op=None, seq=seq, step=name))
+
+    def _perform(self, fault: Fault, point: Point) -> None:
+        action = fault.action
+        what = f"injected fault on rank {self.rank} at {point}"
+        print(f"[faults] {what}: {action}", file=sys.stderr, flush=True)
+        if isinstance(action, Raise):
+            raise InjectedFault(f"{what}: {action.message}")
+        if isinstance(action, Delay):
+            delay(action.seconds)
+        elif isinstance(action, Close):
+            close_sockets(self.sockets)
+        elif isinstance(action, Hang):
+            hang()
+        elif isinstance(action, Exit):
+            exit_now(action.code)
+        else:
+            kill_self()
+
+
+# The actions' own steps, one function each (the tests stand in for them).
+
+
+def delay(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def exit_now(code: int) -> None:
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def kill_self() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang() -> None:
+    """Sleep until killed (a stack dump shows the rank here, inside its collective's call)."""
+    while True:
+        time.sleep(3600)
+
+
+def close_sockets(sockets: list[tuple[int, str]]) -> int:
+    """Shut down (both ways) each connected socket of ``sockets`` still open under the same
+    inode (a closed fd's number may have been reused by another file); returns how many."""
+    closed = 0
+    for fd, link in sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue  # a listener: shutting it makes gloo's listener thread abort
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                closed += 1
+            except OSError:
+                pass  # not connected
+    return closed
+
+
+INJECTOR = Injector()  # this process's one state (a rank's)
+
+
+def arm(plan: Plan, rank: int, world_size: int | None = None) -> None:
+    """Arm ``plan`` in this rank, before its faulty groups are made or between collectives."""
+    INJECTOR.arm(plan, rank, world_size)
+
+
+def arm_from_env(rank: int, world_size: int | None = None) -> Plan:
+    """Arm the plan in ``TUTORIAL_IMPL_FAULTS`` (none: an empty plan); returns it."""
+    plan = decode(os.environ.get(ENV, "[]"))
+    arm(plan, rank, world_size)
+    return plan
+
+
+def fault_point(name: str) -> None:
+    """Name a point of the rank's own code (a step): a ``Fault(step=name, at=n)`` fires at
+    its n-th call. Cheap, armed or not: a count under a lock, and the point remembered."""
+    INJECTOR.step(name)
