@@ -234,6 +234,17 @@ def ddp_steps(steps: int) -> tuple[int, int]:
     return sum(p.op == "all_reduce" for p in seen), len(buckets)
 
 
+def settled_records(rank: int) -> list[Record]:
+    """The recorder's records once the newest is marked done: gloo's worker thread marks a
+    work done (retired) a moment after the caller has its result (2 s at the most)."""
+    stop = time.monotonic() + 2.0
+    records = recorder.dump(rank)
+    while records and not records[-1].completed and time.monotonic() < stop:
+        time.sleep(0.01)
+        records = recorder.dump(rank)
+    return records
+
+
 def every_path(rank: int, world_size: int) -> dict[str, object]:
     """Direct, functional, DDP and DTensor collectives, a delay on rank 1 inside the
     functional all_reduce (#3), then ``Close`` on rank 1 at a step."""
@@ -250,7 +261,7 @@ def every_path(rank: int, world_size: int) -> dict[str, object]:
     ddp_all_reduces, buckets = ddp_steps(steps=2)
     mesh = init_device_mesh("cpu", (world_size,))
     whole = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
-    records = recorder.dump(rank)
+    records = settled_records(rank)
     ops = [p.op for p in faults.INJECTOR.history]
     faults.fault_point("cut")
     try:
