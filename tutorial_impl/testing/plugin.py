@@ -17,17 +17,17 @@ What pytest calls, in the order it calls it:
 ``pytest_addoption``
     the command-line options (``--rank-timeout``, ``--init-method``, ``--require-gpu``,
     ``--check-collectives``, ``--rank-pdb``, ``--launcher``, ``--warm-worlds``,
-    ``--warm-audit``) and ini values (``rank_timeout``, ``rank_preload``, ``warm_worlds``),
-    shown under "torch.distributed multi-rank harness" in ``pytest --help``; their help
-    texts are the constants below.
+    ``--warm-audit``) and ini values (``rank_timeout``, ``warm_worlds``; the ``rank_preload*``
+    ones from ``preload``), shown under "torch.distributed multi-rank harness" in ``pytest
+    --help``; their help texts are the constants below and in ``config`` and ``preload``.
 ``pytest_cmdline_main``
     under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
     registers the markers (so ``--strict-markers`` accepts them and ``pytest --markers``
-    lists them) and sets up what ranks preload (in an xdist worker: which forkserver they
-    come from); under torchrun (``--launcher``), joins the
-    job and registers ``torchrun_session.LaunchedSession``, whose hooks keep the ranks in
-    lockstep and let rank 0 report for all.
+    lists them) and sets up what ranks preload (``preload``; in an xdist worker: which
+    forkserver they come from); under torchrun (``--launcher``), joins the job and
+    registers ``torchrun_session.LaunchedSession``, whose hooks keep the ranks in lockstep
+    and let rank 0 report for all.
 ``pytest_configure_node``
     xdist's hook, in the controller: starts one rank forkserver for all its workers.
 ``pytest_generate_tests``
@@ -41,6 +41,8 @@ What pytest calls, in the order it calls it:
 ``pytest_runtest_setup`` / ``pytest_runtest_teardown``
     fails a misconfigured test, or one ``--require-gpu`` refused to skip, before its
     fixtures run; leases a GPU test's GPUs for its run (``backends.lease``).
+``pytest_terminal_summary``
+    names the test files' imports the rank forkserver left to the ranks, and why.
 fixtures ``run_ranks`` and ``world_size`` (``fixtures``)
     run a rank function on N processes; the size of this test's world.
 
@@ -57,7 +59,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, forkserver, job, matrix, report
+from tutorial_impl.testing import backends, forkserver, job, matrix, preload, report
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing.fixtures import (
     DEADLINE_CAP,
@@ -114,12 +116,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "rank_timeout", "default harness deadline in seconds", default=str(_config.DEFAULT_DEADLINE)
     )
-    parser.addini(
-        "rank_preload",
-        "modules the rank forkserver imports once, so each rank starts with them loaded",
-        type="linelist",
-        default=[],
-    )
+    preload.addini(parser)  # rank_preload, rank_preload_test_imports, rank_preload_exclude
     parser.addini(
         "warm_worlds", "run every multi-rank test in warm worlds", type="bool", default=False
     )
@@ -157,7 +154,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if launch is not None:
         _join_the_job(config, session, launch)
         return
-    forkserver.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
+    preload.configure(config, PYTEST_PRELOAD)  # and what the test files import (``preload``)
     shared = getattr(config, "workerinput", {}).get(forkserver.WORKERINPUT_KEY)
     if shared is not None:  # an xdist worker: its ranks come from the controller's server
         forkserver.SERVER.use_shared(shared)
@@ -365,6 +362,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         stack.close()
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         item.config.stash[SESSION].pool.close_all()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Name the test files' imports the rank forkserver would not preload, and why."""
+    lines = preload.summary(config)
+    if lines:
+        terminalreporter.write_sep("-", "rank forkserver preload")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
