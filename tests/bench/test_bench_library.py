@@ -1,0 +1,67 @@
+"""The library benchmark (``tutorial_impl/bench/library.py``) on a tiny run.
+
+The benchmark claims that a library's suite, ported to the harness with no preload setting,
+costs about what its own spawn pool costs per test (fresh ranks) or less (warm worlds). No
+speed is asserted here: the run only has to be real, the figures consistent, and the
+library preloaded by the forkserver with nobody naming it (the one place the whole path of
+``preload`` runs: a pytest session with xdist off, its fresh and warm ranks).
+
+Read in this order: a tiny run, then the arithmetic on stamps of known value, then nonsense
+arguments.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tutorial_impl.bench import library
+
+
+@pytest.mark.slow
+def test_a_tiny_run_measures_the_three_ways_and_the_library_is_preloaded(tmp_path, capsys):
+    """World size 1 and a light "heavy" import keep it cheap: the pool still spawns a fresh
+    interpreter, and the session's forkserver imports torch."""
+    path = tmp_path / "library.json"
+    argv = ["--tests", "3", "--world-size", "1", "--heavy", "json", "--unpreloaded-tests", "0"]
+    assert library.main([*argv, "--json", str(path)]) == 0
+    figures = json.loads(path.read_text())
+    assert figures["tests"] == 3 and figures["world_size"] == 1 and figures["batches"] == 2
+    assert figures["pool_ms"] > 0 and figures["fresh_ms"] > 0 and figures["warm_ms"] > 0
+    assert figures["fresh_ratio"] == pytest.approx(figures["fresh_ms"] / figures["pool_ms"])
+    assert figures["warm_ratio"] == pytest.approx(figures["warm_ms"] / figures["pool_ms"])
+    assert figures["unpreloaded_ms"] is None and figures["unpreloaded_ratio"] is None
+    assert "heavylib" in figures["preloaded"]  # what the test files import, unnamed
+    assert "pytest" not in figures["preloaded"]  # not from the scan: the plugin's own
+    printed = capsys.readouterr().out
+    assert f"{figures['fresh_ratio']:5.2f}x the pool" in printed
+
+
+def test_a_test_costs_the_median_gap_between_starts_after_the_first(monkeypatch):
+    assert library.per_test_ms([0.0, 1.0, 1.010, 1.030, 1.040]) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="at least 3 tests"):
+        library.per_test_ms([0.0, 1.0])
+    gaps = {"test_1_pool.py": 0.010, "test_2_fresh.py": 0.012, "test_3_warm.py": 0.005}
+
+    def session(work, tests, *args):
+        unpreloaded = "rank_preload_test_imports=false" in args
+        step = {"test_2_fresh.py": 0.5} if unpreloaded else gaps
+        stamps = {name: [i * gap for i in range(tests)] for name, gap in step.items()}
+        return {"stamps": stamps, "report": {"preloaded": ["heavylib"]}}
+
+    monkeypatch.setattr(library, "run_session", session)
+    figures = library.measure(4, 2, ["json"], unpreloaded_tests=3)
+    assert figures["pool_ms"] == pytest.approx(10.0) and figures["warm_ms"] == pytest.approx(5.0)
+    assert figures["fresh_ratio"] == pytest.approx(1.2)
+    assert figures["unpreloaded_ms"] == pytest.approx(500.0)
+    assert figures["unpreloaded_ratio"] == pytest.approx(50.0)
+
+
+def test_the_benchmark_refuses_nonsense_arguments():
+    with pytest.raises(SystemExit, match="--tests must be at least 3"):
+        library.main(["--tests", "2"])
+    with pytest.raises(SystemExit, match="--unpreloaded-tests 0 or at least 3"):
+        library.main(["--unpreloaded-tests", "1"])
+    with pytest.raises(SystemExit, match="must be positive"):
+        library.main(["--batches", "0"])

@@ -1,0 +1,381 @@
+"""A library's distributed tests, per test: the harness against a spawn pool made once.
+
+A real library's suite (torchmetrics, say) tests its distributed code with a ``spawn`` Pool of
+N workers made at session start: each worker imports the library once, joins one process
+group, and every test sends its rank body with ``pool.starmap``. Ported to the harness, every
+fresh rank is a new process: if it had to import the library itself, each test would pay the
+library's import in every rank (467 ms a test against 42 ms in the pool, measured on
+torchmetrics). The harness's forkserver imports what the test files import
+(``testing/forkserver_preload.py``), so a fresh rank starts with the library loaded, with no
+setting. This benchmark measures that on a suite of its own, written to a temporary
+directory:
+
+* ``heavylib``: a package whose import is heavy (``--heavy``, default ``torch._dynamo``: about
+  a second of CPU here) and a ``MeanMetric`` whose ``compute`` all-reduces, as a metric does;
+* the same ``--tests`` tests three ways, each calling into it on ``--world-size`` ranks and
+  asserting the mean: in the pool (``test_1_pool.py``), on fresh ranks without any preload
+  setting (``test_2_fresh.py``) and in warm worlds (``test_3_warm.py``), all in one pytest
+  session: ``pool_ms``, ``fresh_ms``, ``warm_ms``, and ``fresh_ratio`` / ``warm_ratio``
+  against ``pool_ms``;
+* then the fresh file again in a session of its own with ``-o
+  rank_preload_test_imports=false`` (``--unpreloaded-tests`` tests; 0 for none):
+  ``unpreloaded_ms``, what each test cost before, and ``unpreloaded_ratio``.
+
+A test's cost is the median time from one test's start to the next's in its file (pytest's
+own steps between two tests included), leaving out the first test of each file (it makes the
+pool, starts the forkserver or the warm world). ``preloaded`` lists what the forkserver
+imported for the suite (its report), and ``load_average`` the 1-minute load after the runs.
+
+    python -m tutorial_impl bench library [--tests 20] [--world-size 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LIBRARY = '''"""A library-shaped package: a heavy import, then metrics the tests call."""
+import torch
+import torch.distributed as dist
+{heavy}
+
+
+class Metric(torch.nn.Module):
+    """A metric as a metrics library has it: states with defaults, ``forward`` gives the
+    batch's value and accumulates, ``compute`` gathers every rank's states first."""
+
+    def __init__(self):
+        super().__init__()
+        self._defaults = {{}}
+        for name in self.state_names:
+            self._defaults[name] = torch.zeros((), dtype=torch.float64)
+            self.register_buffer(name, torch.zeros((), dtype=torch.float64), persistent=False)
+
+    def reset(self):
+        for name, default in self._defaults.items():
+            setattr(self, name, default.clone())
+
+    def forward(self, preds, target):
+        kept = {{name: getattr(self, name) for name in self._defaults}}
+        self.reset()
+        self.update(preds, target)
+        batch = self.value()
+        for name, old in kept.items():
+            setattr(self, name, old + getattr(self, name))
+        return batch
+
+    def compute(self):
+        kept = {{name: getattr(self, name) for name in self._defaults}}
+        if dist.is_available() and dist.is_initialized():
+            for name, mine in kept.items():
+                setattr(self, name, gather_all_tensors(mine).sum(0))
+        value = self.value()
+        for name, old in kept.items():
+            setattr(self, name, old)
+        return value
+
+
+def gather_all_tensors(tensor):
+    """Every rank's ``tensor``, stacked: the shapes first, then the data padded to the
+    largest (ranks may hold states of different sizes)."""
+    world = dist.get_world_size()
+    shape = torch.tensor(tensor.shape, dtype=torch.long)
+    shapes = [torch.zeros_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    gathered = [torch.zeros_like(tensor) for _ in range(world)]
+    dist.all_gather(gathered, tensor.contiguous())
+    return torch.stack(gathered)
+
+
+class MeanSquaredError(Metric):
+    state_names = ("total", "count")
+
+    def update(self, preds, target):
+        self.total += ((preds - target) ** 2).sum()
+        self.count += target.numel()
+
+    def value(self):
+        return self.total / self.count
+
+
+class MeanAbsoluteError(MeanSquaredError):
+    def update(self, preds, target):
+        self.total += (preds - target).abs().sum()
+        self.count += target.numel()
+
+
+class Accuracy(Metric):
+    state_names = ("right", "count")
+
+    def update(self, preds, target):
+        self.right += (preds.argmax(-1) == target).sum()
+        self.count += target.numel()
+
+    def value(self):
+        return self.right / self.count
+'''
+
+POOL = '''"""The pool's side, as a library's suite has it: workers that join one group at start."""
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import heavylib  # the workers import the library once, when the pool is made
+
+
+def setup_ddp(rank, world_size, port):
+    torch.set_num_threads(1)  # as the harness's ranks
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+'''
+
+CONFTEST = """import json, multiprocessing, os, time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from pool_setup import setup_ddp
+
+STAMPS = {{}}
+WORLD = {world}
+
+
+@pytest.fixture(scope="session")
+def pool():
+    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    pool = multiprocessing.get_context("spawn").Pool(WORLD)
+    pool.starmap(setup_ddp, [(rank, WORLD, store.port) for rank in range(WORLD)])
+    yield pool
+    pool.terminate()
+
+
+@pytest.fixture(autouse=True)
+def stamp(request):
+    STAMPS.setdefault(request.node.path.name, []).append(time.perf_counter())
+
+
+def pytest_sessionfinish(session):
+    from tutorial_impl.testing import forkserver
+
+    with open(os.environ["BENCH_STAMPS"], "w") as f:
+        json.dump({{"stamps": STAMPS, "report": forkserver.SERVER.report()}}, f)
+"""
+
+# One test as a metrics library writes it (torchmetrics' ``_class_test``): inputs made in the
+# test and given to every rank; each rank copies and pickles its metric, feeds its share of
+# the batches, checking each batch's value against a reference, then checks the value synced
+# over every rank against the reference on all the batches.
+TESTS = """import copy
+import os
+import pickle
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from heavylib import Accuracy, MeanAbsoluteError, MeanSquaredError
+{mark}
+BATCHES, BATCH, CLASSES = {batches}, 32, 5
+
+
+def mse(preds, target):
+    return np.mean((preds - target) ** 2)
+
+
+def mae(preds, target):
+    return np.mean(np.abs(preds - target))
+
+
+def accuracy(preds, target):
+    return np.mean(preds.argmax(-1) == target)
+
+
+CASES = [(MeanSquaredError, mse), (MeanAbsoluteError, mae), (Accuracy, accuracy)]
+
+
+def inputs(metric_class, seed):
+    generator = torch.Generator().manual_seed(seed)
+    if metric_class is Accuracy:
+        preds = torch.rand(BATCHES, BATCH, CLASSES, generator=generator)
+        return preds, torch.randint(CLASSES, (BATCHES, BATCH), generator=generator)
+    return torch.rand(BATCHES, BATCH, generator=generator), torch.rand(BATCHES, BATCH)
+
+
+def class_test(rank, world_size, preds, target, metric_class, reference):
+    metric = metric_class()
+    clone = copy.deepcopy(metric)
+    assert clone is not metric and type(clone) is type(metric)
+    metric = pickle.loads(pickle.dumps(metric))
+    for i in range(rank, BATCHES, world_size):
+        batch_value = metric(preds[i], target[i])
+        assert np.allclose(batch_value.numpy(), reference(preds[i].numpy(), target[i].numpy()))
+    assert hash(metric)
+    assert metric.state_dict() == {{}}
+    result = metric.compute()
+    every = preds.flatten(0, 1).numpy(), target.flatten(0, 1).numpy()
+    assert np.allclose(result.numpy(), reference(*every))
+    return result.item()
+
+
+@pytest.mark.world_size({world})
+@pytest.mark.parametrize("i", range(int(os.environ["BENCH_TESTS"])))
+def test_metric(i, {fixture}):
+    metric_class, reference = CASES[i % len(CASES)]
+    preds, target = inputs(metric_class, i)
+    world = {world}
+    results = {call}
+    assert len(results) == world and len(set(results)) == 1
+"""
+POOL_CALL = (
+    "pool.starmap(partial(class_test, preds=preds, target=target, metric_class=metric_class, "
+    "reference=reference), [(rank, world) for rank in range(world)])"
+)
+RUN_CALL = "run_ranks(class_test, preds, target, metric_class, reference)"
+VARIANTS = {  # file -> (fixture, call, module mark)
+    "test_1_pool.py": ("pool", POOL_CALL, ""),
+    "test_2_fresh.py": ("run_ranks", RUN_CALL, ""),
+    "test_3_warm.py": ("run_ranks", RUN_CALL, "pytestmark = pytest.mark.warm_world"),
+}
+
+
+def write_suite(work: Path, heavy: list[str], world_size: int, batches: int = 2) -> None:
+    """The library and its tests (``batches`` batches per rank), the pool's conftest, an
+    empty pytest.ini (no settings)."""
+    (work / "heavylib").mkdir()
+    imports = "\n".join(f"import {name}" for name in heavy)
+    (work / "heavylib" / "__init__.py").write_text(LIBRARY.format(heavy=imports))
+    (work / "pool_setup.py").write_text(POOL)
+    (work / "conftest.py").write_text(CONFTEST.format(world=world_size))
+    (work / "pytest.ini").write_text("[pytest]\n")
+    for name, (fixture, call, mark) in VARIANTS.items():
+        text = TESTS.format(
+            fixture=fixture, call=call, mark=mark, world=world_size, batches=batches * world_size
+        )
+        (work / name).write_text(text)
+
+
+def run_session(work: Path, tests: int, *args: str) -> dict[str, Any]:
+    """One pytest session in ``work``: each test file's start stamps, the forkserver's report."""
+    stamps = work / "stamps.json"
+    stamps.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    command += ["-p", "tutorial_impl.testing.plugin", "--rank-timeout", "120", *args]
+    env = {**os.environ, "BENCH_STAMPS": str(stamps), "BENCH_TESTS": str(tests)}
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST"):
+        env.pop(name, None)
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, timeout=900)
+    if done.returncode != 0 or not stamps.exists():
+        raise RuntimeError(f"the suite failed:\n{done.stdout.decode()[-4000:]}")
+    return json.loads(stamps.read_text())
+
+
+def per_test_ms(stamps: list[float]) -> float:
+    """The median milliseconds from one test's start to the next's, the first test left out."""
+    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)][1:]
+    if not gaps:
+        raise ValueError("need at least 3 tests for one gap after the first test")
+    return statistics.median(gaps)
+
+
+def measure(
+    tests: int, world_size: int, heavy: list[str], unpreloaded_tests: int, batches: int = 2
+) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-library-") as tmp:
+        work = Path(tmp)
+        write_suite(work, heavy, world_size, batches)
+        run = run_session(work, tests)
+        pool, fresh, warm = (per_test_ms(run["stamps"][name]) for name in VARIANTS)
+        unpreloaded = None
+        if unpreloaded_tests:
+            off = ["-o", "rank_preload_test_imports=false", "test_2_fresh.py"]
+            before = run_session(work, unpreloaded_tests, *off)
+            unpreloaded = per_test_ms(before["stamps"]["test_2_fresh.py"])
+    return {
+        "tests": tests,
+        "world_size": world_size,
+        "batches": batches,
+        "pool_ms": pool,
+        "fresh_ms": fresh,
+        "warm_ms": warm,
+        "fresh_ratio": fresh / pool,
+        "warm_ratio": warm / pool,
+        "unpreloaded_ms": unpreloaded,
+        "unpreloaded_ratio": None if unpreloaded is None else unpreloaded / pool,
+        "preloaded": (run["report"] or {}).get("preloaded", []),
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def show(figures: dict) -> None:
+    pool = figures["pool_ms"]
+    print(f"world {figures['world_size']}, {figures['tests']} tests a way, median per test:")
+    print(f"  spawn pool made once per session   {pool:8.1f} ms")
+    print(f"  fresh ranks, no preload setting    {figures['fresh_ms']:8.1f} ms  "
+          f"{figures['fresh_ratio']:5.2f}x the pool")  # fmt: skip
+    print(f"  warm worlds                        {figures['warm_ms']:8.1f} ms  "
+          f"{figures['warm_ratio']:5.2f}x the pool")  # fmt: skip
+    if figures["unpreloaded_ms"] is not None:
+        print(f"  fresh, test imports not preloaded  {figures['unpreloaded_ms']:8.1f} ms  "
+              f"{figures['unpreloaded_ratio']:5.2f}x the pool")  # fmt: skip
+    print(f"  preloaded by the forkserver: {', '.join(figures['preloaded']) or 'nothing'}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_impl bench library",
+        description="A library-shaped suite per test: a spawn pool made once per session, "
+        "fresh ranks with no preload setting, warm worlds (one pytest session).",
+    )
+    parser.add_argument("--tests", type=int, default=20, help="tests per way (at least 3)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=2,
+        help="batches of 32 each rank feeds a metric per test (torchmetrics' tests: 2)",
+    )
+    parser.add_argument(
+        "--heavy",
+        default="torch._dynamo",
+        help="modules the library imports (space-separated): its heavy import",
+    )
+    parser.add_argument(
+        "--unpreloaded-tests",
+        type=int,
+        default=5,
+        help="tests of the session without the test files' imports preloaded (0: none)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tests < 3 or args.unpreloaded_tests in (1, 2) or args.unpreloaded_tests < 0:
+        raise SystemExit("--tests must be at least 3, --unpreloaded-tests 0 or at least 3")
+    if args.world_size < 1 or args.batches < 1:
+        raise SystemExit("--world-size and --batches must be positive")
+    figures = measure(
+        args.tests, args.world_size, args.heavy.split(), args.unpreloaded_tests, args.batches
+    )
+    show(figures)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
