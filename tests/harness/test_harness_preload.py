@@ -144,8 +144,9 @@ def test_the_forkserver_imports_what_is_safe_and_names_what_it_will_not(tmp_path
         "test_files": {**DEFAULTS, "args": ["tests"], "invocation_dir": str(tmp_path)},
         "report": str(tmp_path / "report.json"),
         "probe_timeout": 1.0,
+        "sys_path": [str(tmp_path / "lib"), *sys.path],  # the parent's: lib/ is only there
     }
-    env = {**os.environ, PLAN_ENV: json.dumps(plan), "PYTHONPATH": str(tmp_path / "lib")}
+    env = {**os.environ, PLAN_ENV: json.dumps(plan)}
     code = [sys.executable, "-c", SERVER_SIDE, PLAN_ENV]
     done = subprocess.run(code, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -189,7 +190,8 @@ def test_the_summary_names_what_the_server_of_this_session_left_out(pytester, mo
     report.write_text(json.dumps({"dropped": dropped, "unsafe": {"mylib": "started a process"}}))
     server = forkserver.RankServer()
     server.report_path = str(report)
-    server.server = types.SimpleNamespace(plan={**preload.plan(config), "report": str(report)})
+    started = {**preload.plan(config), "report": str(report), "sys_path": sys.path}
+    server.server = types.SimpleNamespace(plan=started)
     monkeypatch.setattr(forkserver, "SERVER", server)
     assert preload.summary(config) == [
         "not preloaded: threader: started a thread at import (t)",

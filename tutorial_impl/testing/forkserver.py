@@ -36,6 +36,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import types
 import warnings
@@ -108,7 +109,9 @@ class RankServer:
         if self.plan is not None:
             if self.report_path is None:
                 self.report_path = _report_path()
-            server.plan = {**self.plan, "report": self.report_path}
+            # The parent's import path: on Python 3.11 multiprocessing's forkserver does
+            # not take it over (3.12 does), and the test files' imports must resolve as here.
+            server.plan = {**self.plan, "report": self.report_path, "sys_path": list(sys.path)}
             planned = [PLANNED_PRELOAD]
         # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
         # ``forkserver_ready`` goes last: it freezes everything the others imported.

@@ -175,6 +175,8 @@ def preload(plan: dict[str, Any]) -> dict[str, Any]:
     module with the reason; ``failed``: the test files' imports that raised ImportError."""
     started = time.monotonic()
     report: dict[str, Any] = {"preloaded": [], "failed": {}, "dropped": {}, "unsafe": {}}
+    if plan.get("sys_path"):
+        sys.path[:] = plan["sys_path"]  # the parent's, as the ranks will have it
     found = importscan.scan(plan["test_files"]) if plan["test_files"] else importscan.Scan()
     mode = plan["test_files"]["importmode"] if plan["test_files"] else None
     for path in found.paths:  # as pytest puts them there to import the test files
