@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,7 @@ class Session:
 SESSION = pytest.StashKey[Session]()
 SETTINGS = pytest.StashKey[_config.Settings]()  # what the test's ranks run with
 DEADLINE_CAP = pytest.StashKey[float]()  # no run_ranks call may wait longer (pytest-timeout)
+_CALL_DIRS = pytest.StashKey[tuple[Path, Iterator[int]]]()  # see call_dirs
 
 
 def default_size(config: pytest.Config) -> int:
@@ -88,7 +91,9 @@ def world_size(request: pytest.FixtureRequest, _world_size_matrix: int | None) -
 
 
 @pytest.fixture(name="run_ranks")
-def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> RunRanks:
+def _run_ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, world_size: int
+) -> RunRanks:
     """Run a rank function on N processes and return each rank's return value.
 
     ``run_ranks(fn, *args, **options)`` calls ``fn(rank, world_size, *args)`` in every rank,
@@ -103,7 +108,8 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
 
     A failure on any rank fails the test with that rank's traceback, where the other ranks
     were, and every rank's output; a skip (or xfail) on a rank skips it only if no rank
-    failed. The logs live in the test's ``tmp_path``.
+    failed. The logs live in ``ranks/<test>-<n>`` under pytest's base temporary directory
+    (``call_dirs``).
     """
     item = request.node
     session = request.config.stash[SESSION]
@@ -118,7 +124,7 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
             )
         except _config.ConfigError as exc:
             pytest.fail(f"harness configuration: {exc}", pytrace=False)
-    calls = iter(range(1_000_000))
+    next_dir = call_dirs(request, tmp_path_factory)
 
     def run(fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
         __tracebackhide__ = True
@@ -129,7 +135,7 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         call = dataclasses.replace(
             call,
             deadline=min(call.deadline, item.stash.get(DEADLINE_CAP, float("inf"))),
-            log_dir=call.log_dir or tmp_path / f"ranks-{next(calls)}",
+            log_dir=call.log_dir or next_dir(),
             announce=_terminal_line(request.config),
         )
         runner = session.runner(settings, call)
@@ -138,6 +144,20 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
         return _outcome(runner, call, session)
 
     return run
+
+
+def call_dirs(
+    request: pytest.FixtureRequest, factory: pytest.TempPathFactory
+) -> Callable[[], Path]:
+    """Where each call of this test keeps its ranks' logs, stacks and ``file://`` store:
+    ``ranks/<test>-<n>`` under pytest's base temporary directory (kept as pytest keeps it),
+    made when the call starts. Not the test's ``tmp_path``: pytest numbers those by listing
+    every directory the session has made so far, and links the newest, on every test."""
+    if _CALL_DIRS not in request.config.stash:
+        request.config.stash[_CALL_DIRS] = factory.getbasetemp() / "ranks", itertools.count()
+    base, numbers = request.config.stash[_CALL_DIRS]
+    name = re.sub(r"\W", "_", request.node.name)[:40]
+    return lambda: base / f"{name}-{next(numbers)}"
 
 
 def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
