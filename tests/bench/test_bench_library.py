@@ -38,16 +38,23 @@ def test_a_tiny_run_measures_the_three_ways_and_the_library_is_preloaded(tmp_pat
     assert f"{figures['fresh_ratio']:5.2f}x the pool" in printed
 
 
-def test_a_test_costs_the_median_gap_between_starts_after_the_first(monkeypatch):
-    assert library.per_test_ms([0.0, 1.0, 1.010, 1.030, 1.040]) == pytest.approx(10.0)
+def test_a_test_costs_the_median_gap_to_the_next_of_its_way_after_the_first(monkeypatch):
+    stamps = [("fresh", 0.0), ("fresh", 0.5), ("fresh", 0.52), ("fresh", 0.532), ("pool", 0.6)]
+    stamps = [(f"test_{name}", t) for name, t in stamps]
+    # 500 ms (the forkserver's start) left out, 60 ms (the next is no fresh test) not a gap
+    assert library.per_test_ms(stamps, "fresh") == pytest.approx(16.0)
     with pytest.raises(ValueError, match="at least 3 tests"):
-        library.per_test_ms([0.0, 1.0])
-    gaps = {"test_1_pool.py": 0.010, "test_2_fresh.py": 0.012, "test_3_warm.py": 0.005}
+        library.per_test_ms(stamps[:2], "fresh")
+    cost = {"pool": 0.010, "fresh": 0.012, "warm": 0.005}
 
     def session(work, tests, *args):
-        unpreloaded = "rank_preload_test_imports=false" in args
-        step = {"test_2_fresh.py": 0.5} if unpreloaded else gaps
-        stamps = {name: [i * gap for i in range(tests)] for name, gap in step.items()}
+        ways = {"fresh": 0.5} if "rank_preload_test_imports=false" in args else cost
+        stamps, now = [], 0.0
+        for way, seconds in ways.items():
+            for _ in range(tests):
+                stamps.append((f"test_{way}", now))
+                now += seconds
+        stamps.append(("test_zz_end", now))
         return {"stamps": stamps, "report": {"preloaded": ["heavylib"]}}
 
     monkeypatch.setattr(library, "run_session", session)
@@ -56,6 +63,7 @@ def test_a_test_costs_the_median_gap_between_starts_after_the_first(monkeypatch)
     assert figures["fresh_ratio"] == pytest.approx(1.2)
     assert figures["unpreloaded_ms"] == pytest.approx(500.0)
     assert figures["unpreloaded_ratio"] == pytest.approx(50.0)
+    assert figures["preloaded"] == ["heavylib"]
 
 
 def test_the_benchmark_refuses_nonsense_arguments():

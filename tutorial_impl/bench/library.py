@@ -11,19 +11,23 @@ setting. This benchmark measures that on a suite of its own, written to a tempor
 directory:
 
 * ``heavylib``: a package whose import is heavy (``--heavy``, default ``torch._dynamo``: about
-  a second of CPU here) and a ``MeanMetric`` whose ``compute`` all-reduces, as a metric does;
-* the same ``--tests`` tests three ways, each calling into it on ``--world-size`` ranks and
-  asserting the mean: in the pool (``test_1_pool.py``), on fresh ranks without any preload
-  setting (``test_2_fresh.py``) and in warm worlds (``test_3_warm.py``), all in one pytest
-  session: ``pool_ms``, ``fresh_ms``, ``warm_ms``, and ``fresh_ratio`` / ``warm_ratio``
-  against ``pool_ms``;
-* then the fresh file again in a session of its own with ``-o
+  a second of CPU here) and metrics as a metrics library has them: ``nn.Module``s with states,
+  a ``forward`` that gives the batch's value, a ``compute`` that all-gathers every rank's;
+* the same test three ways, ``--tests`` tests each, all in one pytest session: in the pool
+  (``test_pool``), on fresh ranks without any preload setting (``test_fresh``) and in a warm
+  world (``test_warm``), in blocks of 5 tests of one way, the ways in turn (so that the three
+  see the same load as it changes): ``pool_ms``, ``fresh_ms``, ``warm_ms``, and
+  ``fresh_ratio`` / ``warm_ratio`` against ``pool_ms``;
+* then the fresh tests again in a session of their own with ``-o
   rank_preload_test_imports=false`` (``--unpreloaded-tests`` tests; 0 for none):
   ``unpreloaded_ms``, what each test cost before, and ``unpreloaded_ratio``.
 
-A test's cost is the median time from one test's start to the next's in its file (pytest's
-own steps between two tests included), leaving out the first test of each file (it makes the
-pool, starts the forkserver or the warm world). ``preloaded`` lists what the forkserver
+A test's cost is the median time from its start to the next test's start, where the next is
+of the same way (pytest's steps between two tests included, and what a test leaves to do
+after it: a warm world's check, fresh ranks' exit), leaving out the first of each way (it
+makes the pool, starts the forkserver and the warm world). The tests are shaped like
+torchmetrics' ``_class_test`` (``--batches`` batches of 32 per rank, as its
+``NUM_BATCHES``), without its TorchScript check. ``preloaded`` lists what the forkserver
 imported for the suite (its report), and ``load_average`` the 1-minute load after the runs.
 
     python -m tutorial_impl bench library [--tests 20] [--world-size 2] [--json PATH]
@@ -146,7 +150,7 @@ import torch.distributed as dist
 
 from pool_setup import setup_ddp
 
-STAMPS = {{}}
+STAMPS = []
 WORLD = {world}
 
 
@@ -160,9 +164,19 @@ def pool():
     pool.terminate()
 
 
+def pytest_collection_modifyitems(items):
+    # Blocks of 5 tests of one way, the ways in turn: the three see the same load as it
+    # changes, and each test follows one of its own way (whose leftovers it pays for).
+    def key(item):
+        i = item.callspec.params["i"] if hasattr(item, "callspec") else 1e9
+        return i // 5, item.originalname, i
+
+    items.sort(key=key)
+
+
 @pytest.fixture(autouse=True)
 def stamp(request):
-    STAMPS.setdefault(request.node.path.name, []).append(time.perf_counter())
+    STAMPS.append((request.node.originalname, time.perf_counter()))
 
 
 def pytest_sessionfinish(session):
@@ -175,7 +189,7 @@ def pytest_sessionfinish(session):
 # One test as a metrics library writes it (torchmetrics' ``_class_test``): inputs made in the
 # test and given to every rank; each rank copies and pickles its metric, feeds its share of
 # the batches, checking each batch's value against a reference, then checks the value synced
-# over every rank against the reference on all the batches.
+# over every rank against the reference on all the batches. The same test three ways.
 TESTS = """import copy
 import os
 import pickle
@@ -186,8 +200,9 @@ import pytest
 import torch
 
 from heavylib import Accuracy, MeanAbsoluteError, MeanSquaredError
-{mark}
-BATCHES, BATCH, CLASSES = {batches}, 32, 5
+
+BATCHES, BATCH, CLASSES, WORLD = {batches}, 32, 5, {world}
+ROUNDS = range(int(os.environ["BENCH_TESTS"]))
 
 
 def mse(preds, target):
@@ -205,12 +220,15 @@ def accuracy(preds, target):
 CASES = [(MeanSquaredError, mse), (MeanAbsoluteError, mae), (Accuracy, accuracy)]
 
 
-def inputs(metric_class, seed):
-    generator = torch.Generator().manual_seed(seed)
+def inputs(i):
+    metric_class, reference = CASES[i % len(CASES)]
+    generator = torch.Generator().manual_seed(i)
     if metric_class is Accuracy:
         preds = torch.rand(BATCHES, BATCH, CLASSES, generator=generator)
-        return preds, torch.randint(CLASSES, (BATCHES, BATCH), generator=generator)
-    return torch.rand(BATCHES, BATCH, generator=generator), torch.rand(BATCHES, BATCH)
+        target = torch.randint(CLASSES, (BATCHES, BATCH), generator=generator)
+    else:
+        preds, target = torch.rand(BATCHES, BATCH, generator=generator), torch.rand(BATCHES, BATCH)
+    return preds, target, metric_class, reference
 
 
 def class_test(rank, world_size, preds, target, metric_class, reference):
@@ -229,25 +247,35 @@ def class_test(rank, world_size, preds, target, metric_class, reference):
     return result.item()
 
 
-@pytest.mark.world_size({world})
-@pytest.mark.parametrize("i", range(int(os.environ["BENCH_TESTS"])))
-def test_metric(i, {fixture}):
-    metric_class, reference = CASES[i % len(CASES)]
-    preds, target = inputs(metric_class, i)
-    world = {world}
-    results = {call}
-    assert len(results) == world and len(set(results)) == 1
+def agree(results):
+    assert len(results) == WORLD and len(set(results)) == 1
+
+
+@pytest.mark.parametrize("i", ROUNDS)
+def test_pool(i, pool):
+    preds, target, metric_class, reference = inputs(i)
+    test = partial(class_test, preds=preds, target=target, metric_class=metric_class,
+                   reference=reference)
+    agree(pool.starmap(test, [(rank, WORLD) for rank in range(WORLD)]))
+
+
+@pytest.mark.world_size(WORLD)
+@pytest.mark.parametrize("i", ROUNDS)
+def test_fresh(i, run_ranks):
+    agree(run_ranks(class_test, *inputs(i)))
+
+
+@pytest.mark.world_size(WORLD)
+@pytest.mark.warm_world
+@pytest.mark.parametrize("i", ROUNDS)
+def test_warm(i, run_ranks):
+    agree(run_ranks(class_test, *inputs(i)))
+
+
+def test_zz_end():
+    pass  # its start ends the last test's time
 """
-POOL_CALL = (
-    "pool.starmap(partial(class_test, preds=preds, target=target, metric_class=metric_class, "
-    "reference=reference), [(rank, world) for rank in range(world)])"
-)
-RUN_CALL = "run_ranks(class_test, preds, target, metric_class, reference)"
-VARIANTS = {  # file -> (fixture, call, module mark)
-    "test_1_pool.py": ("pool", POOL_CALL, ""),
-    "test_2_fresh.py": ("run_ranks", RUN_CALL, ""),
-    "test_3_warm.py": ("run_ranks", RUN_CALL, "pytestmark = pytest.mark.warm_world"),
-}
+WAYS = ("pool", "fresh", "warm")
 
 
 def write_suite(work: Path, heavy: list[str], world_size: int, batches: int = 2) -> None:
@@ -259,11 +287,8 @@ def write_suite(work: Path, heavy: list[str], world_size: int, batches: int = 2)
     (work / "pool_setup.py").write_text(POOL)
     (work / "conftest.py").write_text(CONFTEST.format(world=world_size))
     (work / "pytest.ini").write_text("[pytest]\n")
-    for name, (fixture, call, mark) in VARIANTS.items():
-        text = TESTS.format(
-            fixture=fixture, call=call, mark=mark, world=world_size, batches=batches * world_size
-        )
-        (work / name).write_text(text)
+    text = TESTS.format(world=world_size, batches=batches * world_size)
+    (work / "test_library.py").write_text(text)
 
 
 def run_session(work: Path, tests: int, *args: str) -> dict[str, Any]:
@@ -281,11 +306,15 @@ def run_session(work: Path, tests: int, *args: str) -> dict[str, Any]:
     return json.loads(stamps.read_text())
 
 
-def per_test_ms(stamps: list[float]) -> float:
-    """The median milliseconds from one test's start to the next's, the first test left out."""
-    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)][1:]
+def per_test_ms(stamps: list[tuple[str, float]], way: str) -> float:
+    """The median milliseconds from the start of one ``test_<way>`` to the start of the next
+    when that is one too, the first such gap left out (it made the pool, started the
+    forkserver, the warm world)."""
+    name = f"test_{way}"
+    pairs = zip(stamps, stamps[1:], strict=False)
+    gaps = [(b - a) * 1e3 for (this, a), (that, b) in pairs if this == that == name][1:]
     if not gaps:
-        raise ValueError("need at least 3 tests for one gap after the first test")
+        raise ValueError("need at least 3 tests of a way: the first gap is left out")
     return statistics.median(gaps)
 
 
@@ -296,12 +325,12 @@ def measure(
         work = Path(tmp)
         write_suite(work, heavy, world_size, batches)
         run = run_session(work, tests)
-        pool, fresh, warm = (per_test_ms(run["stamps"][name]) for name in VARIANTS)
+        pool, fresh, warm = (per_test_ms(run["stamps"], way) for way in WAYS)
         unpreloaded = None
         if unpreloaded_tests:
-            off = ["-o", "rank_preload_test_imports=false", "test_2_fresh.py"]
+            off = ["-o", "rank_preload_test_imports=false", "-k", "fresh or zz_end"]
             before = run_session(work, unpreloaded_tests, *off)
-            unpreloaded = per_test_ms(before["stamps"]["test_2_fresh.py"])
+            unpreloaded = per_test_ms(before["stamps"], "fresh")
     return {
         "tests": tests,
         "world_size": world_size,
