@@ -361,31 +361,23 @@ def show(figures: dict) -> None:
     print(f"  preloaded by the forkserver: {', '.join(figures['preloaded']) or 'nothing'}")
 
 
+INT_OPTIONS = (  # (option, default, help)
+    ("--tests", 20, "tests per way (at least 3)"),
+    ("--world-size", 2, "ranks (and pool workers) per test"),
+    ("--batches", 2, "batches of 32 each rank feeds a metric per test (torchmetrics': 2)"),
+    ("--unpreloaded-tests", 5, "fresh tests without the test files' imports preloaded (0: none)"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl bench library",
         description="A library-shaped suite per test: a spawn pool made once per session, "
         "fresh ranks with no preload setting, warm worlds (one pytest session).",
     )
-    parser.add_argument("--tests", type=int, default=20, help="tests per way (at least 3)")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument(
-        "--batches",
-        type=int,
-        default=2,
-        help="batches of 32 each rank feeds a metric per test (torchmetrics' tests: 2)",
-    )
-    parser.add_argument(
-        "--heavy",
-        default="torch._dynamo",
-        help="modules the library imports (space-separated): its heavy import",
-    )
-    parser.add_argument(
-        "--unpreloaded-tests",
-        type=int,
-        default=5,
-        help="tests of the session without the test files' imports preloaded (0: none)",
-    )
+    for option, default, text in INT_OPTIONS:
+        parser.add_argument(option, type=int, default=default, help=text)
+    parser.add_argument("--heavy", default="torch._dynamo", help="what the library imports")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
@@ -401,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     show(figures)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
 
 
