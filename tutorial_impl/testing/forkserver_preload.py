@@ -10,10 +10,10 @@ rank sees it; ``preload.plan`` builds it).
 
 **Guarded.** A user's module is not the harness's to trust: multiprocessing's own preload
 loop swallows only ``ImportError``, and any other exception would kill the server; worse, a
-module that starts a thread, initialises CUDA or starts a process at import would leave every
-rank forked from a server that cannot be forked safely. So the candidates are first imported
-in a throwaway child forked from the server (``probe``), which reports, module by module, what
-each import did; only the modules that raised nothing and left no thread (Python's or any
+module that starts a thread, initialises CUDA (or loads its driver) or starts a process at
+import would leave every rank forked from a server that cannot be forked safely. So the
+candidates are first imported in a throwaway child forked from the server (``probe``), which
+reports, module by module, what each import did; only the modules that raised nothing and left no thread (Python's or any
 other), no CUDA and no process are then imported in the server itself, its output silenced,
 and checked again. A module whose import does not end within ``PROBE_TIMEOUT`` seconds, or
 ends the child, is dropped with the reason, and the probe goes on with the next. What the
@@ -51,9 +51,22 @@ def _state() -> dict[str, Any]:
     return {
         "threads": {t.ident: t.name for t in threading.enumerate()},
         "tasks": len(tasks),
-        "cuda": bool(cuda is not None and cuda.is_initialized()),
+        "cuda": bool(cuda is not None and cuda.is_initialized()) or _cuda_driver(torch),
         "children": set(proctable.own_children()),
     }
+
+
+def _cuda_driver(torch: Any) -> bool:
+    """Whether the CUDA driver is loaded here: ``torch.cuda.is_available()`` loads it without
+    initialising torch's CUDA, and a process forked after that cannot use CUDA. Only asked of
+    a CUDA build of torch (reading the memory map costs a millisecond or so)."""
+    if not getattr(getattr(torch, "version", None), "cuda", None):
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libcuda.so" in maps.read()
+    except OSError:
+        return False
 
 
 def _harm(before: dict[str, Any], after: dict[str, Any]) -> str | None:
@@ -63,7 +76,7 @@ def _harm(before: dict[str, Any], after: dict[str, Any]) -> str | None:
     if after["tasks"] > before["tasks"]:
         return "started a thread outside Python at import"
     if after["cuda"] and not before["cuda"]:
-        return "initialised CUDA at import (a rank forked after that cannot use CUDA)"
+        return "initialised CUDA at import (a process forked after that cannot use CUDA)"
     if after["children"] - before["children"]:
         return "started a process at import"
     return None
@@ -153,7 +166,11 @@ def _silence() -> None:
 @contextlib.contextmanager
 def _silenced() -> Iterator[None]:
     """fds 1 and 2 to /dev/null meanwhile: a banner printed at import is not the server's."""
-    saved = os.dup(1), os.dup(2)
+    try:
+        saved = os.dup(1), os.dup(2)
+    except OSError:  # no such fds to silence
+        yield
+        return
     _silence()
     try:
         yield
@@ -214,11 +231,17 @@ def main() -> None:
     if not raw:
         return  # no plan (run_ranks outside pytest): the fixed preloads only
     plan = json.loads(raw)
-    report = preload(plan)
+    try:
+        report = preload(plan)
+    except Exception as exc:  # noqa: BLE001 - a server that preloads less still serves
+        report = {"preloaded": [], "dropped": {"(the preload)": f"failed: {exc!r}"}}
     tmp = f"{plan['report']}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, plan["report"])  # a reader never sees half of it
+    try:
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, plan["report"])  # a reader never sees half of it
+    except OSError:
+        pass  # nobody to tell: the parent's summary stays empty
 
 
 main()

@@ -65,7 +65,7 @@ def test_files(plan: dict[str, Any]) -> Iterator[Path]:
     """The ``*.py`` files pytest would collect from ``plan["args"]``, at most ``MAX_FILES``."""
     count = 0
     for arg in plan["args"]:
-        path = Path(plan["invocation_dir"], arg.split("::")[0])
+        path = Path(os.path.abspath(os.path.join(plan["invocation_dir"], arg.split("::")[0])))
         if path.is_file():
             walked: Iterator[Path] = iter([path] if path.suffix == ".py" else [])
         elif path.is_dir():
