@@ -27,7 +27,11 @@ of the same way (pytest's steps between two tests included, and what a test leav
 after it: a warm world's check, fresh ranks' exit), leaving out the first of each way (it
 makes the pool, starts the forkserver and the warm world). The tests are shaped like
 torchmetrics' ``_class_test`` (``--batches`` batches of 32 per rank, as its
-``NUM_BATCHES``), without its TorchScript check. ``preloaded`` lists what the forkserver
+``NUM_BATCHES``), without its TorchScript check. ``pool_cpu_ms``, ``fresh_cpu_ms`` and
+``warm_cpu_ms`` are what a test costs in CPU, every process of the session counted (the
+pytest process, the pool's workers, the forkserver, the ranks, the exited ones too), and
+their ratios to the pool's ``fresh_cpu_ratio``, ``warm_cpu_ratio``: what other jobs on a
+shared machine do not change much. ``preloaded`` lists what the forkserver
 imported for the suite (its report), and ``load_average`` the 1-minute load after the runs.
 
     python -m tutorial_impl bench library [--tests 20] [--world-size 2] [--json PATH]
@@ -174,9 +178,26 @@ def pytest_collection_modifyitems(items):
     items.sort(key=key)
 
 
+def tree_cpu():
+    # CPU seconds of this process and of every process under it, the exited ones too (the
+    # forkserver's reaped ranks): what the other jobs on the machine do not add to.
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{{pid}}/stat") as f:
+                total += sum(map(int, f.read().rsplit(")", 1)[1].split()[11:15]))
+            for task in os.listdir(f"/proc/{{pid}}/task"):
+                with open(f"/proc/{{pid}}/task/{{task}}/children") as f:
+                    todo += map(int, f.read().split())
+        except (OSError, ValueError):
+            pass  # gone meanwhile
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.fixture(autouse=True)
 def stamp(request):
-    STAMPS.append((request.node.originalname, time.perf_counter()))
+    STAMPS.append((request.node.originalname, time.perf_counter(), tree_cpu()))
 
 
 def pytest_sessionfinish(session):
@@ -306,16 +327,35 @@ def run_session(work: Path, tests: int, *args: str) -> dict[str, Any]:
     return json.loads(stamps.read_text())
 
 
-def per_test_ms(stamps: list[tuple[str, float]], way: str) -> float:
+def per_test_ms(stamps: list[list[Any]], way: str) -> float:
     """The median milliseconds from the start of one ``test_<way>`` to the start of the next
     when that is one too, the first such gap left out (it made the pool, started the
     forkserver, the warm world)."""
     name = f"test_{way}"
     pairs = zip(stamps, stamps[1:], strict=False)
-    gaps = [(b - a) * 1e3 for (this, a), (that, b) in pairs if this == that == name][1:]
+    gaps = [(b[1] - a[1]) * 1e3 for a, b in pairs if a[0] == b[0] == name][1:]
     if not gaps:
         raise ValueError("need at least 3 tests of a way: the first gap is left out")
     return statistics.median(gaps)
+
+
+def per_test_cpu_ms(stamps: list[list[Any]], way: str) -> float:
+    """CPU milliseconds a ``test_<way>`` costs, every process of the session counted: each
+    block of that way's tests from its first test's start to the next block's, its first
+    block left out; all of them summed, over the tests they hold. The kernel counts a
+    process's CPU in ticks (10 ms here): a figure worth reading needs tens of tests."""
+    blocks, start, count = [], None, 0
+    for i, (name, _, cpu) in enumerate(stamps):
+        if name == f"test_{way}" and (i == 0 or stamps[i - 1][0] != name):
+            start, count = cpu, 0
+        if name == f"test_{way}":
+            count += 1
+            if i + 1 < len(stamps) and stamps[i + 1][0] != name:
+                blocks.append((stamps[i + 1][2] - start, count))
+    counted = blocks[1:]
+    if not counted:
+        raise ValueError("need at least 2 blocks of a way: the first is left out")
+    return sum(c for c, _ in counted) / sum(n for _, n in counted) * 1e3
 
 
 def measure(
@@ -326,6 +366,7 @@ def measure(
         write_suite(work, heavy, world_size, batches)
         run = run_session(work, tests)
         pool, fresh, warm = (per_test_ms(run["stamps"], way) for way in WAYS)
+        cpu = {way: per_test_cpu_ms(run["stamps"], way) for way in WAYS}
         unpreloaded = None
         if unpreloaded_tests:
             off = ["-o", "rank_preload_test_imports=false", "-k", "fresh or zz_end"]
@@ -342,6 +383,9 @@ def measure(
         "warm_ratio": warm / pool,
         "unpreloaded_ms": unpreloaded,
         "unpreloaded_ratio": None if unpreloaded is None else unpreloaded / pool,
+        **{f"{way}_cpu_ms": cpu[way] for way in WAYS},
+        "fresh_cpu_ratio": cpu["fresh"] / cpu["pool"] if cpu["pool"] else None,
+        "warm_cpu_ratio": cpu["warm"] / cpu["pool"] if cpu["pool"] else None,
         "preloaded": (run["report"] or {}).get("preloaded", []),
         "load_average": os.getloadavg()[0],
     }
@@ -355,6 +399,8 @@ def show(figures: dict) -> None:
           f"{figures['fresh_ratio']:5.2f}x the pool")  # fmt: skip
     print(f"  warm worlds                        {figures['warm_ms']:8.1f} ms  "
           f"{figures['warm_ratio']:5.2f}x the pool")  # fmt: skip
+    cpu = ", ".join(f"{way} {figures[f'{way}_cpu_ms']:.1f} ms" for way in WAYS)
+    print(f"  CPU a test, every process: {cpu}")
     if figures["unpreloaded_ms"] is not None:
         print(f"  fresh, test imports not preloaded  {figures['unpreloaded_ms']:8.1f} ms  "
               f"{figures['unpreloaded_ratio']:5.2f}x the pool")  # fmt: skip
@@ -362,7 +408,7 @@ def show(figures: dict) -> None:
 
 
 INT_OPTIONS = (  # (option, default, help)
-    ("--tests", 20, "tests per way (at least 3)"),
+    ("--tests", 20, "tests per way (at least 6: two blocks of 5, the first left out)"),
     ("--world-size", 2, "ranks (and pool workers) per test"),
     ("--batches", 2, "batches of 32 each rank feeds a metric per test (torchmetrics': 2)"),
     ("--unpreloaded-tests", 5, "fresh tests without the test files' imports preloaded (0: none)"),
@@ -384,8 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.tests < 3 or args.unpreloaded_tests in (1, 2) or args.unpreloaded_tests < 0:
-        raise SystemExit("--tests must be at least 3, --unpreloaded-tests 0 or at least 3")
+    if args.tests < 6 or args.unpreloaded_tests in (1, 2) or args.unpreloaded_tests < 0:
+        raise SystemExit("--tests must be at least 6, --unpreloaded-tests 0 or at least 3")
     if args.world_size < 1 or args.batches < 1:
         raise SystemExit("--world-size and --batches must be positive")
     figures = measure(

@@ -13,13 +13,14 @@ loop swallows only ``ImportError``, and any other exception would kill the serve
 module that starts a thread, initialises CUDA (or loads its driver) or starts a process at
 import would leave every rank forked from a server that cannot be forked safely. So the
 candidates are first imported in a throwaway child forked from the server (``probe``), which
-reports, module by module, what each import did; only the modules that raised nothing and left no thread (Python's or any
-other), no CUDA and no process are then imported in the server itself, its output silenced,
-and checked again. A module whose import does not end within ``PROBE_TIMEOUT`` seconds, or
-ends the child, is dropped with the reason, and the probe goes on with the next. What the
-server preloaded and dropped, and why, goes to the plan's report file
-(``forkserver.RankServer.report``; dropped modules are named in pytest's summary). Probing
-costs the modules' import time once more, once per session, never per rank.
+reports, module by module, what each import did; only the modules that raised nothing and
+left no thread (Python's or any other), no CUDA and no process are then imported in the
+server itself, its output silenced, and checked again. A module whose import does not end
+within ``PROBE_TIMEOUT`` seconds, or ends the child, is dropped with the reason, and the
+probe goes on with the next. What the server preloaded and dropped, and why, goes to the
+plan's report file (``forkserver.RankServer.report``; dropped modules are named in pytest's
+summary). Probing costs the modules' import time once more, once per session, never per
+rank.
 """
 
 from __future__ import annotations
