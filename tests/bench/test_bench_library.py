@@ -21,13 +21,15 @@ from tutorial_impl.bench import library
 
 @pytest.mark.slow
 def test_a_tiny_run_measures_the_three_ways_and_the_library_is_preloaded(tmp_path, capsys):
-    """World size 1 and a light "heavy" import keep it cheap: the pool still spawns a fresh
-    interpreter, and the session's forkserver imports torch."""
+    """World size 1, a light "heavy" import and a pool forked, not spawned (its start is no
+    test's cost), keep it cheap: the session still imports torch, and its forkserver too."""
     path = tmp_path / "library.json"
     argv = ["--tests", "10", "--world-size", "1", "--heavy", "json", "--unpreloaded-tests", "0"]
+    argv += ["--pool-start-method", "fork"]
     assert library.main([*argv, "--json", str(path)]) == 0
     figures = json.loads(path.read_text())
     assert figures["tests"] == 10 and figures["world_size"] == 1 and figures["batches"] == 2
+    assert figures["pool_start_method"] == "fork"
     assert figures["pool_ms"] > 0 and figures["fresh_ms"] > 0 and figures["warm_ms"] > 0
     assert figures["fresh_ratio"] == pytest.approx(figures["fresh_ms"] / figures["pool_ms"])
     assert figures["warm_ratio"] == pytest.approx(figures["warm_ms"] / figures["pool_ms"])

@@ -14,10 +14,11 @@ directory:
   a second of CPU here) and metrics as a metrics library has them: ``nn.Module``s with states,
   a ``forward`` that gives the batch's value, a ``compute`` that all-gathers every rank's;
 * the same test three ways, ``--tests`` tests each, all in one pytest session: in the pool
-  (``test_pool``), on fresh ranks without any preload setting (``test_fresh``) and in a warm
-  world (``test_warm``), in blocks of 5 tests of one way, the ways in turn (so that the three
-  see the same load as it changes): ``pool_ms``, ``fresh_ms``, ``warm_ms``, and
-  ``fresh_ratio`` / ``warm_ratio`` against ``pool_ms``;
+  (``test_pool``; its workers started by ``--pool-start-method``, spawn by default), on
+  fresh ranks without any preload setting (``test_fresh``) and in a warm world
+  (``test_warm``), in blocks of 5 tests of one way, the ways in turn (so that the three see
+  the same load as it changes): ``pool_ms``, ``fresh_ms``, ``warm_ms``, and ``fresh_ratio``
+  / ``warm_ratio`` against ``pool_ms``;
 * then the fresh tests again in a session of their own with ``-o
   rank_preload_test_imports=false`` (``--unpreloaded-tests`` tests; 0 for none):
   ``unpreloaded_ms``, what each test cost before, and ``unpreloaded_ratio``.
@@ -160,9 +161,9 @@ WORLD = {world}
 
 @pytest.fixture(scope="session")
 def pool():
+    pool = multiprocessing.get_context("{start}").Pool(WORLD)  # before the store's threads
     store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    pool = multiprocessing.get_context("spawn").Pool(WORLD)
     pool.starmap(setup_ddp, [(rank, WORLD, store.port) for rank in range(WORLD)])
     yield pool
     pool.terminate()
@@ -299,14 +300,16 @@ def test_zz_end():
 WAYS = ("pool", "fresh", "warm")
 
 
-def write_suite(work: Path, heavy: list[str], world_size: int, batches: int = 2) -> None:
-    """The library and its tests (``batches`` batches per rank), the pool's conftest, an
-    empty pytest.ini (no settings)."""
+def write_suite(
+    work: Path, heavy: list[str], world_size: int, batches: int = 2, start: str = "spawn"
+) -> None:
+    """The library and its tests (``batches`` batches per rank), the pool's conftest (its
+    workers started by ``start``), an empty pytest.ini (no settings)."""
     (work / "heavylib").mkdir()
     imports = "\n".join(f"import {name}" for name in heavy)
     (work / "heavylib" / "__init__.py").write_text(LIBRARY.format(heavy=imports))
     (work / "pool_setup.py").write_text(POOL)
-    (work / "conftest.py").write_text(CONFTEST.format(world=world_size))
+    (work / "conftest.py").write_text(CONFTEST.format(world=world_size, start=start))
     (work / "pytest.ini").write_text("[pytest]\n")
     text = TESTS.format(world=world_size, batches=batches * world_size)
     (work / "test_library.py").write_text(text)
@@ -359,11 +362,16 @@ def per_test_cpu_ms(stamps: list[list[Any]], way: str) -> float:
 
 
 def measure(
-    tests: int, world_size: int, heavy: list[str], unpreloaded_tests: int, batches: int = 2
+    tests: int,
+    world_size: int,
+    heavy: list[str],
+    unpreloaded_tests: int,
+    batches: int = 2,
+    start: str = "spawn",
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-library-") as tmp:
         work = Path(tmp)
-        write_suite(work, heavy, world_size, batches)
+        write_suite(work, heavy, world_size, batches, start)
         run = run_session(work, tests)
         pool, fresh, warm = (per_test_ms(run["stamps"], way) for way in WAYS)
         cpu = {way: per_test_cpu_ms(run["stamps"], way) for way in WAYS}
@@ -376,6 +384,7 @@ def measure(
         "tests": tests,
         "world_size": world_size,
         "batches": batches,
+        "pool_start_method": start,
         "pool_ms": pool,
         "fresh_ms": fresh,
         "warm_ms": warm,
@@ -424,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     for option, default, text in INT_OPTIONS:
         parser.add_argument(option, type=int, default=default, help=text)
     parser.add_argument("--heavy", default="torch._dynamo", help="what the library imports")
+    parser.add_argument(
+        "--pool-start-method",
+        choices=("spawn", "forkserver", "fork"),
+        default="spawn",
+        help="how the pool's workers start (the suites the issue measured: spawn); once per "
+        "session, it changes no test's cost",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
@@ -435,7 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1 or args.batches < 1:
         raise SystemExit("--world-size and --batches must be positive")
     figures = measure(
-        args.tests, args.world_size, args.heavy.split(), args.unpreloaded_tests, args.batches
+        args.tests,
+        args.world_size,
+        args.heavy.split(),
+        args.unpreloaded_tests,
+        args.batches,
+        args.pool_start_method,
     )
     show(figures)
     if args.json:
