@@ -1,10 +1,14 @@
 """The library benchmark (``tutorial_impl/bench/library.py``) on a tiny run.
 
 The benchmark claims that a library's suite, ported to the harness with no preload setting,
-costs about what its own spawn pool costs per test (fresh ranks) or less (warm worlds). No
-speed is asserted here: the run only has to be real, the figures consistent, and the
-library preloaded by the forkserver with nobody naming it (the one place the whole path of
-``preload`` runs: a pytest session with xdist off, its fresh and warm ranks).
+costs about what its own spawn pool costs per test (warm worlds) and a few times that (fresh
+ranks), and that the library is preloaded with nobody naming it. No speed is asserted here:
+the run only has to be real and the figures consistent. The tiny run is the benchmark's own
+suite and arithmetic with its pytest session run in this process (``run_session`` replaced:
+the one in-process pytester run of this file), its ranks and its pool's workers forked by
+this process's forkserver: a subprocess would import torch twice more. That the forkserver
+of a fresh session imports what its test files import is shown by
+``test_harness_isolation.py``'s own fresh session.
 
 Read in this order: a tiny run, then the arithmetic on stamps of known value, then nonsense
 arguments.
@@ -15,32 +19,46 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch  # noqa: F401 - imported before the in-process run (pytester restores sys.modules)
 
 from tutorial_impl.bench import library
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.mark.slow
-def test_a_tiny_run_measures_the_three_ways_and_the_library_is_preloaded(tmp_path, capsys):
-    """World size 1, a light "heavy" import and a pool forked, not spawned (its start is no
-    test's cost), keep it cheap: the session still imports torch, and its forkserver too."""
-    path = tmp_path / "library.json"
+def test_a_tiny_run_measures_the_three_ways(pytester, monkeypatch, capsys):
+    """World size 1, a light "heavy" import, and a pool whose worker this process's
+    forkserver forks keep it cheap."""
+
+    def in_this_process(work, tests, *args):
+        stamps = work / "stamps.json"
+        monkeypatch.setenv("BENCH_STAMPS", str(stamps))
+        monkeypatch.setenv("BENCH_TESTS", str(tests))
+        monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+        result = pytester.runpytest_inprocess(
+            str(work), "--rootdir", str(work), "-c", str(work / "pytest.ini"),
+            "-p", "no:cacheprovider", "-p", "no:randomly", *args,
+        )  # fmt: skip
+        assert result.ret == 0, result.stdout.str()[-3000:]
+        return json.loads(stamps.read_text())
+
+    monkeypatch.setattr(library, "run_session", in_this_process)
+    path = pytester.path / "library.json"
     argv = ["--tests", "10", "--world-size", "1", "--heavy", "json", "--unpreloaded-tests", "0"]
-    argv += ["--pool-start-method", "fork"]
-    assert library.main([*argv, "--json", str(path)]) == 0
+    assert library.main([*argv, "--pool-start-method", "harness", "--json", str(path)]) == 0
     figures = json.loads(path.read_text())
     assert figures["tests"] == 10 and figures["world_size"] == 1 and figures["batches"] == 2
-    assert figures["pool_start_method"] == "fork"
+    assert figures["pool_start_method"] == "harness"
     assert figures["pool_ms"] > 0 and figures["fresh_ms"] > 0 and figures["warm_ms"] > 0
     assert figures["fresh_ratio"] == pytest.approx(figures["fresh_ms"] / figures["pool_ms"])
     assert figures["warm_ratio"] == pytest.approx(figures["warm_ms"] / figures["pool_ms"])
     cpu = [figures[f"{way}_cpu_ms"] for way in ("pool", "fresh", "warm")]
-    assert min(cpu) >= 0 and max(cpu) > 0  # in ticks of 10 ms: a cheap test may count none
+    assert min(cpu) >= 0  # in ticks of 10 ms (and here the ranks' forkserver is no child)
     if figures["pool_cpu_ms"]:
         cpu_ratio = figures["warm_cpu_ms"] / figures["pool_cpu_ms"]
         assert figures["warm_cpu_ratio"] == pytest.approx(cpu_ratio)
     assert figures["unpreloaded_ms"] is None and figures["unpreloaded_ratio"] is None
-    assert "heavylib" in figures["preloaded"]  # what the test files import, unnamed
-    assert "pytest" not in figures["preloaded"]  # not from the scan: the plugin's own
     printed = capsys.readouterr().out
     assert f"{figures['fresh_ratio']:5.2f}x the pool" in printed
 

@@ -9,8 +9,10 @@ fine, that is missing, that raises, starts a thread, ends the process or hangs (
 subprocess without torch, as the server would, module by module); ``rank_preload`` given
 twice with ``-o``; pytest's summary line; the plan reaching the server's environment and no
 further; and a test module the server imported plainly running with pytest's rewritten
-asserts in a rank. The whole path, a library's suite run fresh and warm with no setting, is
-``tests/bench/test_bench_library.py``'s run of the library benchmark.
+asserts in a rank. The whole path, a fresh pytest session whose forkserver imports what its
+test file imports and two ``-o rank_preload`` values, is in ``test_harness_isolation.py``
+(its one fresh session), and a library's suite run fresh and warm is the library benchmark
+(``tests/bench/test_bench_library.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ directory:
   a second of CPU here) and metrics as a metrics library has them: ``nn.Module``s with states,
   a ``forward`` that gives the batch's value, a ``compute`` that all-gathers every rank's;
 * the same test three ways, ``--tests`` tests each, all in one pytest session: in the pool
-  (``test_pool``; its workers started by ``--pool-start-method``, spawn by default), on
+  (``test_pool``; its workers started by ``--pool-start-method``, spawn by default, or
+  forked by the harness's own forkserver: ``harness``), on
   fresh ranks without any preload setting (``test_fresh``) and in a warm world
   (``test_warm``), in blocks of 5 tests of one way, the ways in turn (so that the three see
   the same load as it changes): ``pool_ms``, ``fresh_ms``, ``warm_ms``, and ``fresh_ratio``
@@ -159,9 +160,17 @@ STAMPS = []
 WORLD = {world}
 
 
+def context(start):
+    if start != "harness":
+        return multiprocessing.get_context(start)
+    from tutorial_impl.testing import forkserver
+
+    return forkserver.context()  # workers forked by the harness's forkserver, torch loaded
+
+
 @pytest.fixture(scope="session")
 def pool():
-    pool = multiprocessing.get_context("{start}").Pool(WORLD)  # before the store's threads
+    pool = context("{start}").Pool(WORLD)  # before the store's threads
     store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     pool.starmap(setup_ddp, [(rank, WORLD, store.port) for rank in range(WORLD)])
@@ -435,10 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heavy", default="torch._dynamo", help="what the library imports")
     parser.add_argument(
         "--pool-start-method",
-        choices=("spawn", "forkserver", "fork"),
+        choices=("spawn", "forkserver", "fork", "harness"),
         default="spawn",
-        help="how the pool's workers start (the suites the issue measured: spawn); once per "
-        "session, it changes no test's cost",
+        help="how the pool's workers start (the suites the issue measured: spawn; harness: "
+        "forked by the harness's forkserver); once per session, it changes no test's cost",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
