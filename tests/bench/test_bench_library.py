@@ -45,10 +45,10 @@ def test_a_tiny_run_measures_the_three_ways(pytester, monkeypatch, capsys):
 
     monkeypatch.setattr(library, "run_session", in_this_process)
     path = pytester.path / "library.json"
-    argv = ["--tests", "10", "--world-size", "1", "--heavy", "json", "--unpreloaded-tests", "0"]
+    argv = ["--tests", "6", "--world-size", "1", "--heavy", "json", "--unpreloaded-tests", "0"]
     assert library.main([*argv, "--pool-start-method", "harness", "--json", str(path)]) == 0
     figures = json.loads(path.read_text())
-    assert figures["tests"] == 10 and figures["world_size"] == 1 and figures["batches"] == 2
+    assert figures["tests"] == 6 and figures["world_size"] == 1 and figures["batches"] == 2
     assert figures["pool_start_method"] == "harness"
     assert figures["pool_ms"] > 0 and figures["fresh_ms"] > 0 and figures["warm_ms"] > 0
     assert figures["fresh_ratio"] == pytest.approx(figures["fresh_ms"] / figures["pool_ms"])
