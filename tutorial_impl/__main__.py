@@ -41,6 +41,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "harness": ("tutorial_impl.bench.harness", "per-test overhead: harness vs mp.spawn"),
     "ring": ("tutorial_impl.bench.ring", "tutorial ring vs bandwidth-optimal ring vs gloo"),
     "ddp-rpc": ("tutorial_impl.bench.ddp_rpc", "the DDP + RPC benchmark (trainers, PS, master)"),
+    "library": (
+        "tutorial_impl.bench.library",
+        "a library's suite per test: spawn pool vs fresh ranks vs warm worlds",
+    ),
 }
 
 

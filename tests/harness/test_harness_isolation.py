@@ -153,15 +153,19 @@ import torch.distributed as dist
 from tutorial_impl.testing import forkserver as rank_server
 from tutorial_impl.testing import proctable
 
+import scanned_probe  # imported by this file: the forkserver preloads it, nobody naming it
+
 
 def facts(rank, world_size, pid_dir):
-    import preloaded_probe  # rank_preload: the rank's parent imported it, not the rank
+    import preloaded_probe, second_probe  # rank_preload, given twice with -o
 
     proctable.record(pid_dir, f"forkserver{rank}", os.getppid())
     proctable.record_self(pid_dir, f"rank{rank}")
     return {
         "server": os.getppid(),
-        "preloaded_in": preloaded_probe.IMPORTED_IN,
+        "preloaded_in": {
+            module.IMPORTED_IN for module in (preloaded_probe, second_probe, scanned_probe)
+        },
         "death_chain": "tutorial_impl.testing.forkserver_init" in sys.modules,
         "frozen": gc.get_freeze_count() > 0,
     }
@@ -174,7 +178,7 @@ def test_a_pool_starts_the_global_forkserver_before_any_rank(run_ranks, tmp_path
     assert global_server is not None  # multiprocessing's own server is up now
     for got in run_ranks(facts, os.environ["PID_DIR"]):
         assert got["server"] == rank_server.forkserver_pid() != global_server  # ours...
-        assert got["preloaded_in"] == got["server"]  # ...which did the preloads,
+        assert got["preloaded_in"] == {got["server"]}  # ...which did the preloads,
         assert got["death_chain"] and got["frozen"]  # the death chain and gc.freeze
 
 
@@ -196,17 +200,21 @@ def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
     pytester, tmp_path, monkeypatch
 ):
     """A fresh pytest (the only costly run here) whose first test starts multiprocessing's
-    forkserver with a Pool; it also runs with --check-collectives, for the option's sake."""
+    forkserver with a Pool; it also runs with --check-collectives, for the option's sake, and
+    shows a fresh session's forkserver importing what its test file imports and both
+    ``-o rank_preload`` values."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     monkeypatch.setenv("PID_DIR", str(pid_dir))
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     pytester.makepyfile(test_pool_first=POOL_FIRST_TESTS)
-    pytester.makepyfile(preloaded_probe="import os\n\nIMPORTED_IN = os.getpid()\n")
-    pytester.makeini("[pytest]\nrank_preload = preloaded_probe\n")
+    probe = "import os\n\nIMPORTED_IN = os.getpid()\n"
+    pytester.makepyfile(preloaded_probe=probe, second_probe=probe, scanned_probe=probe)
+    pytester.makeini("[pytest]\n")
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-p", "no:randomly", "--rank-timeout", "10",
-        "--check-collectives", timeout=300,
+        "--check-collectives", "-o", "rank_preload=preloaded_probe",
+        "-o", "rank_preload=second_probe", timeout=300,
     )  # fmt: skip
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["FAILED *::test_unmarked*"])

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -64,6 +65,7 @@ class Session:
 SESSION = pytest.StashKey[Session]()
 SETTINGS = pytest.StashKey[_config.Settings]()  # what the test's ranks run with
 DEADLINE_CAP = pytest.StashKey[float]()  # no run_ranks call may wait longer (pytest-timeout)
+_CALL_DIRS = pytest.StashKey[tuple[Path, Iterator[int]]]()  # see call_dirs
 
 
 def default_size(config: pytest.Config) -> int:
@@ -91,7 +93,9 @@ def world_size(request: pytest.FixtureRequest, _world_size_matrix: int | None) -
 
 
 @pytest.fixture(name="run_ranks")
-def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> RunRanks:
+def _run_ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, world_size: int
+) -> RunRanks:
     """Run a rank function on N processes and return each rank's return value.
 
     ``run_ranks(fn, *args, **options)`` calls ``fn(rank, world_size, *args)`` in every rank
@@ -108,23 +112,28 @@ def _run_ranks(request: pytest.FixtureRequest, tmp_path: Path, world_size: int) 
 
     A failure on any rank fails the test with that rank's traceback, where the other ranks
     were, and every rank's output; a skip (or xfail) on a rank skips it only if no rank
-    failed. The logs live in the test's ``tmp_path``. During the test's body,
-    ``tutorial_impl.testing.run_ranks`` runs through this same fixture (``in_test``).
+    failed. The logs live in ``ranks/<test>-<n>`` under pytest's base temporary directory
+    (``call_dirs``). During the test's body, ``tutorial_impl.testing.run_ranks`` runs through
+    this same fixture (``in_test``).
     """
-    return RunRanksOfTest(request, tmp_path, world_size)
+    return RunRanksOfTest(request, tmp_path_factory, world_size)
 
 
 class RunRanksOfTest:
     """One test's ``run_ranks``: the fixture's value, and what the public ``run_ranks``
     calls while the test's body runs (``from_helper``). Both check a call the same way,
-    run it on the same strategy and log in the same ``tmp_path``."""
+    run it on the same strategy and log in the same directories (``call_dirs``)."""
 
-    def __init__(self, request: pytest.FixtureRequest, tmp_path: Path, world_size: int) -> None:
+    def __init__(
+        self,
+        request: pytest.FixtureRequest,
+        tmp_path_factory: pytest.TempPathFactory,
+        world_size: int,
+    ) -> None:
         self.item, self.config = request.node, request.config
         self.session = request.config.stash[SESSION]
         self.settings = _settings_of(self.item, self.session)
-        self.tmp_path, self.world_size = tmp_path, world_size
-        self.calls = itertools.count()
+        self.next_dir, self.world_size = call_dirs(request, tmp_path_factory), world_size
         problem = _shadowing.size_refusal(self.item, __name__, world_size, self.settings.world_size)
         if problem is not None:
             pytest.fail(f"harness configuration: {problem}", pytrace=False)
@@ -155,7 +164,7 @@ class RunRanksOfTest:
         call = dataclasses.replace(
             call,
             deadline=min(call.deadline, self.item.stash.get(DEADLINE_CAP, float("inf"))),
-            log_dir=call.log_dir or self.tmp_path / f"ranks-{next(self.calls)}",
+            log_dir=call.log_dir or self.next_dir(),
             announce=_terminal_line(self.config),
         )
         runner = self.session.runner(self.settings, call)
@@ -220,6 +229,20 @@ def _settings_of(item: pytest.Item, session: Session) -> _config.Settings:
         )
     except _config.ConfigError as exc:
         pytest.fail(f"harness configuration: {exc}", pytrace=False)
+
+
+def call_dirs(
+    request: pytest.FixtureRequest, factory: pytest.TempPathFactory
+) -> Callable[[], Path]:
+    """Where each call of this test keeps its ranks' logs, stacks and ``file://`` store:
+    ``ranks/<test>-<n>`` under pytest's base temporary directory (kept as pytest keeps it),
+    made when the call starts. Not the test's ``tmp_path``: pytest numbers those by listing
+    every directory the session has made so far, and links the newest, on every test."""
+    if _CALL_DIRS not in request.config.stash:
+        request.config.stash[_CALL_DIRS] = factory.getbasetemp() / "ranks", itertools.count()
+    base, numbers = request.config.stash[_CALL_DIRS]
+    name = re.sub(r"\W", "_", request.node.name)[:40]
+    return lambda: base / f"{name}-{next(numbers)}"
 
 
 def _terminal_line(config: pytest.Config) -> Callable[[str], None]:

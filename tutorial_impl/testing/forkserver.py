@@ -31,8 +31,13 @@ pytest plugin imports this module, and a plugin must not cost every pytest run t
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import multiprocessing as mp
 import os
+import sys
+import tempfile
 import types
 import warnings
 from multiprocessing import forkserver as _mp_forkserver
@@ -52,6 +57,10 @@ DEFAULT_PRELOAD = [
     "tutorial_impl.testing.rank",
     "tutorial_impl.testing.warm_rank",
 ]
+# Imported after those and ``rank_preload``, when the session gave a plan: what the test
+# files import, imported once, guarded (``forkserver_preload``); then ``forkserver_ready``.
+PLANNED_PRELOAD = "tutorial_impl.testing.forkserver_preload"
+PLAN_ENV = "TUTORIAL_IMPL_RANK_PRELOAD_PLAN"  # the plan, in the server's environment
 # The key of ``workerinput`` (xdist's dict sent from the controller to each worker).
 WORKERINPUT_KEY = "tutorial_impl_forkserver"
 
@@ -65,10 +74,13 @@ class RankServer:
     """This process's rank forkserver: what it preloads, and the server once started.
 
     ``context()`` starts it lazily (in an xdist worker given the controller's server, a
-    client of that one); ``add_preload`` only counts before that."""
+    client of that one); ``add_preload`` and ``plan`` only count before that. ``plan``: what
+    the server reads to preload what the test files import (``preload.plan``), or None."""
 
     def __init__(self) -> None:
         self.preload: list[str] = list(DEFAULT_PRELOAD)
+        self.plan: dict[str, Any] | None = None
+        self.report_path: str | None = None  # where the started server says what it preloaded
         self.server: Any = None  # a ForkServer, once ``context`` has made it
         self.shared: dict[str, Any] | None = None  # an xdist worker: the controller's
         self._context: Any = None
@@ -90,14 +102,33 @@ class RankServer:
 
     def _own_server(self) -> Any:
         """A new, not yet started ``ForkServer`` with the harness's preload."""
-        server = _mp_forkserver.ForkServer()
+        server = _PlannedForkServer()
         # Ranks measure coverage when we do (see ``coverage``); then import it once, there.
         measuring = ["coverage"] if _coverage.parent_settings() is not None else []
+        planned = []
+        if self.plan is not None:
+            if self.report_path is None:
+                self.report_path = _report_path()
+            # The parent's import path: on Python 3.11 multiprocessing's forkserver does
+            # not take it over (3.12 does), and the test files' imports must resolve as here.
+            server.plan = {**self.plan, "report": self.report_path, "sys_path": list(sys.path)}
+            planned = [PLANNED_PRELOAD]
         # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
         # ``forkserver_ready`` goes last: it freezes everything the others imported.
         ready = "tutorial_impl.testing.forkserver_ready"
-        server.set_forkserver_preload([*self.preload, *measuring, ready])
+        server.set_forkserver_preload([*self.preload, *measuring, *planned, ready])
         return server
+
+    def report(self) -> dict[str, Any] | None:
+        """What the server preloaded from the plan and what it dropped, and why (see
+        ``forkserver_preload``); None before it has finished (or without a plan)."""
+        if self.report_path is None:
+            return None
+        try:
+            with open(self.report_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
 
     def fall_back(self, exc: OSError) -> Any:
         """Replace the unreachable shared server by one of this process's own; say so once."""
@@ -157,6 +188,37 @@ def context() -> Any:
 
 def forkserver_pid() -> int | None:
     return SERVER.pid
+
+
+def _report_path() -> str:
+    fd, path = tempfile.mkstemp(prefix="tutorial-impl-preload-", suffix=".json")
+    os.close(fd)
+    os.unlink(path)  # the server writes it when done: its absence means "not yet"
+    atexit.register(_remove, path)
+    return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+class _PlannedForkServer(_mp_forkserver.ForkServer):
+    """multiprocessing's ``ForkServer``, started with the session's plan in its environment.
+
+    The server's one input besides the preload list (module names) and ``sys.path`` is the
+    environment it inherits; ``forkserver_preload`` reads the plan there and removes it."""
+
+    plan: dict[str, Any] | None = None
+
+    def ensure_running(self) -> None:
+        if self.plan is None or self._forkserver_pid is not None:  # not starting it now
+            return super().ensure_running()
+        os.environ[PLAN_ENV] = json.dumps(self.plan)
+        try:
+            super().ensure_running()
+        finally:
+            del os.environ[PLAN_ENV]  # no rank's or later process's business
 
 
 class _OwnForkServer:

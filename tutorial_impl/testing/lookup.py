@@ -21,7 +21,9 @@ failing ``assert a == b`` shows both values. A rank that imported the file plain
 that. So for a module pytest rewrote, the parent sends the rewritten code along (marshalled,
 tens of kB): pytest's own cached copy (``__pycache__/*-pytest-*.pyc``), or, where pytest
 wrote none (``PYTHONDONTWRITEBYTECODE``), the file rewritten once per parent process with
-pytest's rewriter. Rewriting in every rank instead would cost 30-100 ms a rank.
+pytest's rewriter. Rewriting in every rank instead would cost 30-100 ms a rank. A test module
+the forkserver imported plainly (named in ``rank_preload``) is run again from that code in
+the rank, under the same name, so its asserts keep their explanation there too.
 
 What truly cannot work is refused in the parent, with the reason: lambdas and nested
 functions (no name a rank could look up), functions of ``__main__`` (ranks do not re-run the
@@ -142,7 +144,8 @@ def _same_path(a: str | None, b: str) -> bool:
 
 def _module(ref: FunctionRef) -> types.ModuleType:
     loaded = sys.modules.get(ref.module)  # preloaded in the forkserver, or imported meanwhile
-    if _same_file(loaded, ref.file):
+    # ... unless the parent's copy had pytest's rewritten asserts and that one has not.
+    if _same_file(loaded, ref.file) and (ref.code is None or "@pytest_ar" in vars(loaded)):
         return loaded  # type: ignore[return-value]
     if ref.code is not None and ref.file:
         return _load_from_file(ref.module, ref.file, marshal.loads(ref.code))

@@ -1,12 +1,10 @@
 """The pytest plugin of the harness: every option, marker, hook and fixture it adds, here.
 
-**How pytest finds it.** The package declares this module under the ``pytest11`` entry point
-(``pyproject.toml``), the group pytest scans at start-up: once ``tutorial-impl`` is installed,
-every pytest run in that environment loads it, with no ``conftest.py`` line. The entry point's
-name is the module's own name, ``tutorial_impl.testing.plugin``; pytest registers plugins by
-name, so a ``pytest_plugins = ["tutorial_impl.testing.plugin"]`` line (this repository's root
-conftest keeps one, for runs with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``) finds it registered
-and does not load it twice. ``-p no:tutorial_impl.testing.plugin`` turns it off.
+**How pytest finds it.** The ``pytest11`` entry point (``pyproject.toml``): once
+``tutorial-impl`` is installed, every pytest run in that environment loads it, with no
+``conftest.py`` line. Its name is the module's own, so a ``pytest_plugins`` line naming it
+(this repository's root conftest keeps one, for ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``) finds
+it registered and does not load it twice. ``-p no:tutorial_impl.testing.plugin`` turns it off.
 
 **Cheap to load.** A plugin loads in every pytest run of the environment, so this module
 imports no torch (two seconds) until a test needs it: the machinery it drives (``forked``,
@@ -17,17 +15,17 @@ What pytest calls, in the order it calls it:
 ``pytest_addoption``
     the command-line options (``--rank-timeout``, ``--init-method``, ``--require-gpu``,
     ``--check-collectives``, ``--rank-pdb``, ``--launcher``, ``--warm-worlds``,
-    ``--warm-audit``) and ini values (``rank_timeout``, ``rank_preload``, ``warm_worlds``),
-    shown under "torch.distributed multi-rank harness" in ``pytest --help``; their help
-    texts are the constants below.
+    ``--warm-audit``) and ini values (``rank_timeout``, ``warm_worlds``; the ``rank_preload*``
+    ones from ``preload``), shown under "torch.distributed multi-rank harness" in ``pytest
+    --help``; their help texts are the constants below and in ``config`` and ``preload``.
 ``pytest_cmdline_main``
     under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
     registers the markers (so ``--strict-markers`` accepts them and ``pytest --markers``
-    lists them) and sets up what ranks preload (in an xdist worker: which forkserver they
-    come from); under torchrun (``--launcher``), joins the
-    job and registers ``torchrun_session.LaunchedSession``, whose hooks keep the ranks in
-    lockstep and let rank 0 report for all.
+    lists them) and sets up what ranks preload (``preload``; in an xdist worker: which
+    forkserver they come from); under torchrun (``--launcher``), joins the job and
+    registers ``torchrun_session.LaunchedSession``, whose hooks keep the ranks in lockstep
+    and let rank 0 report for all.
 ``pytest_configure_node``
     xdist's hook, in the controller: starts one rank forkserver for all its workers.
 ``pytest_generate_tests``
@@ -44,6 +42,8 @@ What pytest calls, in the order it calls it:
     leases a GPU test's GPUs for its run (``backends.lease``).
 ``pytest_runtest_call``
     while the test's body runs, the public ``run_ranks`` is the test's (``fixtures.in_test``).
+``pytest_terminal_summary``
+    names the test files' imports the rank forkserver left to the ranks, and why.
 fixtures ``run_ranks`` and ``world_size`` (``fixtures``)
     run a rank function on N processes; the size of this test's world.
 
@@ -60,7 +60,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, fixtures, forkserver, job, matrix, report
+from tutorial_impl.testing import backends, fixtures, forkserver, job, matrix, preload, report
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing.fixtures import (
     DEADLINE_CAP,
@@ -117,12 +117,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "rank_timeout", "default harness deadline in seconds", default=str(_config.DEFAULT_DEADLINE)
     )
-    parser.addini(
-        "rank_preload",
-        "modules the rank forkserver imports once, so each rank starts with them loaded",
-        type="linelist",
-        default=[],
-    )
+    preload.addini(parser)  # rank_preload, rank_preload_test_imports, rank_preload_exclude
     parser.addini(
         "warm_worlds", "run every multi-rank test in warm worlds", type="bool", default=False
     )
@@ -160,7 +155,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if launch is not None:
         _join_the_job(config, session, launch)
         return
-    forkserver.add_preload([*PYTEST_PRELOAD, *config.getini("rank_preload")])
+    preload.configure(config, PYTEST_PRELOAD)  # and what the test files import (``preload``)
     shared = getattr(config, "workerinput", {}).get(forkserver.WORKERINPUT_KEY)
     if shared is not None:  # an xdist worker: its ranks come from the controller's server
         forkserver.SERVER.use_shared(shared)
@@ -376,6 +371,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         stack.close()
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         item.config.stash[SESSION].pool.close_all()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Name the test files' imports the rank forkserver would not preload, and why."""
+    preload.write_summary(terminalreporter, config)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

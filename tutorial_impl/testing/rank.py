@@ -43,7 +43,7 @@ def release_forkserver() -> None:
     multiprocessing gives every forkserver child the write end of the pipe the server
     watches for EOF, so the server would only exit once its owner *and all its children*
     are gone. A hanging rank would then keep the server alive after pytest was killed, and
-    the server keep the rank alive (see ``_die_with_parent``): an orphan forever.
+    the server keep the rank alive (see ``die_with_parent``): an orphan forever.
     """
     # Inside the server's children, the module's singleton is the one the server filled in.
     from multiprocessing import forkserver
@@ -55,7 +55,7 @@ def release_forkserver() -> None:
         server._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this rank when its parent (the forkserver) dies.
 
     The forkserver exits as soon as the pytest process that started it is gone, even after a
@@ -75,7 +75,7 @@ def _die_with_owner(owner: int | None) -> None:
     """Kill this rank's process group as soon as ``owner`` (the process that asked for the
     rank: a pytest process, an xdist worker) is gone.
 
-    ``_die_with_parent`` ties the rank to the forkserver, and the forkserver lives as long
+    ``die_with_parent`` ties the rank to the forkserver, and the forkserver lives as long
     as *its* owner; under xdist that is the controller, shared by every worker, so a worker
     SIGKILLed while its ranks hang would leave them running. So a daemon thread waits for
     the owner: on a pidfd (Linux 5.3+: it becomes readable when the process exits, even
@@ -174,7 +174,7 @@ def enter_rank(spec: RankSpec) -> dict[str, str]:
     parent = os.getppid()
     os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
     release_forkserver()
-    _die_with_parent(parent)
+    die_with_parent(parent)
     _die_with_owner(spec.owner_pid)
     imported_with = dict(os.environ)  # the forkserver's: what torch saw at import
     take_task(spec)

@@ -1,0 +1,249 @@
+"""What the rank forkserver imports before any rank: the test files' imports, found and guarded.
+
+A fresh rank imports its test module again; the forkserver imports what the collected test
+files import first, with no setting (``preload``, ``importscan``, ``forkserver_preload``), so
+the library under test is loaded once per session instead of in every rank. Proven here
+without starting a rank (each piece on its own, cheaply): which files and which imports the
+scan finds, as pytest would collect them; what the server does with a module that imports
+fine, that is missing, that raises, starts a thread, ends the process or hangs (in a
+subprocess without torch, as the server would, module by module); ``rank_preload`` given
+twice with ``-o``; pytest's summary line; the plan reaching the server's environment and no
+further; and a test module the server imported plainly running with pytest's rewritten
+asserts in a rank. The whole path, a fresh pytest session whose forkserver imports what its
+test file imports and two ``-o rank_preload`` values, is in ``test_harness_isolation.py``
+(its one fresh session), and a library's suite run fresh and warm is the library benchmark
+(``tests/bench/test_bench_library.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from tutorial_impl.testing import forkserver, importscan, lookup, preload
+from tutorial_impl.testing.forkserver import PLAN_ENV
+
+pytest_plugins = ["pytester"]
+
+DEFAULTS = {  # pytest's own, as preload.plan reads them from a session
+    "python_files": ["test_*.py", "*_test.py"],
+    "norecursedirs": ["*.egg", ".*", "_darcs", "build", "CVS", "dist", "node_modules", "venv"],
+    "importmode": "prepend",
+}
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+SCANNED = """
+import json, os.path as osp
+import pytest
+from _pytest import nodes
+from . import sibling
+from mylib.metrics import Mean, test_helper
+from mylib import conftest
+import test_other, conftest
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    import only_for_types
+try:
+    import optional_dep
+except ImportError:
+    optional_dep = None
+with open(__file__):
+    import in_a_with
+import excluded.sub
+
+def f():
+    import inside_a_function
+
+class C:
+    import inside_a_class
+"""
+
+
+def test_the_scan_reads_the_files_pytest_would_collect_and_their_module_imports(tmp_path):
+    write(
+        tmp_path,
+        {
+            "tests/test_a.py": SCANNED,
+            "tests/helpers.py": "import not_a_test_file\n",  # not matched by python_files
+            "tests/pkg/__init__.py": "",
+            "tests/pkg/b_test.py": "from mylib.metrics import Sum\n",
+            "tests/build/test_x.py": "import in_norecursedirs\n",
+            "tests/.hidden/test_y.py": "import in_a_hidden_dir\n",
+            "tests/env/pyvenv.cfg": "",
+            "tests/env/test_z.py": "import in_a_virtualenv\n",
+            "tests/skipped/test_i.py": "import ignored\n",
+            "tests/test_broken.py": "import (\n",
+            "check_me.py": "import named_as_an_argument\n",
+        },
+    )
+    plan = {
+        **DEFAULTS,
+        "args": ["tests", "check_me.py::test_x", "no/such/path"],
+        "invocation_dir": str(tmp_path),
+        "ignore": [str(tmp_path / "tests" / "skipped")],
+        "ignore_glob": [],
+        "exclude": ["excluded"],
+    }
+    found = importscan.scan(plan)
+    assert found.imports == {
+        "json": [],
+        "os.path": [],
+        "mylib.metrics": ["Mean", "Sum"],  # not test_helper: a test module is the rank's
+        "mylib": [],  # nor conftest
+        "typing": ["TYPE_CHECKING"],
+        "optional_dep": [],
+        "in_a_with": [],
+        "named_as_an_argument": [],
+    }
+    assert found.files == 4  # test_a, test_broken, pkg/b_test, check_me
+    # What pytest's prepend mode puts on sys.path: for pkg/b_test.py the directory above
+    # the package, tests/ (as for test_a.py); for check_me.py its own.
+    assert found.paths == [str(tmp_path / "tests"), str(tmp_path)]
+
+
+GOOD = "import os\nIMPORTED_IN = os.getpid()\nprint('a banner nobody should see')\n"
+THREADER = (
+    "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"  # noqa: E501
+)
+RAISER = "raise RuntimeError('not in a forkserver')\n"
+EXITER = "import os\nos._exit(3)\n"
+SLEEPER = "import time\ntime.sleep(60)\n"
+SERVER_SIDE = """
+import json, os, sys, threading
+import tutorial_impl.testing.forkserver_preload  # what the forkserver imports: runs the plan
+import good_module
+print(json.dumps({"pid": os.getpid(), "good": good_module.IMPORTED_IN,
+                  "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
+                  "plan_left": os.environ.get(sys.argv[1])}))
+"""
+
+
+def test_the_forkserver_imports_what_is_safe_and_names_what_it_will_not(tmp_path):
+    """Run as the server runs it, in a fresh interpreter without torch: one module of each
+    kind, imported by a test file, two more named in ``rank_preload``."""
+    modules = {"good_module": GOOD, "threader": THREADER, "raiser": RAISER}
+    modules |= {"exiter": EXITER, "sleeper": SLEEPER}
+    write(tmp_path / "lib", {f"{name}.py": text for name, text in modules.items()})
+    imports = "".join(f"import {name}\n" for name in modules) + "import missing_module\n"
+    write(tmp_path, {"tests/test_lib.py": imports})
+    plan = {
+        "rank_preload": ["json", "named_but_missing"],
+        "test_files": {**DEFAULTS, "args": ["tests"], "invocation_dir": str(tmp_path)},
+        "report": str(tmp_path / "report.json"),
+        "probe_timeout": 1.0,
+        "sys_path": [str(tmp_path / "lib"), *sys.path],  # the parent's: lib/ is only there
+    }
+    env = {**os.environ, PLAN_ENV: json.dumps(plan)}
+    code = [sys.executable, "-c", SERVER_SIDE, PLAN_ENV]
+    done = subprocess.run(code, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "banner" not in done.stdout  # the server's output is its parent's terminal
+    facts = json.loads(done.stdout)
+    assert facts["good"] == facts["pid"]  # imported by the server itself...
+    assert facts["threads"] == 1 and facts["tasks"] == 1  # ... which has one thread still
+    assert facts["plan_left"] is None  # and no rank will see the plan
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["preloaded"] == ["json", "good_module"]
+    assert report["files"] == 1
+    assert report["unsafe"] == {}
+    assert set(report["failed"]) == {"missing_module"}  # a test file's: said only here
+    dropped = report["dropped"]
+    assert set(dropped) == {"named_but_missing", "threader", "raiser", "exiter", "sleeper"}
+    assert dropped["named_but_missing"].startswith("ModuleNotFoundError")
+    assert dropped["threader"].startswith("started a thread at import")
+    assert dropped["raiser"] == "raised RuntimeError at import: not in a forkserver"
+    assert dropped["exiter"] == "its import ended the process (exit status 3)"
+    assert dropped["sleeper"] == "its import did not end within 1 s"
+
+
+def test_rank_preload_given_twice_with_o_keeps_both_and_the_plan_follows_the_ini(pytester):
+    pytester.makeini("[pytest]\nrank_preload = from_the_file\nrank_preload_exclude = mylib.gpu\n")
+    assert preload.explicit(pytester.parseconfig()) == ["from_the_file"]
+    config = pytester.parseconfig("-o", "rank_preload=a b", "-o", "rank_preload=c")
+    assert config.getini("rank_preload") == ["c"]  # pytest's own reading: the last -o only
+    assert preload.explicit(config) == ["a", "b", "c"]
+    plan = preload.plan(config)
+    assert plan["rank_preload"] == ["a", "b", "c"]
+    assert plan["test_files"]["exclude"] == ["mylib.gpu"]
+    assert plan["test_files"]["invocation_dir"] == str(pytester.path)
+    off = pytester.parseconfig("-o", "rank_preload_test_imports=false")
+    assert preload.plan(off)["test_files"] is None
+
+
+def test_the_summary_names_what_the_server_of_this_session_left_out(pytester, monkeypatch):
+    config = pytester.parseconfig()
+    report = pytester.path / "report.json"
+    dropped = {"threader": "started a thread at import (t)"}
+    report.write_text(json.dumps({"dropped": dropped, "unsafe": {"mylib": "started a process"}}))
+    server = forkserver.RankServer()
+    server.report_path = str(report)
+    started = {**preload.plan(config), "report": str(report), "sys_path": sys.path}
+    server.server = types.SimpleNamespace(plan=started)
+    monkeypatch.setattr(forkserver, "SERVER", server)
+    assert preload.summary(config) == [
+        "not preloaded: threader: started a thread at import (t)",
+        "preloaded, but mylib started a process",
+    ]
+    other = pytester.parseconfig("-o", "rank_preload=another")
+    assert preload.summary(other) == []  # the server was started for another session
+
+
+def test_the_plan_is_in_the_environment_only_while_the_server_starts(monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        forkserver._mp_forkserver.ForkServer,
+        "ensure_running",
+        lambda self: seen.append(os.environ.get(PLAN_ENV)),
+    )
+    server = forkserver._PlannedForkServer()
+    server.plan = {"rank_preload": ["x"], "test_files": None, "report": "r.json"}
+    server.ensure_running()
+    assert json.loads(seen[0]) == server.plan and PLAN_ENV not in os.environ
+    server._forkserver_pid = 12345  # started: later calls only check on it
+    server.ensure_running()
+    assert seen[1] is None
+
+
+PRELOADED_TEST_MODULE = """
+def compares(rank, world_size):
+    assert [rank, 2] == [rank, 3]
+"""
+
+
+def test_a_test_module_the_server_imported_plainly_runs_with_rewritten_asserts(tmp_path):
+    """``-o rank_preload=test_mod`` imports the test file plainly in the server, where pytest's
+    rewriting does not reach; the rank then runs the rewritten code the parent sent."""
+    file = tmp_path / "test_preloaded_mod.py"
+    file.write_text(PRELOADED_TEST_MODULE)
+    name = "test_preloaded_mod"
+    spec = importlib.util.spec_from_file_location(name, file)
+    plain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plain)  # as the forkserver has it: no rewritten asserts
+    code = lookup._rewritten_code(str(file))
+    assert code is not None and "@pytest_ar" not in vars(plain)
+    sys.modules[name] = plain
+    try:
+        ref = lookup.FunctionRef(name, "compares", str(file), code)
+        fn = lookup.resolve(ref)
+        with pytest.raises(AssertionError, match=r"assert \[0, 2\] == \[0, 3\]"):
+            fn(0, 1)
+        assert sys.modules[name] is not plain and "@pytest_ar" in vars(sys.modules[name])
+        plain_ref = lookup.FunctionRef(name, "compares", str(file), None)
+        assert lookup.resolve(plain_ref) is fn  # no code sent: the loaded module as it is
+    finally:
+        sys.modules.pop(name, None)

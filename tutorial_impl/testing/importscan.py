@@ -1,0 +1,170 @@
+"""Which modules the test files of a pytest run import, read from their source (no import).
+
+The rank forkserver preloads what the test files import (``forkserver_preload``), so that a
+rank, which imports its test module again, finds the library under test already loaded. Under
+``pytest -n N`` the server is started by the xdist controller before any worker has collected
+a test, so what the test modules import is read here from their source instead: the files
+pytest would collect from the run's arguments (``testpaths`` when none were given), walked as
+pytest walks them (``python_files`` patterns, ``norecursedirs``, ``--ignore``,
+``--ignore-glob``, virtualenvs skipped; a file named as an argument is collected whatever its
+name), and in each one the imports at module level (also inside ``if``, ``try`` and ``with``
+blocks, but not under ``if TYPE_CHECKING``; never inside a function or a class).
+
+Left out: relative imports; pytest itself; the test modules and conftests (a rank loads its
+test module with pytest's rewritten asserts: ``lookup``); what the run excludes
+(``rank_preload_exclude``: a name and its submodules). ``from a import b`` is kept as the
+statement is, module ``a`` with the names ``b``, so that importing it imports submodule
+``a.b`` only where ``a`` has no attribute ``b``, as the statement does. This module imports
+neither pytest nor torch: the forkserver imports it.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_FILES = 2000  # a walk that finds more stops there: preloading is only a speed-up
+MAX_BYTES = 2_000_000  # larger files are data, not tests
+NEVER = {"__future__", "__main__", "pytest", "_pytest", "py", "conftest"}
+
+
+@dataclass
+class Scan:
+    """What the walk found: the modules to import and the directories pytest would put on
+    ``sys.path`` (import mode ``prepend`` or ``append``) to import the test files."""
+
+    imports: dict[str, list[str]] = field(default_factory=dict)  # module -> names it gives
+    paths: list[str] = field(default_factory=list)
+    files: int = 0
+
+
+def scan(plan: dict[str, Any]) -> Scan:
+    """The imports of every test file the run described by ``plan`` collects (see
+    ``preload.plan``), in the order pytest meets the files."""
+    found = Scan()
+    patterns = list(plan["python_files"])
+    exclude = tuple(plan.get("exclude", ()))
+    for file in test_files(plan):
+        found.files += 1
+        base = _basedir(file)
+        if str(base) not in found.paths:
+            found.paths.append(str(base))
+        for module, names in imports_of(file):
+            if _wanted(module, patterns, exclude):
+                kept = found.imports.setdefault(module, [])
+                kept += [n for n in names if n not in kept and _wanted(f"{module}.{n}", patterns)]
+    return found
+
+
+def test_files(plan: dict[str, Any]) -> Iterator[Path]:
+    """The ``*.py`` files pytest would collect from ``plan["args"]``, at most ``MAX_FILES``."""
+    count = 0
+    for arg in plan["args"]:
+        path = Path(os.path.abspath(os.path.join(plan["invocation_dir"], arg.split("::")[0])))
+        if path.is_file():
+            walked: Iterator[Path] = iter([path] if path.suffix == ".py" else [])
+        elif path.is_dir():
+            walked = _walk(path, plan)
+        else:
+            continue  # --pyargs names, or a path that does not exist: pytest reports it
+        for file in walked:
+            count += 1
+            if count > MAX_FILES:
+                return
+            yield file
+
+
+def _walk(top: Path, plan: dict[str, Any]) -> Iterator[Path]:
+    for here, dirs, files in os.walk(top):
+        dirs[:] = sorted(d for d in dirs if _recurse(Path(here, d), plan))
+        for name in sorted(files):
+            path = Path(here, name)
+            matches = any(_fnmatch_ex(p, path) for p in plan["python_files"])
+            if name.endswith(".py") and matches and not _ignored(path, plan):
+                yield path
+
+
+def _recurse(path: Path, plan: dict[str, Any]) -> bool:
+    """Whether pytest would collect inside directory ``path`` (``_pytest.main``'s rules)."""
+    if path.name == "__pycache__" or _ignored(path, plan):
+        return False
+    if any(_fnmatch_ex(p, path) for p in plan["norecursedirs"]):
+        return False
+    venv = (path / "pyvenv.cfg").is_file() or (path / "conda-meta" / "history").is_file()
+    return plan.get("collect_in_virtualenv", False) or not venv
+
+
+def _ignored(path: Path, plan: dict[str, Any]) -> bool:
+    if str(path) in plan.get("ignore", ()):
+        return True
+    return any(fnmatch.fnmatch(str(path), glob) for glob in plan.get("ignore_glob", ()))
+
+
+def _fnmatch_ex(pattern: str, path: Path) -> bool:
+    """pytest's ``fnmatch_ex``: a pattern without a separator matches the file's name, one
+    with a separator the end of its path."""
+    if os.sep not in pattern:
+        return fnmatch.fnmatch(path.name, pattern)
+    if path.is_absolute() and not os.path.isabs(pattern):
+        pattern = f"*{os.sep}{pattern}"
+    return fnmatch.fnmatch(str(path), pattern)
+
+
+def _basedir(file: Path) -> Path:
+    """The directory pytest's ``prepend`` mode puts on ``sys.path`` for ``file``: the first
+    one above it that is not a package."""
+    here = file.parent
+    while (here / "__init__.py").is_file() and here.parent != here:
+        here = here.parent
+    return here
+
+
+def imports_of(file: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every absolute import at module level in ``file``; [] for a file
+    that cannot be read or parsed (pytest reports it)."""
+    try:
+        if file.stat().st_size > MAX_BYTES:
+            return []
+        tree = ast.parse(file.read_bytes(), str(file))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    return list(_statements(tree.body))
+
+
+def _statements(body: list[ast.stmt]) -> Iterator[tuple[str, list[str]]]:
+    for node in body:
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module, [alias.name for alias in node.names]
+        elif isinstance(node, ast.If) and not _type_checking(node.test):
+            yield from _statements(node.body)
+            yield from _statements(node.orelse)
+        elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+            for block in (node.body, node.orelse, node.finalbody):  # type: ignore[attr-defined]
+                yield from _statements(block)
+            for handler in node.handlers:  # type: ignore[attr-defined]
+                yield from _statements(handler.body)
+        elif isinstance(node, ast.With):
+            yield from _statements(node.body)
+
+
+def _type_checking(test: ast.expr) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``: imports for type checkers."""
+    name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
+    return name == "TYPE_CHECKING"
+
+
+def _wanted(module: str, test_patterns: list[str], exclude: tuple[str, ...] = ()) -> bool:
+    """Neither pytest, nor a test module or conftest, nor excluded (a name or its parent)."""
+    parts = module.split(".")
+    if parts[0] in NEVER or parts[-1] == "conftest":
+        return False
+    if any(fnmatch.fnmatch(parts[-1] + ".py", p) for p in test_patterns if os.sep not in p):
+        return False
+    return not any(module == name or module.startswith(name + ".") for name in exclude)
