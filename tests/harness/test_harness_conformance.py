@@ -70,6 +70,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torch.distributed._functional_collectives as funcol
+from tutorial_impl.testing import Delay, Fault, Hang, Kill, Raise, fault_point
 from tutorial_impl.testing import assert_equal_across_ranks, proctable
 from tutorial_impl.testing import run_ranks as public_run_ranks
 
@@ -424,6 +426,44 @@ def test_c26_a_helper_runs_the_tests_ranks():
     assert Helper().all_reduce() == [1.0, 1.0]
 
 
+# Faults on purpose (docs/faults.md): a SIGKILL inside DDP's third gradient all_reduce,
+# a hang before a functional collective, a delay survived, a raise at a named step.
+def ddp_steps(rank, world_size):
+    note()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        fault_point("step")
+        opt.zero_grad()
+        model(torch.ones(3, 4) * (rank + 1)).sum().backward()
+        opt.step()
+    return model.module.weight.sum().item()
+
+
+def functional_sum(rank, world_size):
+    note()
+    return funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD).sum().item()  # the fault's
+
+
+def test_c27a_kill_in_ddps_third_all_reduce(run_ranks):
+    run_ranks(ddp_steps, faults=Fault(1, Kill(), at=3, op="all_reduce"))
+
+
+@pytest.mark.rank_timeout(3)
+def test_c27b_hang_at_a_functional_collective(run_ranks):
+    run_ranks(functional_sum, faults=Fault(1, Hang(), op="all_reduce"))
+
+
+def test_c27c_a_delay_is_survived(run_ranks):
+    start = time.monotonic()
+    assert run_ranks(functional_sum, faults=Fault(0, Delay(0.3))) == [4.0, 4.0]
+    assert time.monotonic() - start >= 0.3
+
+
+def test_c27d_raise_at_a_step(run_ranks):
+    run_ranks(ddp_steps, faults=Fault(0, Raise("bad batch"), step="step", at=3))
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -470,6 +510,9 @@ def test_c13_os_exit_on_rank_1(run_ranks):  # last: a torchrun job cannot go on 
 '''
 WARM = STRANGER.replace("pytestmark = []", "pytestmark = [pytest.mark.warm_world]", 1)
 assert WARM != STRANGER
+FUNCTIONAL_LINE = next(
+    i for i, line in enumerate(STRANGER.splitlines(), 1) if "# the fault's" in line
+)
 HANG_LINE = next(
     i for i, line in enumerate(STRANGER.splitlines(), 1) if "hang's all_gather" in line
 )
@@ -539,7 +582,8 @@ CASES: dict[str, Case] = {
             "failed",
             re.compile(
                 r"^rank\(s\) 0 still running after the harness deadline of 3 s\b.*"
-                rf"\brank 0 in all_gather at {MODULE}\.py:{HANG_LINE}; rank 1 had returned$"
+                rf"\brank 0 waits in all_gather #1 at {MODULE}\.py:{HANG_LINE}; rank 1 never "
+                r"reached #1; rank 1 had returned$"
             ),
             within=3 + 4,
         )
@@ -664,6 +708,41 @@ CASES: dict[str, Case] = {
         ),
     ),
     "test_c23_after_the_plain_hang": Case(Expect("passed")),
+    # DDP's start makes five collectives, so its third gradient all_reduce is the group's #8.
+    "test_c27a_kill_in_ddps_third_all_reduce": Case(
+        Expect(
+            "failed",
+            "rank 1 was killed by signal SIGKILL before returning a result (rank 1: injected "
+            "kill at all_reduce #8, the 3rd all_reduce)",
+            within=5,
+        ),
+        torchrun=Differs(
+            "failed",
+            re.compile(r"^ValueError: faults cannot be honoured under torchrun \(faults: a kill"),
+            why="a worker that is killed ends the whole job: refused by name, never run",
+        ),
+    ),
+    "test_c27b_hang_at_a_functional_collective": Case(
+        Expect(
+            "failed",
+            re.compile(
+                r"^rank\(s\) 0, 1 still running after the harness deadline of 3 s: rank 0 waits "
+                rf"in all_reduce #1 at {MODULE}\.py:{FUNCTIONAL_LINE}; rank 1 never reached #1 "
+                r"\(rank 1: injected hang at all_reduce #1\)$"
+            ),
+            within=3 + 4,
+        )
+    ),
+    "test_c27c_a_delay_is_survived": Case(Expect("passed")),
+    "test_c27d_raise_at_a_step": Case(
+        Expect(
+            "failed",
+            re.compile(
+                r"^rank 0 raised tutorial_impl\.testing\.faults\.InjectedFault: injected fault "
+                r"on rank 0 at fault_point\('step'\) #3: bad batch$"
+            ),
+        )
+    ),
 }
 TORCHRUN_DESELECT = "not test_c05_kill_rank_1"
 

@@ -128,13 +128,15 @@ def test_what_a_user_sees_in_the_report(pytester):
     # A plain assert in a rank function of the test file keeps pytest's explanation.
     assert "assert [1, 2, 3] == [1, 2, 4]" in text
 
-    # The hang's first line says where each rank's own code was, and that the ranks are
-    # in different collectives, with the option that finds that in seconds.
+    # The hang's first line says, from the ranks' flight-recorder records, that the ranks
+    # are in different collectives, which and where; and where the rank outside any
+    # collective was (its stack). No rerun with --check-collectives is needed for that.
     hang = next(line for line in text.splitlines() if "RankTimeout: rank(s)" in line)
-    assert "rank 0 in all_reduce at test_user.py:" in hang
-    assert "rank 1 in broadcast at test_user.py:" in hang
+    assert "rank 0 waits in all_reduce #1 at test_user.py:" in hang
+    assert "rank 1 waits in broadcast #1 at test_user.py:" in hang
+    assert "the ranks are in different collectives" in hang
     assert "rank 2 at test_user.py:" in hang and "in hang_on" in hang
-    assert "the ranks are in different collectives (rerun with --check-collectives" in hang
+    assert "--check-collectives" not in hang
     assert "@pytest.mark.rank_timeout(SECONDS)" in text
     assert "Python stacks of rank 2" in text and "in hang_on" in text
 

@@ -95,7 +95,7 @@ def change_every_setting() -> None:
     signal.signal(signal.SIGTERM, lambda *args: None)
     signal.alarm(100)
     signal.setitimer(signal.ITIMER_PROF, 100)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGWINCH])  # SIGUSR2: blocked by records
     logging.getLogger().addHandler(logging.NullHandler())
     logging.disable(logging.CRITICAL)
     sys.setrecursionlimit(5000)

@@ -23,9 +23,19 @@ from tutorial_impl.testing.errors import (
     RankSkipped,
     RankTimeout,
 )
+from tutorial_impl.testing.fault_plan import Close, Delay, Exit, Fault, Hang, Kill, Raise
+from tutorial_impl.testing.faults import InjectedFault, fault_point
 from tutorial_impl.testing.forked import run_ranks
 
 __all__ = [
+    "Close",
+    "Delay",
+    "Exit",
+    "Fault",
+    "Hang",
+    "InjectedFault",
+    "Kill",
+    "Raise",
     "RankCrashed",
     "RankError",
     "RankExited",
@@ -35,5 +45,6 @@ __all__ = [
     "RankTimeout",
     "assert_close_across_ranks",
     "assert_equal_across_ranks",
+    "fault_point",
     "run_ranks",
 ]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tutorial_impl.testing import backends
+from tutorial_impl.testing import backends, fault_plan
 from tutorial_impl.testing import coverage as _coverage
 from tutorial_impl.testing import shape as _shape
 from tutorial_impl.testing.config import (
@@ -49,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "stream_prefix": True,
     "may_exit": (),
     "debug_rank": None,
+    "faults": (),
 }
 OPTIONS = tuple(DEFAULTS)
 
@@ -72,6 +73,7 @@ class Call:
     stream_prefix: bool
     coverage: dict[str, Any] | None
     given: frozenset[str] = frozenset()  # the options the caller named itself
+    faults: fault_plan.Plan = ()  # what goes wrong on purpose (docs/faults.md)
     # Where a debugged rank's "attach to port N" goes (pytest's terminal; else stderr).
     announce: Callable[[str], None] | None = None
 
@@ -128,7 +130,18 @@ def build(
         stream_prefix=bool(o["stream_prefix"]),
         coverage=_coverage.parent_settings(),
         given=frozenset(given),
+        faults=check_faults(o["faults"], world_size),
     )
+
+
+def check_faults(faults: Any, world_size: int) -> fault_plan.Plan:
+    """``faults=`` as a plan: one ``Fault`` or a collection of them, each striking ranks of
+    this world; else a ValueError naming the fault and what is wrong."""
+    if isinstance(faults, fault_plan.Fault):
+        faults = (faults,)
+    if isinstance(faults, (str, bytes, dict)) or not isinstance(faults, Collection):
+        raise ValueError(f"faults must be a Fault or a collection of Faults, got {faults!r}")
+    return fault_plan.check_plan(tuple(faults), world_size)
 
 
 def _check_kwargs(fn_kwargs: Any) -> dict[str, Any]:
@@ -222,6 +235,17 @@ class RankSpec:
     rank_params: int = 2  # how many of (rank, world_size) the function takes first
     # The rendezvous of the harness's own group, set only while it joins (``rendezvous``).
     harness_env: dict[str, str] = field(default_factory=dict)
+    faults: fault_plan.Plan = ()  # armed in the rank before its group is made
+
+    @property
+    def records_path(self) -> str:
+        """Where the rank writes its flight-recorder dump when asked (``records``)."""
+        return self.stack_path.removesuffix(".stacks") + ".fr"
+
+    @property
+    def fault_path(self) -> str:
+        """Where the rank writes each fault that fires (``faults.read_fired``)."""
+        return self.stack_path.removesuffix(".stacks") + ".fault"
 
 
 def rank_spec(
@@ -255,4 +279,5 @@ def rank_spec(
         coverage=call.coverage,
         owner_pid=os.getpid(),
         harness_env=dict(harness_env or {}),
+        faults=call.faults,
     )

@@ -21,8 +21,10 @@ call was (``at test_x.py:12``). Pure: records in, a string out (``recorder`` mak
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
+from tutorial_impl.testing.forensics import Place
 from tutorial_impl.testing.recorder import Record, collectives
 
 DEFAULT_DESC = "default_pg"
@@ -48,6 +50,28 @@ def _in(ranks: Sequence[int], records: Sequence[Record]) -> str:
     return f"{_ranks(ranks)} {verb} {records[0].name}{at}"
 
 
+def placed(
+    records: Mapping[int, Sequence[Record]], where: Mapping[int, Place]
+) -> dict[int, list[Record]]:
+    """``records`` with each rank's unfinished collective placed where its stack says the
+    rank is (``where``, from ``forensics``): for records dumped without their stacks."""
+    out = {}
+    for rank, recs in records.items():
+        recs = list(recs)
+        spot = where.get(rank)
+        if spot is not None and recs and not recs[-1].completed and not recs[-1].frames:
+            recs[-1] = dataclasses.replace(recs[-1], frames=((spot.file, spot.line, spot.func),))
+        out[rank] = recs
+    return out
+
+
+def waiting(records: Mapping[int, Sequence[Record]]) -> frozenset[int]:
+    """The ranks whose newest collective has not finished: they wait inside one."""
+    return frozenset(
+        r for r, recs in records.items() if (done := collectives(recs)) and not done[-1].completed
+    )
+
+
 def _groups(records: Mapping[int, Sequence[Record]]) -> list[str]:
     """Every group named in the records, the default group first, then by name."""
     names = {(r.group_desc != DEFAULT_DESC, r.group) for rs in records.values() for r in rs}
@@ -58,27 +82,34 @@ def explain(
     records: Mapping[int, Sequence[Record]],
     world_size: int | None = None,
     members: Mapping[str, Sequence[int]] | None = None,
+    mismatch_only: bool = False,
 ) -> str | None:
     """One line on where the ranks part (see the module's doc), or None if nowhere.
+    ``mismatch_only``: only ranks in different collectives, or in one with different
+    inputs (beside a failure, a rank behind is its consequence, not news).
 
     ``records`` maps each rank to its records (``recorder.dump`` or ``load``); a rank of
     ``world_size`` absent from it left no record. ``members`` maps a group's name to its
     ranks (``recorder.members``): without it, a group other than the default one has the
     ranks that recorded something on it, and a member that never did goes unnamed."""
     ranks = sorted(range(world_size) if world_size is not None else records)
-    silent = [r for r in ranks if not records.get(r)]
+    silent = [r for r in ranks if r not in records]  # no dump at all (killed, or no answer)
     for group in _groups(records):
         held = {r: collectives(records.get(r, ()), group) for r in ranks}
         is_default = any(rec.group_desc == DEFAULT_DESC for rs in held.values() for rec in rs)
         named = set((members or {}).get(group, ()))
-        members_here = [r for r in ranks if held[r] or r in named or (is_default and r in silent)]
-        line = _explain_group({r: held[r] for r in members_here}, silent)
+        # Every rank of the world is in the default group: one that answered with no record
+        # of it never reached its first collective.
+        members_here = [r for r in ranks if held[r] or r in named or is_default]
+        line = _explain_group({r: held[r] for r in members_here}, silent, mismatch_only)
         if line:
             return line
     return None
 
 
-def _explain_group(held: Mapping[int, Sequence[Record]], silent: Sequence[int]) -> str | None:
+def _explain_group(
+    held: Mapping[int, Sequence[Record]], silent: Sequence[int], mismatch_only: bool = False
+) -> str | None:
     """The first number at which the ranks of one group part, in words (or None)."""
     by_seq = {r: {rec.seq: rec for rec in recs} for r, recs in held.items() if r not in silent}
     if not any(by_seq.values()):
@@ -88,9 +119,11 @@ def _explain_group(held: Mapping[int, Sequence[Record]], silent: Sequence[int]) 
     for n in range(start, end + 1):
         present = {r: seqs[n] for r, seqs in by_seq.items() if n in seqs}
         behind = [r for r in by_seq if n not in by_seq[r]]
-        line = _parted(n, present, behind, by_seq, silent)
+        line = _parted(n, present, behind if not mismatch_only else [], by_seq, silent)
         if line:
             return line
+    if mismatch_only:
+        return None
     last = {r: seqs[max(seqs)] for r, seqs in by_seq.items() if seqs}
     if silent or not all(rec.completed for rec in last.values()):
         return _stuck(last, silent)

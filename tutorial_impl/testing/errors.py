@@ -238,19 +238,32 @@ def hang_headline(
     timeout: float,
     where: dict[int, Place],
     ended: dict[int, str] | None = None,
+    explained: str | None = None,
+    waiting: frozenset[int] = frozenset(),
 ) -> str:
     """``rank(s) 0, 1 still running after the harness deadline of 5 s: rank 0 in all_reduce
     at t.py:9, rank 1 in broadcast at t.py:11: the ranks are in different collectives (...)``;
-    ``ended`` says how the ranks that were no longer running had ended (``returned``)."""
+    ``ended`` says how the ranks that were no longer running had ended (``returned``).
+    ``explained``: where the ranks' collectives part, read from their flight-recorder
+    records (``desync``: ``rank 0 waits in all_reduce #2 at t.py:9; rank 1 never reached
+    #2``): it takes the place of what the stacks can only guess, and the stacks say where
+    the ranks outside a collective (not ``waiting`` in one, as the records say) were."""
     names = ", ".join(str(r) for r in sorted(pending))
     line = f"rank(s) {names} still running after the harness deadline of {timeout:g} s"
     places = [f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r)]
-    if places:
+    if explained:  # the records' line, then where the ranks outside a collective were
+        outside = [
+            r
+            for r in sorted(pending)
+            if where.get(r) and r not in waiting and where[r].call not in COLLECTIVES
+        ]
+        line += ": " + "; ".join([explained, *(f"rank {r} {where[r]}" for r in outside)])
+    elif places:
         line += ": " + ", ".join(places)
     if ended:
         line += "; " + ", ".join(f"rank {r} had {how}" for r, how in sorted(ended.items()))
     calls = {where[r].call for r in pending if where.get(r) and where[r].call in COLLECTIVES}
-    if len(calls) > 1:
+    if len(calls) > 1 and not explained:
         line += f": the ranks are in different collectives ({CHECK_COLLECTIVES})"
     return line + unformed_group(pending, where, ended or {})
 
@@ -289,11 +302,25 @@ def timeout_error(
     outputs: dict[int, str],
     where: dict[int, Place] | None = None,
     ended: dict[int, str] | None = None,
+    explained: str | None = None,
+    fired: str = "",
+    waiting: frozenset[int] = frozenset(),
 ) -> RankTimeout:
-    """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps."""
+    """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps.
+    ``explained``: where the ranks' collectives part, from their records (``desync``): it
+    takes the place of the stacks' guesses; ``fired``: the faults injected on purpose."""
     where = where or {}
-    message = hang_headline(pending, timeout, where, ended)
+    message = hang_headline(pending, timeout, where, ended, explained, waiting)
+    if fired:
+        message += f" ({fired})"
     return RankTimeout(stacks, message, outputs, list(pending), where, timeout)
+
+
+def add_to_headline(error: RankError, text: str) -> None:
+    """Append ``text`` to the first line of ``error``'s report (the cause stays first)."""
+    head, sep, rest = error.message.partition("\n")
+    error.message = head + text + sep + rest
+    error.args = (error.message,)
 
 
 def skip_outlived_error(

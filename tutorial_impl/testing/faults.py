@@ -14,6 +14,8 @@ drawn at random. ``INJECTOR`` is the rank's one state: the plan, the counts, wha
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -56,15 +58,29 @@ class Injector:
     sockets: list[tuple[int, str]] = field(default_factory=list)  # (fd, "socket:[inode]")
     steps: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Armings so far: a faulty group numbers its collectives from 1 again at each (a warm
+    # world's test counts as a fresh world's would).
+    epoch: int = 0
+    report_to: str | None = None  # where a fired fault is written, for the parent (``Fired``)
 
-    def arm(self, plan: Plan, rank: int, world_size: int | None = None) -> None:
-        """Arm ``plan`` for this rank (counts start again; what was seen is kept)."""
+    def arm(
+        self,
+        plan: Plan,
+        rank: int,
+        world_size: int | None = None,
+        report_to: str | None = None,
+    ) -> None:
+        """Arm ``plan`` for this rank (counts start again; what was seen is kept).
+        ``report_to``: a file each fault that fires is written to (JSON, ``read_fired``)
+        before it acts, so the parent knows of it even when the rank dies."""
         plan = check_plan(plan, world_size) if world_size is not None else tuple(plan)
         with self.lock:
             self.rank, self.plan = rank, plan
             self.counts = [0] * len(plan)
             self.fired.clear()
             self.steps.clear()
+            self.epoch += 1
+            self.report_to = report_to
 
     def reached(self, point: Point) -> None:
         """The rank is at ``point``: count it for every fault of this rank that matches, and
@@ -90,6 +106,8 @@ class Injector:
         action = fault.action
         what = f"injected fault on rank {self.rank} at {point}"
         print(f"[faults] {what}: {action}", file=sys.stderr, flush=True)
+        if self.report_to is not None:
+            _append_fired(self.report_to, fired(self.rank or 0, fault, point))
         if isinstance(action, Raise):
             raise InjectedFault(f"{what}: {action.message}")
         if isinstance(action, Delay):
@@ -102,6 +120,57 @@ class Injector:
             exit_now(action.code)
         else:
             kill_self()
+
+
+@dataclass(frozen=True)
+class Fired:
+    """A fault that fired: on which rank, what it did, where (``all_reduce #3``)."""
+
+    rank: int
+    action: str  # the action's name: "kill", "raise", ...
+    point: str  # as the group numbers it: ``all_reduce #8``
+    counted: str = ""  # as the plan counted it, when that reads otherwise: ``3rd all_reduce``
+
+    def __str__(self) -> str:
+        counted = f", the {self.counted}" if self.counted else ""
+        return f"injected {self.action} at {self.point}{counted}"
+
+
+def fired(rank: int, fault: Fault, point: Point) -> Fired:
+    """What the parent is told of ``fault`` firing at ``point`` on ``rank``."""
+    return Fired(rank, fault.action.name, str(point), _counted(fault, point))
+
+
+def _counted(fault: Fault, point: Point) -> str:
+    """``3rd all_reduce``: the plan's count, when it is not the point's own number (a
+    fault at the 3rd all_reduce of a DDP loop strikes the group's collective #8)."""
+    if point.step is not None or fault.at == point.seq:
+        return ""
+    suffix = (
+        "th" if 10 <= fault.at % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(fault.at % 10, "th")
+    )
+    return f"{fault.at}{suffix} {fault.op or 'collective'}"
+
+
+def _append_fired(path: str, fired: Fired) -> None:
+    """One JSON line per fired fault, written and flushed before the action (a kill next)."""
+    with open(path, "a") as out:
+        out.write(json.dumps(dataclasses.asdict(fired)) + "\n")
+
+
+def read_fired(path: str | os.PathLike[str]) -> list[Fired]:
+    """The faults a rank reported firing (``Injector.report_to``), oldest first."""
+    try:
+        lines = open(path).read().splitlines()  # noqa: SIM115 - read whole, closed by GC
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            found.append(Fired(**json.loads(line)))
+        except (ValueError, TypeError):
+            continue  # a line cut short by the kill it announced
+    return found
 
 
 # The actions' own steps, one function each (the tests stand in for them).
@@ -152,9 +221,9 @@ def close_sockets(sockets: list[tuple[int, str]]) -> int:
 INJECTOR = Injector()  # this process's one state (a rank's)
 
 
-def arm(plan: Plan, rank: int, world_size: int | None = None) -> None:
+def arm(plan: Plan, rank: int, world_size: int | None = None, report_to: str | None = None) -> None:
     """Arm ``plan`` in this rank, before its faulty groups are made or between collectives."""
-    INJECTOR.arm(plan, rank, world_size)
+    INJECTOR.arm(plan, rank, world_size, report_to)
 
 
 def arm_from_env(rank: int, world_size: int | None = None) -> Plan:

@@ -167,6 +167,7 @@ def group_class() -> type:
                 group._set_default_backend(gloo_type)
                 group._register_backend(cpu, gloo_type, gloo)
             self._seq = [0, 0]  # collectives, point-to-point: counted apart, as torch does
+            self._base = (0, 0, 0)  # (injector epoch, seq, p2p seq) at the last arming
             self._names: tuple[str, str] | None = None
             self._lock = threading.Lock()
 
@@ -178,7 +179,10 @@ def group_class() -> type:
                 self._names = (self.group_name, self.group_desc)
             with self._lock:
                 self._seq[p2p] += 1
-                seq = self._seq[p2p]
+                epoch = faults.INJECTOR.epoch
+                if self._base[0] != epoch:  # armed again since: a new test counts from 1
+                    self._base = (epoch, self._seq[0] - (not p2p), self._seq[1] - p2p)
+                seq = self._seq[p2p] - self._base[1 + p2p]
             name, desc = self._names
             faults.INJECTOR.reached(fault_plan.Point(op, seq, name, desc))
 

@@ -103,8 +103,9 @@ def _read(path: Path) -> str:
 
 Frame = tuple[str, int, str]  # (path, line, function), most recent call first
 _FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-# Library frames: a user's question is "which of *my* lines", so these are looked through.
-_LIBRARY = ("/site-packages/", "/dist-packages/", "/tutorial_impl/testing/", "<frozen ")
+# Library frames: a user's question is "which of *my* lines", so these are looked through
+# (``<string>``: code torch generates, e.g. the dispatch of a functional collective).
+_LIBRARY = ("/site-packages/", "/dist-packages/", "/tutorial_impl/testing/", "<frozen ", "<string>")
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _WRAPPERS = {"wrapper", "inner", "_fn", "decorate_context", "_wrapped_call_impl", "_call_impl"}
 

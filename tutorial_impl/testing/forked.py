@@ -29,6 +29,7 @@ from tutorial_impl.testing.config import (
     DEFAULT_WORLD_SIZE,
 )
 from tutorial_impl.testing.errors import RankResults
+from tutorial_impl.testing.fault_plan import Fault
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.verdict import decide
 
@@ -120,6 +121,7 @@ def run_ranks(
     stream_prefix: bool = True,
     may_exit: Collection[int] = (),
     debug_rank: int | None = None,
+    faults: Fault | Collection[Fault] = (),
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args, **fn_kwargs)`` on ``world_size`` fresh ranks.
 
@@ -148,6 +150,11 @@ def run_ranks(
 
     ``debug_rank=N`` debugs rank N: its ``breakpoint()`` and the post-mortem of its exception
     wait on a local port for ``python -m tutorial_impl.testing.attach PORT`` (``debugging``).
+
+    ``faults`` (a ``Fault`` or several) makes things go wrong on purpose, at a chosen
+    collective or a named ``fault_point`` of chosen ranks: a kill, an exit, a raise, a hang,
+    a delay, closed connections (docs/faults.md). With ``backend="gloo"`` the ranks' group is
+    then made on the ``"faulty"`` backend, gloo with the plan in front of it.
     """
     __tracebackhide__ = True
     options = {name: value for name, value in locals().items() if name in _call.OPTIONS}

@@ -26,6 +26,8 @@ from typing import Any
 
 from tutorial_impl.testing import coverage as _coverage
 from tutorial_impl.testing import debugging as _debugging
+from tutorial_impl.testing import faults as _faults
+from tutorial_impl.testing import faulty_group, records
 from tutorial_impl.testing import outcome as _outcome
 from tutorial_impl.testing import proctable as _proctable
 from tutorial_impl.testing import torchenv as _torchenv
@@ -157,9 +159,12 @@ def init_process_group(spec: RankSpec) -> None:
         if shortage:
             raise RuntimeError(shortage)
         torch.cuda.set_device(spec.rank)
+    backend = spec.backend
+    if spec.faults and backend == "gloo":  # the plan needs its collectives: gloo behind it
+        backend = faulty_group.BACKEND
     with harness_view(spec.harness_env):
         dist.init_process_group(
-            backend=spec.backend,
+            backend=backend,
             init_method=init_method_url(spec.init_method, spec.tmp_dir),
             rank=spec.rank,
             world_size=spec.world_size,
@@ -175,12 +180,14 @@ def enter_rank(spec: RankSpec) -> dict[str, str]:
     os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
     release_forkserver()
     die_with_parent(parent)
+    records.serve()  # before any other thread: see ``records``
     _die_with_owner(spec.owner_pid)
     imported_with = dict(os.environ)  # the forkserver's: what torch saw at import
     take_task(spec)
     import torch
 
     torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
+    faulty_group.register()
     return imported_with
 
 
@@ -191,6 +198,7 @@ def take_task(spec: RankSpec) -> None:
     log and stack files, and sees the parent's environment as it is at that test's call.
     """
     _redirect_output(spec)
+    records.answer_to(spec.records_path)
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stacks, all_threads=True)  # segfaults, aborts
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the deadline
@@ -281,6 +289,8 @@ def _set_up_and_call(
     fn = resolve(spec.function)
     args, kwargs = arguments(spec.payload, spec.rank_params, spec.rank, spec.world_size)
     _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
+    # Before any group, on every task (no plan: disarmed; a warm world counts from 1 again).
+    _faults.arm(spec.faults, spec.rank, report_to=spec.fault_path)
     if join_group and spec.backend is not None:
         init_process_group(spec)
     if baseline is not None:

@@ -33,10 +33,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TextIO
 
-from tutorial_impl.testing import forensics
+from tutorial_impl.testing import faults, forensics, records
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.debugging import Deadline
 from tutorial_impl.testing.errors import RankExited, prefixed
+from tutorial_impl.testing.recorder import Record
 from tutorial_impl.testing.timing import CRASH_GRACE, SKIP_GRACE
 from tutorial_impl.testing.verdict import Finished
 
@@ -61,6 +62,14 @@ class Proc:
     @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    @property
+    def records_path(self) -> Path:  # as ``RankSpec.records_path``
+        return Path(str(self.stack_path).removesuffix(".stacks") + ".fr")
+
+    @property
+    def fault_path(self) -> Path:  # as ``RankSpec.fault_path``
+        return Path(str(self.stack_path).removesuffix(".stacks") + ".fault")
 
     def output(self) -> str:
         try:
@@ -118,12 +127,21 @@ def supervise(
     stream: TextIO | None = None,
     prefix: bool = True,
     may_exit: frozenset[int] = frozenset(),
+    since_ns: int | None = None,
 ) -> Finished:
-    """Wait for every rank's report (the rules above); what was seen, for ``verdict``."""
+    """Wait for every rank's report (the rules above); what was seen, for ``verdict``.
+    ``since_ns``: a warm world's task start (its ranks' records of earlier tests are not
+    this test's; ``records.this_test``)."""
     watch = _Watch(procs, stream, prefix, may_exit)
     watch.run(deadline)
     watch.late_reports()
     watch.relay()
+    found = watch.records
+    if since_ns is not None:
+        found = {r: records.this_test(recs, since_ns) for r, recs in found.items()}
+    for r, report in watch.reports.items():  # a warm rank's own check after its report
+        if r in found and not isinstance(report.outcome, _o.Unfinished):
+            found[r] = [rec for rec in found[r] if rec.created_ns <= report.at * 1e9]
     return Finished(
         world_size=len(procs),
         reports=watch.reports,
@@ -133,6 +151,8 @@ def supervise(
         stacks=watch.stacks,
         fatal=watch.fatal,
         skip_wait=watch.skip_wait,
+        records=found,
+        fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.fault_path))},
     )
 
 
@@ -147,6 +167,7 @@ class _Watch:
         self.order: list[int] = []
         self.stacks: dict[int, str] = {}
         self.fatal: dict[int, str] = {}
+        self.records: dict[int, list[Record]] = {}
         self.skip_at: float | None = None
         self.skip_wait = 0.0
 
@@ -212,6 +233,8 @@ class _Watch:
                 self.take(p)
         running = [p for p in self.pending.values() if p.process.exitcode is None]
         self.stacks = forensics.dump_stacks(running) if running else {}
+        if running:  # every live rank's collectives, the ones that reported too
+            self.records = records.ask([p for p in self.procs if p.process.exitcode is None])
         for rank, p in sorted(self.pending.items()):
             where = forensics.where(self.stacks.get(rank, ""))
             self.reports[rank] = _o.Report(kind(where), p.pid or 0, time.time())

@@ -31,16 +31,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from tutorial_impl.testing import forensics, proctable
+from tutorial_impl.testing import faults, faulty_group, forensics, proctable, recorder, records
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.errors import RankResults
 from tutorial_impl.testing.job import Job
 from tutorial_impl.testing.lookup import resolve
 from tutorial_impl.testing.rank import dumps_on_cpu
+from tutorial_impl.testing.recorder import Record
 from tutorial_impl.testing.runner import refused_fields
 from tutorial_impl.testing.shape import arguments
 from tutorial_impl.testing.timing import (
@@ -61,7 +62,9 @@ NOT_HONOURED = {
     "stream_prefix": "a worker's output goes where torchrun sends it",
     "may_exit": "a worker that exits ends the whole job; run this test forked",
     "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
+    "faults": "a kill or an exit ends a worker, and with it the whole job; run this test forked",
 }
+ENDS_WORKER = frozenset({"kill", "exit"})  # fault actions a torchrun job cannot survive
 
 
 @dataclass
@@ -71,6 +74,8 @@ class Answer:
     report: _o.Report
     output: str
     stacks: str = ""  # the function's thread, when it had not ended
+    records: list[Record] | None = None  # this call's collectives (``records.this_test``)
+    fired: list[faults.Fired] = field(default_factory=list)  # faults injected here
 
 
 class Launched:
@@ -82,9 +87,10 @@ class Launched:
         self.job = job
 
     def refusal(self, call: Call) -> str | None:
-        used = set(call.given)
+        used = set(call.given) - {"faults"}  # refused only for what ends a worker (below)
         used |= {"may_exit"} if call.may_exit else set()
         used |= {"debug_rank"} if call.debug_rank is not None else set()
+        used |= {"faults"} if any(f.action.name in ENDS_WORKER for f in call.faults) else set()
         return refused_fields(sorted(used), "under torchrun", NOT_HONOURED)
 
     def run(self, call: Call) -> RankResults:
@@ -108,10 +114,14 @@ class Launched:
                 os.environ.update(rendezvous)
                 os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts it
             else:
-                job.group(call.backend, call.deadline)
+                job.group(_backend(call), call.deadline)
             rank, size = launch.rank, launch.world_size
             args, kwargs = arguments(call.payload, call.rank_params, rank, size)
+            since_ns = time.time_ns()
+            faults.arm(call.faults, rank)  # a faulty group numbers this call's from 1
             mine = run_here(job, key, resolve(call.function), args, kwargs, call.deadline)
+            mine.records, mine.fired = _my_records(rank, since_ns), _my_fired()
+            faults.arm((), rank)
             wait = call.deadline + ANSWER_GRACE
             answers = job.channel.gather(key, pickled(mine), wait, job.heartbeats)
         finally:
@@ -120,11 +130,34 @@ class Launched:
             os.environ.update(saved)
         finished = finish(job, answers, call.deadline)
         job.dirty = any(not isinstance(o, _o.Returned) for o in finished.outcomes.values())
+        job.dirty |= bool(finished.fired)  # a group that saw a fault is made anew
         if host is not None and job.dirty:
             job.stale.append(host)  # a failed call's port stays reserved: a rank may still use it
         elif host is not None:
             host.close()
         return decide(finished)
+
+
+def _backend(call: Call) -> str:
+    """The group's backend: gloo behind the fault injector when the call has a plan."""
+    assert call.backend is not None
+    if call.faults and call.backend == "gloo":
+        faulty_group.register()
+        return faulty_group.BACKEND
+    return call.backend
+
+
+def _my_records(rank: int, since_ns: int) -> list[Record] | None:
+    """This worker's collectives since the call began, numbered as a fresh world's."""
+    try:
+        return records.this_test(recorder.dump(rank, stacks=False), since_ns)
+    except Exception:  # noqa: BLE001 - no group, or no recorder: nothing to say
+        return None
+
+
+def _my_fired() -> list[faults.Fired]:
+    rank = faults.INJECTOR.rank or 0
+    return [faults.fired(rank, fault, point) for fault, point in faults.INJECTOR.fired]
 
 
 def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
@@ -145,6 +178,8 @@ def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
         outputs={r: a.output for r, a in answers.items()},
         deadline=deadline,
         stacks=stacks,
+        records={r: a.records for r, a in answers.items() if a.records is not None},
+        fired={r: a.fired for r, a in answers.items() if a.fired},
     )
 
 

@@ -22,13 +22,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tutorial_impl.testing import desync
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.errors import (
+    RankError,
     RankResults,
+    add_to_headline,
     error_for,
     skip_outlived_error,
     timeout_error,
 )
+from tutorial_impl.testing.faults import Fired
+from tutorial_impl.testing.forensics import Place
+from tutorial_impl.testing.recorder import Record
 
 
 @dataclass
@@ -43,6 +49,8 @@ class Finished:
     stacks: dict[int, str] = field(default_factory=dict)  # ranks still running at the end
     fatal: dict[int, str] = field(default_factory=dict)  # fatal-signal stacks of deaths
     skip_wait: float = 0.0  # how long the others were given after the first skip
+    records: dict[int, list[Record]] = field(default_factory=dict)  # at the end, if asked
+    fired: dict[int, list[Fired]] = field(default_factory=dict)  # faults injected on purpose
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:
@@ -79,6 +87,8 @@ def decide(run: Finished) -> RankResults:
         error = error_for(skips[0], outcomes[skips[0]], "", run.outputs)
     if error is not None:
         error.thread_errors = run.thread_errors
+        if first is not None:
+            _explain_failure(run, error)
         raise error
     results = RankResults(outcomes[r].value for r in range(run.world_size))  # type: ignore[union-attr]
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
@@ -116,4 +126,41 @@ def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Excepti
             skips[0], reason, unfinished, run.skip_wait, run.stacks, run.outputs, where
         )
     ended = {r: "returned" for r, o in outcomes.items() if isinstance(o, _o.Returned)}
-    return timeout_error(unfinished, run.deadline, run.stacks, run.outputs, where, ended)
+    return timeout_error(
+        unfinished,
+        run.deadline,
+        run.stacks,
+        run.outputs,
+        where,
+        ended,
+        explained=_explained(run, where),
+        fired=_fired(run),
+        waiting=desync.waiting(run.records),
+    )
+
+
+def _explained(run: Finished, where: dict[int, Place]) -> str | None:
+    """Where the ranks' collectives part, from their records, placed by their stacks."""
+    if not run.records:
+        return None
+    return desync.explain(desync.placed(run.records, where), run.world_size)
+
+
+def _fired(run: Finished) -> str:
+    """``rank 1: injected kill at all_reduce #3``: the faults that fired, for the first line
+    (a rank killed on purpose says where; a hang says it was asked for)."""
+    said = [(r, f) for r, fs in sorted(run.fired.items()) for f in fs if f.action != "raise"]
+    return ", ".join(f"rank {r}: {f}" for r, f in said)  # a raise's exception says it already
+
+
+def _explain_failure(run: Finished, error: RankError) -> None:
+    """Add to a failure's first line the faults that fired, and, when the ranks' records
+    were read (some were still running), a mismatch of their collectives: the cause stays
+    first (a gloo size mismatch raises on one rank; the records say which call differed)."""
+    fired = _fired(run)
+    if fired:
+        add_to_headline(error, f" ({fired})")
+    if run.records:
+        mismatch = desync.explain(run.records, run.world_size, mismatch_only=True)
+        if mismatch:
+            add_to_headline(error, f"; {mismatch}")

@@ -93,6 +93,7 @@ def key_of(call: Call) -> tuple[Any, ...]:
         os.environ.get("TORCH_DISTRIBUTED_DEBUG"),
         os.environ.get("CUDA_VISIBLE_DEVICES"),
         call.coverage is not None,
+        bool(call.faults),  # a world whose group is gloo behind the fault injector
     )
 
 
@@ -118,6 +119,7 @@ class WarmPool:
         """``run_ranks`` in a warm world: the same call, results and errors."""
         __tracebackhide__ = True
         with _call.work_dir(call) as work:
+            since_ns = time.time_ns()  # the ranks' records from here on are this test's
             specs = [_call.rank_spec(call, r, work, {}) for r in range(call.world_size)]
             world = self._world_for(call, specs)
             self.served.append(world)
@@ -130,7 +132,10 @@ class WarmPool:
             world.tasks += 1
             try:
                 deadline = _debugging.Deadline(call.deadline, work)
-                results = decide(supervise.supervise(world.procs, deadline, call.deadline))
+                finished = supervise.supervise(
+                    world.procs, deadline, call.deadline, since_ns=since_ns
+                )
+                results = decide(finished)
             except BaseException as exc:
                 self.retire(world, f"the test failed: {type(exc).__name__}")
                 raise

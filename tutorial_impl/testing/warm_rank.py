@@ -21,8 +21,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tutorial_impl.testing import faults, proctable, reuse, torchenv
 from tutorial_impl.testing import outcome as _o
-from tutorial_impl.testing import proctable, reuse, torchenv
 from tutorial_impl.testing import rank as _rank
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.timing import CHECK_DEADLINE
@@ -107,6 +107,14 @@ def _track_work(works: list[Any]) -> None:
         setattr(ProcessGroup, name, tracked(getattr(original, "__wrapped__", original)))
 
 
+def _fault_fired() -> str | None:
+    """A world in which a fault was injected is not reused, whatever the verdict: its group
+    may be closed (``Close``), out of step (a ``Raise`` before one rank's collective) or
+    short of a rank."""
+    fired = faults.INJECTOR.fired
+    return f"a fault was injected in this world: {fired[0][0]}" if fired else None
+
+
 def _rpc_agent_running() -> bool:
     import torch.distributed.rpc as rpc
 
@@ -139,7 +147,7 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             )
             # The test has been answered: the check and the next test's reset run while the
             # parent reports it and moves on (it reads the answer before the next task).
-            problem = world.leftovers() or baseline.after_task()
+            problem = _fault_fired() or world.leftovers() or baseline.after_task()
             conn.send_bytes(pickle.dumps(problem))
             if problem is None:  # as good as new: its snapshot still holds, only reset
                 baseline.reset()
