@@ -14,6 +14,7 @@ once. Each rank function builds its own group (``backend=None``).
 from __future__ import annotations
 
 import re
+import threading
 import time
 from datetime import timedelta
 
@@ -141,13 +142,31 @@ def test_raise_names_rank_and_point_and_kill_exit_hang_close_act(monkeypatch):
     acted: list[object] = []
     monkeypatch.setattr(faults, "kill_self", lambda: acted.append("kill"))
     monkeypatch.setattr(faults, "exit_now", lambda code: acted.append(("exit", code)))
-    monkeypatch.setattr(faults, "hang", lambda: acted.append("hang"))
     monkeypatch.setattr(faults, "close_sockets", lambda socks: acted.append(("close", socks)))
     injector.sockets.append((99, "socket:[1]"))
-    for action in (Kill(), Exit(3), Hang(), Close()):
+    for action in (Kill(), Exit(3), Close()):
         injector.arm((Fault(0, action),), rank=0)
         injector.reached(Point("barrier", 1))
-    assert acted == ["kill", ("exit", 3), "hang", ("close", [(99, "socket:[1]")])]
+    assert acted == ["kill", ("exit", 3), ("close", [(99, "socket:[1]")])]
+    # A hang sleeps until its call is over (the next arming releases it), then raises: a
+    # torchrun worker, which outlives the call, must not keep a thread inside the group.
+    injector.arm((Fault(0, Hang()),), rank=0)
+    caught: list[BaseException] = []
+
+    def hung() -> None:
+        try:
+            injector.reached(Point("barrier", 1))
+        except faults.InjectedFault as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=hung)
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive() and not caught  # hanging
+    injector.arm((), rank=0)
+    thread.join(5)
+    assert not thread.is_alive()
+    assert "hung until its call was over" in str(caught[0])
 
 
 # --- one line from every rank's records (hand-built) -----------------------------------------

@@ -62,6 +62,9 @@ class Injector:
     # world's test counts as a fresh world's would).
     epoch: int = 0
     report_to: str | None = None  # where a fired fault is written, for the parent (``Fired``)
+    # Set when the call the plan was armed for is over: a ``Hang`` still sleeping then ends
+    # (under torchrun the worker lives on, and a hung thread would hold its group).
+    released: threading.Event = field(default_factory=threading.Event)
 
     def arm(
         self,
@@ -81,6 +84,8 @@ class Injector:
             self.steps.clear()
             self.epoch += 1
             self.report_to = report_to
+            self.released.set()  # an earlier call's hang ends: each arming has its own
+            self.released = threading.Event()
 
     def reached(self, point: Point) -> None:
         """The rank is at ``point``: count it for every fault of this rank that matches, and
@@ -115,7 +120,8 @@ class Injector:
         elif isinstance(action, Close):
             close_sockets(self.sockets)
         elif isinstance(action, Hang):
-            hang()
+            hang(self.released)
+            raise InjectedFault(f"{what}: hung until its call was over")
         elif isinstance(action, Exit):
             exit_now(action.code)
         else:
@@ -190,10 +196,10 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hang() -> None:
-    """Sleep until killed (a stack dump shows the rank here, inside its collective's call)."""
-    while True:
-        time.sleep(3600)
+def hang(released: threading.Event) -> None:
+    """Sleep until killed, or until ``released`` (a stack dump shows the rank here, inside its
+    collective's call)."""
+    released.wait()
 
 
 def close_sockets(sockets: list[tuple[int, str]]) -> int:
