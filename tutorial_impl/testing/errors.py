@@ -2,10 +2,8 @@
 
 A failure report is built for a reader who was not there, and its **first line is the
 cause**: ``rank 1 raised ValueError: boom on one``, ``rank 1 was killed by signal SIGKILL``,
-or, for a hang, where each unfinished rank's own code was: ``rank 0 in all_reduce at
-test_x.py:12, rank 1 in broadcast at test_x.py:14: the ranks are in different collectives``.
-That line is what pytest's short summary (``-ra``), ``--tb=no``, junit XML and CI summaries
-show. Then come the failing rank's traceback, where every other running rank was
+or, for a hang, from the ranks' records: ``rank 0 waits in all_reduce #2 at t.py:12; rank 1
+never reached #2``. That line is what pytest's ``-ra``, junit XML and CI summaries show. Then come the failing rank's traceback, where every other running rank was
 (``stacks``), and what every rank printed (``outputs``), each line prefixed ``[rank N]`` so
 interleaved output can still be told apart. Under pytest the stacks and outputs go to
 report sections of their own instead (``report.py``).
@@ -244,10 +242,9 @@ def hang_headline(
     """``rank(s) 0, 1 still running after the harness deadline of 5 s: rank 0 in all_reduce
     at t.py:9, rank 1 in broadcast at t.py:11: the ranks are in different collectives (...)``;
     ``ended`` says how the ranks that were no longer running had ended (``returned``).
-    ``explained``: where the ranks' collectives part, read from their flight-recorder
-    records (``desync``: ``rank 0 waits in all_reduce #2 at t.py:9; rank 1 never reached
-    #2``): it takes the place of what the stacks can only guess, and the stacks say where
-    the ranks outside a collective (not ``waiting`` in one, as the records say) were."""
+    ``explained``: where the ranks' collectives part, from their records (``desync``: ``rank
+    0 waits in all_reduce #2 at t.py:9; rank 1 never reached #2``), in place of the stacks'
+    guesses; the stacks say where the ranks not ``waiting`` in a collective were."""
     names = ", ".join(str(r) for r in sorted(pending))
     line = f"rank(s) {names} still running after the harness deadline of {timeout:g} s"
     places = [f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r)]
@@ -306,9 +303,8 @@ def timeout_error(
     fired: str = "",
     waiting: frozenset[int] = frozenset(),
 ) -> RankTimeout:
-    """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps.
-    ``explained``: where the ranks' collectives part, from their records (``desync``): it
-    takes the place of the stacks' guesses; ``fired``: the faults injected on purpose."""
+    """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps;
+    ``explained``, ``waiting``: see ``hang_headline``; ``fired``: the faults injected."""
     where = where or {}
     message = hang_headline(pending, timeout, where, ended, explained, waiting)
     if fired:
@@ -317,7 +313,7 @@ def timeout_error(
 
 
 def add_to_headline(error: RankError, text: str) -> None:
-    """Append ``text`` to the first line of ``error``'s report (the cause stays first)."""
+    """Append ``text`` to the first line of ``error``'s report."""
     head, sep, rest = error.message.partition("\n")
     error.message = head + text + sep + rest
     error.args = (error.message,)

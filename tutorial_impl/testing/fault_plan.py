@@ -3,7 +3,7 @@
 A ``Fault`` names the ranks it strikes, the point (the ``at``-th collective of the rank,
 optionally only those of one ``op`` and/or one ``group``; or the ``at``-th time the rank's own
 code reaches ``faults.fault_point(step)``) and the action: ``Kill()`` (SIGKILL),
-``Exit(code)``, ``Raise(message)``, ``Hang()`` (sleep until killed), ``Delay(seconds)``,
+``Exit(code)``, ``Raise(message)``, ``Hang()`` (sleep until killed or the call is over), ``Delay(seconds)``,
 ``Close()`` (shut the rank's connections of its faulty groups: its peers, and its own next
 collective, see "Connection closed by peer"). Every field is checked when a fault is made
 (a ``ValueError`` naming the field); ``check_plan`` checks a plan against a world size;
@@ -70,7 +70,7 @@ class Raise:
 
 @dataclass(frozen=True)
 class Hang:
-    """Sleep until killed: the harness's deadline (or the group's timeout) ends the run."""
+    """Sleep until killed, or the call is over (then raise): the deadline ends the run."""
 
     name: ClassVar[str] = "hang"
 
