@@ -4,9 +4,9 @@ A failure report is built for a reader who was not there, and its **first line i
 cause**: ``rank 1 raised ValueError: boom on one``, ``rank 1 was killed by signal SIGKILL``,
 or, for a hang, from the ranks' records: ``rank 0 waits in all_reduce #2 at t.py:12; rank 1
 never reached #2``. That line is what pytest's ``-ra``, junit XML and CI summaries show.
-Then come the failing rank's traceback, where every other running rank was (``stacks``), and what every rank printed (``outputs``), each line prefixed ``[rank N]`` so
-interleaved output can still be told apart. Under pytest the stacks and outputs go to
-report sections of their own instead (``report.py``).
+Then come the failing rank's traceback, where every other running rank was (``stacks``), and
+what every rank printed (``outputs``), each line prefixed ``[rank N]``. Under pytest the
+stacks and outputs go to report sections of their own instead (``report.py``).
 
 Every exception here has structured fields (``rank``, ``exc_type``, ``pending``, ...), one
 constructor style, and survives pickling (a test may pass it between processes).

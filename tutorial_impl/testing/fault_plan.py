@@ -1,17 +1,16 @@
 """A typed plan of what goes wrong, on which rank, at which point: the words of ``faults``.
 
 A ``Fault`` names the ranks it strikes, the point (the ``at``-th collective of the rank,
-optionally only those of one ``op`` and/or one ``group``; or the ``at``-th time the rank's own
-code reaches ``faults.fault_point(step)``) and the action: ``Kill()`` (SIGKILL),
+optionally only those of one ``op`` and/or one ``group``; or the ``at``-th time the rank's
+own code reaches ``faults.fault_point(step)``) and the action: ``Kill()`` (SIGKILL),
 ``Exit(code)``, ``Raise(message)``, ``Hang()`` (sleep until killed or the call is over),
-``Delay(seconds)``, ``Close()`` (shut the rank's connections of its faulty groups: its peers, and its own next
-collective, see "Connection closed by peer"). Every field is checked when a fault is made
-(a ``ValueError`` naming the field); ``check_plan`` checks a plan against a world size;
-``encode``/``decode`` carry it through the environment variable ``TUTORIAL_IMPL_FAULTS`` as
-JSON, refusing an unknown action or field. A ``Point`` is where a rank is: a collective
-(``all_reduce #3`` of a group) or a named step. Nothing here imports torch
-(docs/faults.md).
-"""
+``Delay(seconds)``, ``Close()`` (shut the rank's connections of its faulty groups: its
+peers, and its own next collective, see "Connection closed by peer"). Every field is checked
+when a fault is made (a ``ValueError`` naming the field); ``check_plan`` checks a plan
+against a world size; ``encode``/``decode`` carry it through the environment variable
+``TUTORIAL_IMPL_FAULTS`` as JSON, refusing an unknown action or field. A ``Point`` is where
+a rank is: a collective (``all_reduce #3`` of a group) or a named step. Nothing here imports
+torch (docs/faults.md)."""
 
 from __future__ import annotations
 
