@@ -148,3 +148,13 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     # And the equality says something: the five steps moved every parameter.
     start = dict(elastic.make_model().named_parameters())
     assert all(not torch.equal(start[name], tensor) for name, tensor in expected.items())
+
+
+def test_the_launcher_runs_a_module_under_torchrun_only(monkeypatch):
+    """``fault_launch`` needs ``-m MODULE``, and the rank torchrun gives its worker: a plan
+    is armed for a rank, and a process no agent started has none."""
+    with pytest.raises(SystemExit, match="usage: python -m tutorial_impl.testing.fault_launch"):
+        fault_launch.main(["tutorial_impl.dist_tuto.elastic"])
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="RANK and WORLD_SIZE are not set"):
+        fault_launch.main(["-m", "tutorial_impl.dist_tuto.elastic", "--steps", "1"])
