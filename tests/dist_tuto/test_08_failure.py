@@ -2,7 +2,7 @@
 
 The tutorial's programs assume every rank lives and calls the same collectives with the
 same tensors. Here each assumption is broken on purpose, on gloo, and what torch 2.13 does
-is measured; nothing here waits forever, and nothing in torch.distributed does either:
+is measured. Every failure here ends, at once or at a timeout; none waits forever:
 
 1. ``peers_of_a_killed_rank``: rank 1 of three is killed (SIGKILL) as it calls its second
    all_reduce. The two others, already inside theirs, raise ``RuntimeError: [...pair.cc]

@@ -14,8 +14,10 @@ partial result. This module is the little a program of your own needs to look:
       python -m torch.distributed.flight_recorder.fr_trace DIRECTORY
 
   The analyzer wants one file per rank, ``<prefix><rank>``, the prefix shared (here
-  ``rank_``). On gloo, torch 2.13 leaves the dump's table of groups empty (one group named
-  ``""``) while each entry names its group (``"0"``): the analyzer then stops with
+  ``rank_``; ``-p PREFIX`` names it where the analyzer cannot guess it). It logs what it
+  finds on stderr; ``-j``, which prints every entry instead, needs the ``tabulate`` package.
+  On gloo, torch 2.13 leaves the dump's table of groups empty (one group named ``""``)
+  while each entry names its group (``"0"``): the analyzer then stops with
   ``KeyError: ('0', 1)``. So the table is filled in from this process's own groups.
 """
 
