@@ -57,15 +57,19 @@ def group_table() -> dict[str, dict[str, str]]:
     return table
 
 
-def write_fr_dump(directory: str | Path, rank: int) -> dict[str, Any]:
+def write_fr_dump(directory: str | Path, rank: int, stacks: bool = False) -> dict[str, Any]:
     """Write this rank's flight-recorder buffer to ``directory/rank_<rank>``; return torch's
     dump as it was (unpickled), before its group table was filled in.
 
     A dump can be taken while this rank waits in a collective (from another thread, or
     between ``async_op=True`` and ``wait()``): take it before the wait ends, because once a
     gloo collective has timed out its record reads finished (``retired``) like any other.
+    ``stacks``: with where each collective was called. torch's default, but the first dump
+    with stacks in a process took 6 to 9 s here (about 1 s of it CPU), longer than the wait
+    it was meant to catch; later ones take microseconds.
     """
-    raw = torch._C._distributed_c10d._dump_fr_trace()
+    dump_fr_trace = torch._C._distributed_c10d._dump_fr_trace
+    raw = dump_fr_trace(includeCollectives=True, includeStackTraces=stacks)
     trace = pickle.loads(raw)
     fixed = {**trace, "pg_config": group_table()}
     (Path(directory) / f"{PREFIX}{rank}").write_bytes(pickle.dumps(fixed))
