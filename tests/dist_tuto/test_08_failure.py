@@ -152,7 +152,8 @@ def test_sizes_that_disagree_pass_silently_or_abort_the_receiver(run_ranks):
     results = run_ranks(sizes_that_disagree, backend=None, may_exit={1})
     # Five floats into six: the receive returned, and only the last element tells.
     assert "rank 1 received [1.0, 2.0, 3.0, 4.0, 5.0, 0.0]" in results.outputs[1]
-    # Seven into six: gloo's check fails inside its I/O thread, which aborts the process.
+    # Seven into six (28 bytes sent, 24 expected): gloo's check fails in its I/O thread, an
+    # exception nothing catches there, so the C++ runtime aborts the whole process.
     assert isinstance(results[1], RankExited) and results[1].exitcode == -signal.SIGABRT
     assert re.search(
         r"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n.*"
