@@ -66,7 +66,7 @@ def write_fr_dump(directory: str | Path, rank: int, stacks: bool = False) -> dic
     gloo collective has timed out its record reads finished (``retired``) like any other.
     ``stacks``: with where each collective was called. torch's default, but the first dump
     with stacks in a process took 6 to 9 s here (about 1 s of it CPU), longer than the wait
-    it was meant to catch; later ones take microseconds.
+    it was meant to catch; later ones, and any without stacks, took under a millisecond.
     """
     dump_fr_trace = torch._C._distributed_c10d._dump_fr_trace
     raw = dump_fr_trace(includeCollectives=True, includeStackTraces=stacks)
