@@ -53,7 +53,7 @@ def test_a_timeout_that_bounds_nothing_is_refused(seconds):
 
 
 def test_why_we_check_torch_reads_zero_as_no_timeout_at_all():
-    assert rpc.TensorPipeRpcBackendOptions(rpc_timeout=0).rpc_timeout == 0  # accepted: forever
+    assert rpc.TensorPipeRpcBackendOptions(rpc_timeout=0).rpc_timeout == 0  # accepted: no timeout
     with pytest.raises(RuntimeError, match="RPC Timeout must be non-negative"):
         rpc.TensorPipeRpcBackendOptions(rpc_timeout=-1)
 

@@ -5,7 +5,7 @@ data to the same number of batches, and ``DistributedSampler`` pads (lesson 4), 
 reason: every backward of a DDP model is a collective. A rank with one batch more than the
 others calls an all-reduce that nobody answers, and waits. By default it waits for the
 process group's timeout, then fails: ``init_process_group``'s default is 30 minutes for gloo
-and 10 for NCCL; only with NCCL's watchdog turned off may it wait forever.
+and 10 for NCCL (tests/dist_tuto/test_08_failure.py measures the same end on gloo).
 
 ``train_without_join`` shows that block without waiting 30 minutes: its DDP model talks
 over a group made with a short ``timeout``, so the extra batch's all-reduce fails after

@@ -126,9 +126,12 @@ def run_send_buffer_reuse(rank: int, size: int, refill_before_wait: bool = False
 def run_ring_exchange(rank: int, size: int) -> list[float]:
     """Every rank sends to its right neighbour and receives from its left, in one batch.
 
-    Written as two blocking calls, ``send`` then ``recv``, this ring would hang on gloo: every
+    Written as two blocking calls, ``send`` then ``recv``, this ring would stall on gloo: every
     rank would sit in ``send`` waiting for its neighbour's ``recv``, which comes only after
-    that neighbour's own ``send`` (``run_send_waits_for_recv`` shows why). With
+    that neighbour's own ``send`` (``run_send_waits_for_recv`` shows why), until the group's
+    timeout (30 minutes by default) ends it: "Timed out waiting ...ms for send operation to
+    complete", or on a rank a moment behind, the connection its timed-out peer dropped
+    (measured in tests/dist_tuto/test_08_failure.py). With
     ``batch_isend_irecv`` the sends and receives of the list are posted together, so their
     order in the list does not matter; here every rank lists its send first. On NCCL the
     batch becomes one NCCL group of operations (``ncclGroupStart``/``ncclGroupEnd``), which

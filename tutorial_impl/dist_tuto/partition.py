@@ -15,8 +15,9 @@ Two things the tutorial leaves implicit are made explicit here:
   all 128 samples, the same as one process training on the whole global batch.
 * **Every rank takes the same number of steps.** A rank that ran one batch more than the
   others would wait in its extra ``all_reduce`` until the process group's timeout (30
-  minutes by default on gloo), then fail. Each rank's partition is cut to
-  ``steps * bsz`` samples, with ``steps`` computed identically on every rank.
+  minutes by default on gloo), then fail (tests/dist_tuto/test_08_failure.py, with 1.5 s).
+  Each rank's partition is cut to ``steps * bsz`` samples, with ``steps`` computed
+  identically on every rank.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ Both first check that every rank brought a tensor of the same shape and dtype: i
 ranks disagree about the message sizes, gloo aborts a rank that receives more bytes than its
 buffer holds (SIGABRT: "Received data size doesn't match expected size") and its peers then
 see "Connection reset by peer", while a rank that receives fewer returns silently with a
-partly summed tensor. The check turns both into a ``ValueError`` on every rank. It is one tiny
-exchange, but it synchronises all ranks, which costs a few milliseconds on a busy machine;
+partly summed tensor (both measured in tests/dist_tuto/test_08_failure.py). The check turns
+both into a ``ValueError`` on every rank. It is one tiny exchange, but it synchronises all
+ranks, which costs a few milliseconds on a busy machine;
 ``check=False`` skips it for callers that know their layouts agree (torch's own collectives
 check nothing unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 """

@@ -97,7 +97,8 @@ def when_each_call_returns(callee: str, seconds: float) -> dict[str, Any]:
     the caller's own clock says when ``rpc_sync`` returned. Then ``rpc_async`` calls
     ``add_when_told``, which cannot finish before the caller sends ``go_ahead``; the caller
     looks at the future first, and only then sends it. Had ``rpc_async`` blocked like
-    ``rpc_sync``, the caller would never get to send it, and both would wait forever.
+    ``rpc_sync``, the caller would never get to send it: its call would fail at the RPC
+    timeout, and the callee's wait would give up after its own 60 s.
     """
     called = time.monotonic()
     work_ended = rpc.rpc_sync(callee, slow_work, args=(seconds,))

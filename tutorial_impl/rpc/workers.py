@@ -87,7 +87,8 @@ def init_worker(
 
 
 def shutdown_worker(timeout: float = DEFAULT_RPC_TIMEOUT) -> None:
-    """Leave gracefully, within ``timeout`` seconds (torch's default, 0, waits forever)."""
+    """Leave gracefully, within ``timeout`` seconds. torch's default, 0, sets no deadline at
+    all: a graceful shutdown then waits for as long as some worker has not called it."""
     rpc.shutdown(graceful=True, timeout=check_timeout(timeout, "shutdown timeout"))
 
 

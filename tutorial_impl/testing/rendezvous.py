@@ -22,7 +22,8 @@ So nobody here guesses a port; the kernel hands out every one (port 0), and two 
   ``init_process_group("gloo")`` on ``env://``, ``tcp://MASTER_ADDR:MASTER_PORT`` and RPC
   behave as torch documents them: rank 0 hosts the store when its code first asks (and
   stops when torch lets go of it: a store the harness kept alive would keep the first
-  group's keys, and a group made again there would hang in gloo's connect), the others
+  group's keys, and a group made again there could read the first group's addresses and
+  fail in gloo's connect, "Connection refused"), the others
   connect; and a group on a port or file of the user's own is the user's business, as in
   plain torch. ``file://`` needs no port at all: a fresh file in the test's tmp dir.
 """
