@@ -151,6 +151,16 @@ def lesson_lines(tmp: Path, rank: int, attempt: int) -> list[str]:
     return [text for _, _, text in found]
 
 
+def assert_forked_and_gone(pids: Path, agent: int) -> None:
+    """Two attempts of two workers, no third, each a fork of the agent (its memory, its
+    child, in the process group its rank leads), and not one of them outlived the job."""
+    workers = proctable.recorded(pids)
+    assert sorted(workers) == [f"attempt{a}_rank{r}" for a in (0, 1) for r in (0, 1)]
+    for name in workers:
+        assert (pids / f"{name}.agent").read_text() == f"{agent} {agent} {agent}", name
+    assert proctable.wait_until_gone(pids, timeout=5.0) == {}
+
+
 @pytest.mark.slow
 def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ranks, tmp_path):
     # The reference first: the same training, never interrupted, in forked ranks.
@@ -173,13 +183,7 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     )
     assert returned == {0: 0, 1: 0}  # the last attempt's workers, both through main
 
-    # Two attempts of two workers, no third, each a fork of the agent (its memory, its
-    # child), and not one of them outlived the job.
-    workers = proctable.recorded(pids)
-    assert sorted(workers) == [f"attempt{a}_rank{r}" for a in (0, 1) for r in (0, 1)]
-    for name in workers:
-        assert (pids / f"{name}.agent").read_text() == f"{agent} {agent} {agent}", name
-    assert proctable.wait_until_gone(pids, timeout=5.0) == {}
+    assert_forked_and_gone(pids, agent)
 
     # Attempt 0: rank 1 was killed at that very all_reduce, once, and nowhere else.
     assert FIRED.findall(said(tmp_path, 1, 0, "stderr")) == [("1", killed_at)]
