@@ -1,33 +1,44 @@
 """Elastic recovery: a job that loses a worker and ends as if it never had
 (``tutorial_impl/dist_tuto/elastic.py``).
 
-The claim: a DDP job under ``torchrun --max-restarts 1`` whose rank 1 is killed inside step
-3's all_reduce is restarted by its agent, resumes from its last complete checkpoint (the
-one of step 2, saved with ``torch.distributed.checkpoint``), and ends with exactly the
-parameters of a run that was never interrupted: bit for bit, not merely close. Nothing else
-would do: the resumed run replays no step and skips none, and its optimizer carries on with
-the momentum it had, so every float it computes is the float the uninterrupted run computed.
+The claim: a DDP job under torchrun's agent with ``max_restarts=1`` whose rank 1 is killed
+inside step 3's all_reduce is restarted by its agent, resumes from its last complete
+checkpoint (the one of step 2, saved with ``torch.distributed.checkpoint``), and ends with
+exactly the parameters of a run that was never interrupted: bit for bit, not merely close.
+Nothing else would do: the resumed run replays no step and skips none, and its optimizer
+carries on with the momentum it had, so every float it computes is the float the
+uninterrupted run computed.
 
-How the worker dies: no ``os._exit`` in the lesson's code. The job runs the lesson's module
-behind the harness's launcher (``tutorial_impl/testing/fault_launch.py``), which makes its
-group on the ``"faulty"`` backend (gloo, with every collective counted) and arms the plan
-"SIGKILL rank 1 at its 3rd all_reduce" in the first attempt only. That the 3rd all_reduce
-*is* step 3's comes from the uninterrupted run itself, which counts every collective of
-every step (DDP's one gradient bucket is the only all_reduce a step makes: DCP's save
-gathers, scatters and broadcasts, but never all-reduces).
+The job is a learner's command line,
 
-The cost: torchrun's agent and each worker of each attempt is a fresh Python that imports
-torch, DDP and DCP (about 2 s of CPU each, five processes in all); the uninterrupted
-reference runs in the harness's forked ranks instead, torch already imported.
+    TUTORIAL_IMPL_FAULTS=<the plan> torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
+        -m tutorial_impl.testing.fault_launch -m tutorial_impl.dist_tuto.elastic \\
+        --backend faulty --steps 5 --ckpt-dir CKPT --out FINAL
+
+given to torchrun's own ``main`` (``torch.distributed.run``) in a rank the harness forked,
+torch, DDP and DCP already imported. Its agent's rendezvous, store, monitoring, stop and
+restart are torchrun's; one thing differs, how a worker starts. torchrun ends in
+``elastic_launch(config, python)("-u", "-m", LAUNCHER, "-m", MODULE, ARGS...)``, a fresh
+interpreter per worker; ``job`` hands ``elastic_launch`` the launcher's function form
+instead (``fault_launch.call_main``), which the agent starts with ``--start-method fork``:
+each worker a copy of the agent. A fresh interpreter imports torch, DDP (``torch._dynamo``)
+and DCP, about 2.2 s of CPU, five times over (the agent, two workers per attempt); a fork
+costs a small part of that (docs/faults.md, "What it costs").
+
+How the worker dies: no ``os._exit`` in the lesson's code. The launcher
+(``tutorial_impl/testing/fault_launch.py``) registers the ``"faulty"`` backend (gloo, with
+every collective counted) and arms the plan "SIGKILL rank 1 at its 3rd all_reduce" in the
+first attempt only. That the 3rd all_reduce *is* step 3's comes from the uninterrupted run
+itself, which counts every collective of every step (DDP's one gradient bucket is the only
+all_reduce a step makes: DCP's save gathers, scatters and broadcasts, but never all-reduces).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 from unittest import mock
 
@@ -35,20 +46,23 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed import run as torchrun
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tutorial_impl.dist_tuto import elastic
 from tutorial_impl.testing import fault_launch, faults, faulty_group, proctable
 from tutorial_impl.testing.fault_plan import ENV, Fault, Kill, encode
 
-pytestmark = pytest.mark.timeout(240)
+# A fresh world: the agent installs signal handlers (from the main thread only) and
+# rewrites the environment; none of that may reach another test.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.warm_world(False)]
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS, KILLED_IN = 5, 3
 PLAN = (Fault(ranks={1}, action=Kill(), at=KILLED_IN, op="all_reduce"),)
-DEADLINE = 180.0  # seconds for the whole job, restart included; the machine is shared
-MARK = "TUTORIAL_ELASTIC_JOB"  # in the agent's environment, inherited by every worker
+DEADLINE = 150.0  # seconds for the agent's rank, the whole job and its restart included
 LINE = re.compile(r"^Rank (\d) attempt (\d): (.*)$", re.MULTILINE)
 FIRED = re.compile(r"injected fault on rank (\d) at (all_reduce #\d+): Kill\(\)")
+AGENT_PID = None  # set in the agent before its workers start: see ``worker``
 
 
 def uninterrupted(rank: int, world_size: int, ckpt_dir: str) -> tuple[dict, list[list[str]]]:
@@ -70,40 +84,81 @@ def uninterrupted(rank: int, world_size: int, ckpt_dir: str) -> tuple[dict, list
     return params, [history[a:b] for a, b in zip([start, *ends], ends, strict=False)]
 
 
-def run_job(tmp_path: Path) -> str:
-    """The faulted job, as a learner would type it (behind the fault launcher); its output.
-
-    torchrun starts each worker in a session of its own, so only the environment reaches
-    them all: a mark every process of the job inherits. Whatever happens (a failure, the
-    deadline), the ``finally`` kills every process carrying it; after a clean exit, none
-    may be left. Output goes to a file, which cannot fill up and block like a pipe.
-    """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["--max-restarts=1", "--monitor-interval=0.1", f"--log-dir={tmp_path / 'logs'}"]
-    cmd += ["-m", "tutorial_impl.testing.fault_launch", "-m", "tutorial_impl.dist_tuto.elastic"]
-    cmd += ["--backend", "faulty", "--steps", str(STEPS)]
-    cmd += ["--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "final.pt")]
-    job = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MARK: job}
-    env[ENV] = encode(PLAN)
-    log = tmp_path / "torchrun.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        code = proc.wait(timeout=DEADLINE)
-        left = proctable.wait_until_unmarked(MARK, job, timeout=10.0) if code == 0 else []
-    finally:
-        proctable.kill_marked(MARK, job)
-        proc.wait(5)
-    output = log.read_text(errors="replace")
-    assert code == 0, f"the job failed (a restart should have saved it):\n{output}"
-    assert not left, f"processes outlived their torchrun agent: {left}"
-    return output
+def worker(pids: str, *argv: str) -> object:
+    """One worker of the job: its pid written down (for the leak check, under a name saying
+    which attempt and rank it was) and whose copy it is; then the launcher, as torchrun's
+    worker would run it."""
+    name = f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}_rank{os.environ['RANK']}"
+    proctable.record_self(pids, name)
+    Path(pids, f"{name}.agent").write_text(f"{AGENT_PID} {os.getppid()} {os.getpgid(0)}")
+    return fault_launch.call_main(*argv)
 
 
-def said(output: str, rank: int, attempt: int) -> list[str]:
-    """What the lesson's worker of ``rank`` printed in ``attempt``, in order."""
-    return [text for r, a, text in LINE.findall(output) if (int(r), int(a)) == (rank, attempt)]
+def command(tmp: str) -> list[str]:
+    """The faulted job's command line, after ``torchrun`` (``python -m torch.distributed.run``):
+    the lesson behind the fault launcher, as a learner would type it. ``--redirects 3``:
+    each worker's stdout and stderr to files of their own, one directory per attempt."""
+    flags = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
+    flags += ["--start-method=fork", "--redirects=3", f"--log-dir={tmp}/logs"]
+    flags += ["-m", "tutorial_impl.testing.fault_launch", "-m", "tutorial_impl.dist_tuto.elastic"]
+    flags += ["--backend=faulty", f"--steps={STEPS}"]
+    return flags + [f"--ckpt-dir={tmp}/ckpt", f"--out={tmp}/final.pt"]
+
+
+def job(rank: int, world_size: int, tmp: str) -> tuple[int, dict[int, object]]:
+    """torchrun, in this rank: ``torch.distributed.run.main(command)``, its agent's
+    rendezvous, store, monitoring, stop and restart all its own, with one change: the
+    workers. torchrun hands ``elastic_launch`` the command each worker would run
+    (``python -u -m tutorial_impl.testing.fault_launch -m MODULE ARGS``); here it gets
+    the launcher's function form for entrypoint instead, ``call_main(MODULE, *ARGS)`` (behind
+    ``worker``), which its agent starts by ``--start-method=fork``: each worker a copy of this
+    rank. The agent gives every worker ``RANK``, ``MASTER_PORT`` and the rest over whatever
+    this rank carried. Returns the agent's pid and the last attempt's return values."""
+    global AGENT_PID
+    AGENT_PID = os.getpid()  # a worker forked from here sees it; a fresh interpreter, None
+    # The harness starts its ranks as daemonic processes (multiprocessing's flag), and
+    # multiprocessing gives a daemonic process no children. Lifted in this rank alone: the
+    # workers stay in the process group it leads, which the harness kills when it ends.
+    multiprocessing.current_process().daemon = False
+    os.environ.update({ENV: encode(PLAN), "OMP_NUM_THREADS": "1"})  # inherited by the workers
+    returned = {}
+
+    def launch(config: LaunchConfig, entrypoint: str):
+        assert entrypoint == sys.executable and config.start_method == "fork", entrypoint
+
+        def run_workers(*cmd: str) -> None:
+            launcher, module = cmd[:4], cmd[4]  # "-u", "-m", fault_launch, "-m"
+            assert launcher == ("-u", "-m", fault_launch.__name__, "-m"), cmd
+            returned.update(elastic_launch(config, worker)(f"{tmp}/pids", module, *cmd[5:]))
+
+        return run_workers
+
+    with mock.patch.object(torchrun, "elastic_launch", launch):
+        torchrun.main(command(tmp))
+    return os.getpid(), returned
+
+
+def said(tmp: Path, rank: int, attempt: int, stream: str = "stdout") -> str:
+    """What worker ``rank`` of ``attempt`` wrote: the agent redirects each to its files."""
+    (path,) = tmp.glob(f"logs/*/attempt_{attempt}/{rank}/{stream}.log")
+    return path.read_text()
+
+
+def lesson_lines(tmp: Path, rank: int, attempt: int) -> list[str]:
+    """The lesson's own lines of worker ``rank`` in ``attempt``, in order."""
+    found = LINE.findall(said(tmp, rank, attempt))
+    assert {(int(r), int(a)) for r, a, _ in found} <= {(rank, attempt)}, found
+    return [text for _, _, text in found]
+
+
+def assert_forked_and_gone(pids: Path, agent: int) -> None:
+    """Two attempts of two workers, no third, each a fork of the agent (its memory, its
+    child, in the process group its rank leads), and not one of them outlived the job."""
+    workers = proctable.recorded(pids)
+    assert sorted(workers) == [f"attempt{a}_rank{r}" for a in (0, 1) for r in (0, 1)]
+    for name in workers:
+        assert (pids / f"{name}.agent").read_text() == f"{agent} {agent} {agent}", name
+    assert proctable.wait_until_gone(pids, timeout=5.0) == {}
 
 
 @pytest.mark.slow
@@ -120,27 +175,37 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     assert [len(found) for found in all_reduces] == [1] * STEPS, steps
     killed_at = all_reduces[KILLED_IN - 1][0]
 
-    output = run_job(tmp_path)
+    # The faulted job: its agent in one rank of the harness's, which ends it by its deadline
+    # (and, whatever happens, kills the rank's process group: the workers are in it).
+    (pids := tmp_path / "pids").mkdir()
+    [(agent, returned)] = run_ranks(
+        job, str(tmp_path), world_size=1, backend=None, timeout=DEADLINE
+    )
+    assert returned == {0: 0, 1: 0}  # the last attempt's workers, both through main
+
+    assert_forked_and_gone(pids, agent)
 
     # Attempt 0: rank 1 was killed at that very all_reduce, once, and nowhere else.
-    assert FIRED.findall(output) == [("1", killed_at)], output
+    assert FIRED.findall(said(tmp_path, 1, 0, "stderr")) == [("1", killed_at)]
+    assert not FIRED.findall(said(tmp_path, 0, 0, "stderr"))
     for rank in (0, 1):
         # Both workers started fresh (no checkpoint yet), saved steps 1 and 2, and neither
         # got to save step 3.
-        first = said(output, rank, 0)
-        assert first[1:] == ["starting after step 0", "step 1 saved", "step 2 saved"], output
+        first = lesson_lines(tmp_path, rank, 0)
+        assert first[1:] == ["starting after step 0", "step 1 saved", "step 2 saved"], first
         # Attempt 1: the agent started both again, through the launcher (not armed now),
         # and each resumed after the newest complete checkpoint, step 2, to train 3, 4, 5.
-        second = said(output, rank, 1)
+        second = lesson_lines(tmp_path, rank, 1)
         assert second[1:] == ["starting after step 2"] + [
             f"step {s} saved" for s in range(KILLED_IN, STEPS + 1)
-        ], output
+        ], second
+        assert fault_launch.NOT_ARMED.format(attempt=1) in said(tmp_path, rank, 1, "stderr")
+        assert not FIRED.findall(said(tmp_path, rank, 1, "stderr"))
         # Both attempts met at the same store (torchrun's agent keeps it): the per-attempt
         # prefix of ``attempt_store`` is what kept attempt 1 from attempt 0's stale keys.
         assert first[0] == second[0] and first[0].startswith("store "), (first, second)
-    assert output.count(fault_launch.NOT_ARMED.format(attempt=1)) == 2, output
-    assert output.count("starting after step") == 4  # two attempts of two workers, no third
-    ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if (p / ".metadata").exists())
+    ckpt = tmp_path / "ckpt"
+    ckpts = sorted(p.name for p in ckpt.iterdir() if (p / elastic.COMPLETE).exists())
     assert ckpts == [elastic.CHECKPOINT.format(s) for s in range(1, STEPS + 1)]
 
     # The bar: rank 0's final parameters, bit for bit those of the uninterrupted run.
@@ -154,11 +219,26 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     assert all(not torch.equal(start[name], tensor) for name, tensor in expected.items())
 
 
-def test_the_launcher_runs_a_module_under_torchrun_only(monkeypatch):
+def test_the_launcher_runs_a_module_under_torchrun_only(monkeypatch, capsys):
     """``fault_launch`` needs ``-m MODULE``, and the rank torchrun gives its worker: a plan
-    is armed for a rank, and a process no agent started has none."""
+    is armed for a rank, and a process no agent started has none. Given both, it runs
+    MODULE as ``python -m MODULE ARGS`` would (what torchrun's fresh workers do; the job
+    above calls ``call_main`` instead): here ``calendar``, as a restarted worker (not armed)."""
     with pytest.raises(SystemExit, match="usage: python -m tutorial_impl.testing.fault_launch"):
         fault_launch.main(["tutorial_impl.dist_tuto.elastic"])
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit, match="RANK and WORLD_SIZE are not set"):
         fault_launch.main(["-m", "tutorial_impl.dist_tuto.elastic", "--steps", "1"])
+    with pytest.raises(SystemExit, match="RANK and WORLD_SIZE are not set"):
+        fault_launch.call_main("tutorial_impl.dist_tuto.elastic", "--steps", "1")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    registered = []
+    monkeypatch.setattr(faulty_group, "register", lambda: registered.append(True))
+    monkeypatch.setattr(sys, "argv", sys.argv)  # the launcher sets it, as -m does
+    fault_launch.main(["-m", "calendar", "2024", "2"])
+    out, err = capsys.readouterr()
+    assert "February 2024" in out and "29" in out.split()  # a leap year's February
+    assert sys.argv[1:] == ["2024", "2"] and registered == [True]
+    assert err.strip() == fault_launch.NOT_ARMED.format(attempt=1)

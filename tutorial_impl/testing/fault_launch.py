@@ -22,6 +22,7 @@ that a restarted worker went through this launcher.
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
@@ -37,11 +38,9 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2 or argv[0] != "-m":
-        raise SystemExit(USAGE)
-    module, args = argv[1], argv[2:]
+def prepare() -> None:
+    """What the launcher does before the module runs: the ``"faulty"`` backend registered,
+    the plan armed for this worker's ``RANK`` in the first attempt only."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SystemExit(f"{USAGE}\nRANK and WORLD_SIZE are not set: run it under torchrun")
     faulty_group.register()
@@ -49,8 +48,30 @@ def main(argv: list[str] | None = None) -> None:
         faults.arm_from_env(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     else:
         print(NOT_ARMED.format(attempt=attempt()), file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[0] != "-m":
+        raise SystemExit(USAGE)
+    module, args = argv[1], argv[2:]
+    prepare()
     sys.argv = [module, *args]  # runpy puts the module's file name first, as -m does
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def call_main(module: str, *args: str) -> object:
+    """The launcher as a function: ``elastic_launch(config, call_main)(MODULE, *ARGS)``.
+
+    ``torch.distributed.run.main`` (torchrun) ends in ``elastic_launch`` with a command for
+    entrypoint; given a function instead, its agent runs each worker as that function in a
+    process it starts with ``config.start_method`` (``"fork"``: a copy of the agent, its
+    imports included). Same steps as ``main``, then ``MODULE.main(ARGS)``: the function
+    ``python -m MODULE ARGS`` ends in, called rather than run as ``__main__``, so that its
+    return value, not an exit, ends the worker (the agent reads it back).
+    """
+    prepare()
+    return importlib.import_module(module).main(list(args))
 
 
 if __name__ == "__main__":
