@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sys
 from collections.abc import Callable, Collection
 from contextvars import ContextVar
@@ -53,23 +52,14 @@ class Forked:
     def _run_in(self, call: Call, work: Path) -> RankResults:
         __tracebackhide__ = True
         _debugging.forget(work)  # an earlier run's debugger files would pause this deadline
-        from tutorial_impl.testing import spare as _spare
-
-        ready = _spare.SPARES.take(call)
-        store = ready.store if ready is not None else AgentStore(timeout=call.deadline)
+        store = AgentStore(timeout=call.deadline)
         started: list[supervise.Proc] = []
         try:
-            if ready is not None:
-                started = _spare.hand_over(ready, call, work)
-            else:
-                for r in range(call.world_size):
-                    rank_env = store.rank_env(r, call.world_size)
-                    spec = _call.rank_spec(
-                        call, r, work, rank_env, harness_env=store.harness_env()
-                    )
-                    spec.env.update(call.debug_env)
-                    started.append(start(spec))
-            _spare.SPARES.prepare_next(call)
+            for r in range(call.world_size):
+                rank_env = store.rank_env(r, call.world_size)
+                spec = _call.rank_spec(call, r, work, rank_env, harness_env=store.harness_env())
+                spec.env.update(call.debug_env)
+                started.append(start(spec))
             announce = (call.announce or _to_stderr) if call.debug_rank is not None else None
             deadline = _debugging.Deadline(call.deadline, work, announce)
             finished = supervise.supervise(
@@ -79,8 +69,6 @@ class Forked:
         finally:
             supervise.LIVE.kill(started)
             store.close()
-            if ready is not None:
-                shutil.rmtree(ready.home, ignore_errors=True)
 
 
 def _to_stderr(text: str) -> None:
