@@ -45,6 +45,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "tutorial_impl.bench.library",
         "a library's suite per test: spawn pool vs fresh ranks vs warm worlds",
     ),
+    "fresh-profile": (
+        "tutorial_impl.bench.fresh_profile",
+        "where a fresh test of that suite spends its time and CPU, step by step",
+    ),
 }
 
 

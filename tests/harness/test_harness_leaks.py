@@ -97,10 +97,16 @@ def test_no_rank_survives_its_run(tmp_path, ending):
 
 FAILS_IN_RANKS = """
 import os
+import time
 from tutorial_impl.testing import proctable
 
 if "RANK" in os.environ:  # in a rank, not in the parent that imported it first
     proctable.record_self({pid_dir!r}, "rank" + os.environ["RANK"])
+    # The first failure stops the others: each waits (a while at most) until every rank has
+    # recorded itself, or on a loaded machine the last may be stopped before its import.
+    end = time.monotonic() + 10
+    while len(proctable.recorded({pid_dir!r})) < 3 and time.monotonic() < end:
+        time.sleep(0.01)
     raise RuntimeError("this module cannot be imported in a rank")
 
 

@@ -54,6 +54,9 @@ DEFAULT_PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.nn",
+    # What unpickling a tensor imports on first use (``torch.load`` of its storage): every
+    # rank given a tensor argument would import it itself (3-4 ms of CPU a rank).
+    "torch.utils.serialization",
     "tutorial_impl.testing.rank",
     "tutorial_impl.testing.warm_rank",
 ]
