@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from tutorial_impl.bench import kill_verdict, recorder_cost
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import forkserver, run_ranks
 from tutorial_impl.testing.audit import audited
@@ -251,8 +250,10 @@ def measure(
     recorder_calls: int = 500,
     kill_runs: int = 5,
 ) -> dict[str, dict]:
-    # Ranks find their functions already imported.
-    forkserver.add_preload([__name__, recorder_cost.__name__, kill_verdict.__name__])
+    # Imported here, not by the ranks: a warm rank checks every global of the modules it has.
+    from tutorial_impl.bench import kill_verdict, recorder_cost
+
+    forkserver.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
     for world_size in world_sizes:
         # Warm first: the fresh runs' killed ranks are still being torn down for a while.
@@ -290,6 +291,8 @@ def measure(
 def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None:
     """One world size's figures, as lines of the table (``counts``: the repeats, the spawn
     repeats and the collectives they are medians or means of)."""
+    from tutorial_impl.bench import kill_verdict, recorder_cost
+
     repeats, spawn_repeats, collectives = counts
     harness_ms, spawn_ms, warm_ms = row["harness_ms"], row["spawn_ms"], row["warm_ms"]
     plain_us, checked_us, torchrun_ms = (
