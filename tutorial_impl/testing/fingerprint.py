@@ -110,6 +110,12 @@ def table(d: dict[Any, Any]) -> bytes | None:
     return _read(d) if _trusted() else None
 
 
+def held(names: dict[Any, Any]) -> tuple[dict[Any, Any], bytes | None]:
+    """A copy of ``names``, and its ``table``: valid as long as the copy, which holds every key
+    and value of it."""
+    return dict(names), table(names)
+
+
 def _read(d: dict[Any, Any]) -> bytes | None:
     keys, values = _word(id(d) + 32), _word(id(d) + 40)
     if values or not keys:

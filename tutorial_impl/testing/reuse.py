@@ -67,6 +67,7 @@ from os import path, sep
 from typing import Any
 
 from tutorial_impl.testing import fingerprint
+from tutorial_impl.testing.fingerprint import held
 
 WATCHED = (  # the modules whose attributes tests commonly monkeypatch
     "torch torch.cuda torch.distributed torch.distributed.distributed_c10d torch.distributed.rpc "
@@ -145,7 +146,7 @@ class Baseline:
     def snapshot(self) -> None:
         """What after_task compares with (never raises)."""
         try:
-            self.attrs = [(n, m, *_copy(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
+            self.attrs = [(n, m, *held(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
             self.globals = [(n, m, *_snapshot(m)) for n, m in self._user_modules()]
         except Exception as exc:  # noqa: BLE001
             self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
@@ -159,7 +160,7 @@ class Baseline:
             self.imported = len(sys.modules)
             have = {name for name, *_ in self.attrs}
             self.attrs += [
-                (n, m, *_copy(vars(m)))
+                (n, m, *held(vars(m)))
                 for n in WATCHED
                 if n not in have and (m := sys.modules.get(n))
             ]
@@ -252,7 +253,7 @@ class Baseline:
                 how = "added" if old is _GONE else "deleted" if new is _GONE else "replaced"
                 return f"{name}.{key} was {how} (monkeypatched)"
             if all(now.get(k, _GONE) is before.get(k, _GONE) for k in differ):
-                self.attrs[i] = (name, module, *_copy(now))  # as good (OWN is never compared)
+                self.attrs[i] = (name, module, *held(now))  # as good (OWN is never compared)
         return None
 
     def _signals(self) -> str | None:
@@ -283,7 +284,7 @@ class Baseline:
         # Or: the same module objects, the same user modules (one renamed is compared as is).
         if table is None and _same_refs(sys.modules.values(), self.loaded[0].values()):
             return self.user
-        self.loaded, self.user = _copy(sys.modules), []
+        self.loaded, self.user = held(sys.modules), []
         for name, module in self.loaded[0].items():
             known = CLASSIFIED.get(name)
             if known is None or known[0] is not module:
@@ -381,11 +382,6 @@ def _changed(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
     changed = [f"{k} (added)" for k in added if not isinstance(now[k], types.ModuleType)]
     changed += [f"{k} (removed)" for k in before if k not in now]
     return changed + [f"{k} (rebound)" for k in now if k in before and now[k] is not before[k]]
-
-
-def _copy(names: dict[str, Any]) -> tuple[dict[str, Any], bytes | None]:
-    """A copy of ``names`` and its ``fingerprint.table`` (valid: the copy holds its objects)."""
-    return dict(names), fingerprint.table(names)
 
 
 def _snapshot(module: Any) -> tuple[dict[str, Any], dict[str, Any]]:
