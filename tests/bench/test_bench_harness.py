@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tutorial_impl.bench import harness
+from tutorial_impl.bench import harness, recorder_cost
 
 
 @pytest.mark.slow
@@ -25,6 +25,8 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     # No torchrun job here (two more interpreters, seconds of the suite's CPU): the figure is
     # None then, and the benchmark's own runs measure it (docs/benchmarks.md).
     argv += ["--collectives", "20", "--torchrun-tests", "0"]
+    # One round of the recorder's three worlds, one SIGKILL: the rows, not their precision.
+    argv += ["--recorder-rounds", "1", "--recorder-calls", "5", "--kill-runs", "1"]
     assert harness.main(argv) == 0
     figures = json.loads(path.read_text())
     assert list(figures) == ["1"]  # keyed by world size, as a string (JSON keys are)
@@ -34,6 +36,8 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
         *("collective_us", "checked_collective_us", "check_ratio"),  # the price of checking
         *("warm_ms", "warm_speedup", "replace_ms", "load_average"),  # warm worlds
         *("audit_ms", "audit_cost", "torchrun_ms"),  # --warm-audit's price; under torchrun
+        *recorder_cost.HARNESS_KEYS,  # the flight recorder off, on, and DETAIL
+        *("kill_verdict_ms", "kill_verdict_runs_ms", "kill_verdict_running"),
     }
     assert row["harness_ms"] > 0 and row["spawn_ms"] > 0
     assert row["ratio"] == pytest.approx(row["spawn_ms"] / row["harness_ms"])
@@ -44,11 +48,23 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     assert row["warm_speedup"] == pytest.approx(row["harness_ms"] / row["warm_ms"])
     assert row["audit_cost"] == pytest.approx(row["audit_ms"] / row["warm_ms"])
     assert row["torchrun_ms"] is None
+    # Each ratio is its round's (one round: the median of one), on/off and DETAIL/off.
+    [one] = row["fr_rounds"]
+    assert row["fr_recorder_ratio"] == pytest.approx(one["on_us"] / one["off_us"])
+    assert row["fr_detail_cpu_ratio"] == pytest.approx(one["detail_cpu_us"] / one["off_cpu_us"])
+    assert row["fr_detail_us"] == one["detail_us"] > 0
+    # The kill: one run, its time from the SIGKILL (written by the rank) to the verdict, in a
+    # world of one: no peer was left running.
+    assert row["kill_verdict_runs_ms"] == [row["kill_verdict_ms"]]
+    assert 0 < row["kill_verdict_ms"] < 60_000 and row["kill_verdict_running"] == [0]
     printed = capsys.readouterr().out
     assert f"harness {row['harness_ms']:7.1f} ms" in printed  # the same figures, printed
     assert f"ratio {row['ratio']:6.1f}x" in printed
     assert f"check {row['check_ratio']:5.1f}x" in printed
     assert f"warm    {row['warm_ms']:7.1f} ms" in printed
+    assert f"on/off {row['fr_recorder_ratio']:5.3f}x" in printed
+    assert f"DETAIL/off {row['fr_detail_ratio']:5.1f}x" in printed
+    assert f"SIGKILL to verdict {row['kill_verdict_ms']:6.1f} ms" in printed
 
 
 def test_bench_refuses_nonsense_arguments():
@@ -58,3 +74,8 @@ def test_bench_refuses_nonsense_arguments():
         harness.main(["--collectives", "0"])
     with pytest.raises(SystemExit, match="--torchrun-tests"):
         harness.main(["--torchrun-tests", "1"])
+    for option, value in (("--recorder-rounds", "-1"), ("--recorder-calls", "0")):
+        with pytest.raises(SystemExit, match="--recorder-calls 1"):
+            harness.main([option, value])
+    with pytest.raises(SystemExit, match="--kill-runs"):
+        harness.main(["--kill-runs", "-1"])

@@ -15,7 +15,9 @@ import logging
 import random
 import signal
 import socket
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import types
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import reuse
+from tutorial_impl.testing import fingerprint, reuse
 
 # Module-level state a test could leave behind (the "user's module" of the checks).
 CACHE: dict[str, int] = {}
@@ -166,6 +168,19 @@ def _enter(context: object) -> object:
     return context
 
 
+class _Renamed:
+    """``module``'s last name bound under another: the same objects, in the same order."""
+
+    def __init__(self, module: object) -> None:
+        names = vars(module)
+        self.module, self.name = module, next(reversed(names))
+        setattr(module, "0" + self.name, names.pop(self.name))
+
+    def __exit__(self, *exc: object) -> None:
+        names = vars(self.module)
+        names[self.name] = names.pop("0" + self.name)
+
+
 def _wrap(module: object, name: str, imported: bool) -> None:
     """Replace ``module.name`` by a wrapper of it (``__wrapped__``), as an import may do."""
     if imported:
@@ -196,6 +211,9 @@ LEFT = {
     ),
     "wrapped": (lambda: _wrap(torch.nn.functional, "relu", False), "functional.relu was replaced"),
     "torch attr": (lambda: setattr(torch.nn, "extra", 1), "torch.nn.extra was added"),
+    "deleted": (lambda: delattr(logging, "BASIC_FORMAT"), "logging.BASIC_FORMAT was deleted"),
+    # Every object where it was, one name changed (undone, as the last three, after all).
+    "renamed": (lambda: _Renamed(subprocess), "subprocess.0"),
     "stdlib": (lambda: setattr(time, "time", lambda: 0.0), "time.time was replaced"),
     "thread": (_thread, "a thread started by the test is still running: Leftover (daemon)"),
     "sigusr1": (lambda: signal.signal(signal.SIGUSR1, print), "handler of SIGUSR1"),
@@ -222,17 +240,41 @@ def left_behind(rank: int, world_size: int, repeat: int) -> dict[str, object]:
         task.before_task()
         task.after_task()
         cost.append(time.thread_time() - start)
+    # A task that only changed what torch rebinds itself (OWN): no problem, and that state is
+    # the reference from then on; the next task, reset and refreshed as a warm rank does
+    # between tasks (no new snapshot), still names what it monkeypatched in that module.
+    task = reuse.Baseline()
+    task.before_task()
+    c10d = dist.distributed_c10d
+    c10d._group_count = -2
+    chained = [task.after_task()]
+    task.reset()
+    task.refresh()
+    c10d.broadcast = lambda *args, **kwargs: None
+    chained.append(task.after_task())
+    # Only such a task moves the reference: after one that wrapped a function on import, the
+    # function put back as it was is no change (as when the wrapper had not been seen).
+    task = reuse.Baseline()
+    task.before_task()
+    seed = torch.manual_seed
+    _wrap(torch, "manual_seed", True)
+    chained.append(task.after_task())
+    task.reset()
+    task.refresh()
+    torch.manual_seed = seed
+    chained.append(task.after_task())
+    del sys.modules["_reuse_probe"]  # the cases below import it again
     seen, entered, clock = {}, [], time.time
     for case, do in {**HARMLESS, **{k: v[0] for k, v in LEFT.items()}}.items():
         task = reuse.Baseline()  # a world that found a problem is replaced: a new baseline
         task.before_task()
         left = do()
         seen[case] = task.after_task()
-        entered += [left] if case in ("profiler", "inference", "mode") else []
+        entered += [left] if case in ("renamed", "profiler", "inference", "mode") else []
     for context in reversed(entered):
         context.__exit__(None, None, None)  # type: ignore[attr-defined]
     time.time = clock
-    return dict(seen=seen, cost=sorted(cost)[len(cost) // 2])
+    return dict(seen=seen, cost=sorted(cost)[len(cost) // 2], chained=chained)
 
 
 def test_after_task_names_what_cannot_be_reset_and_costs_little(run_ranks):
@@ -241,5 +283,29 @@ def test_after_task_names_what_cannot_be_reset_and_costs_little(run_ranks):
         assert found["seen"][case] is None, (case, found["seen"][case])
     for case, (_, named) in LEFT.items():
         assert named in (found["seen"][case] or ""), (case, found["seen"][case])
+    own, patched, wrapped, unwrapped = found["chained"]
+    assert own is None and "distributed_c10d.broadcast was replaced" in (patched or "")
+    assert wrapped is None and unwrapped is None
     print(f"before_task + after_task: {found['cost'] * 1e3:.2f} ms of CPU (median)")
     assert found["cost"] < 0.010
+
+
+def test_a_dicts_table_is_the_same_only_while_every_binding_is():
+    """``fingerprint.table``, which spares a warm rank reading every object of the namespaces
+    it compares: on the interpreters it knows it is on, and it sees any binding change."""
+    known = sys.implementation.name == "cpython" and (3, 11) <= sys.version_info[:2] <= (3, 14)
+    if not known or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        assert fingerprint.table({}) is None  # reuse compares the dicts themselves
+        return
+    names = {f"name{i}": object() for i in range(30)}
+    first = fingerprint.table(names)
+    assert first is not None and fingerprint.table(names) == first
+    kept = names["name5"]
+    names["name5"] = object()  # one value replaced
+    assert fingerprint.table(names) != first
+    names["name5"] = kept
+    assert fingerprint.table(names) == first  # the same objects again: the same table
+    names["renamed"] = names.pop("name29")  # the same objects in the same order, one new name
+    assert fingerprint.table(names) != first
+    names["name29"] = names.pop("renamed")
+    assert fingerprint.table(names) != first  # the same bindings, but one deleted and re-added

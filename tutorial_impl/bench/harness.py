@@ -30,6 +30,15 @@ a group behind, a fresh world), and the 1-minute load average while measuring
 (``load_average``): on a loaded machine every figure grows. The check runs torch's
 ``ProcessGroupWrapper``, which before each collective has the ranks compare what they are
 about to call through an extra exchange, so a small collective costs several times as much.
+
+And faults (docs/faults.md): torch's flight recorder off, on, and DETAIL in alternating
+rounds of fresh worlds (``--recorder-rounds`` of ``--recorder-calls`` small all_reduces;
+``bench/recorder_cost.py``: keys ``fr_off_us``, ``fr_on_us``, ``fr_detail_us``, their
+``_cpu_us``, ``fr_recorder_ratio`` = on/off and ``fr_detail_ratio`` = DETAIL/off with their
+``_cpu_`` forms, medians of each round's ratio, and ``fr_rounds``), and the time from an
+injected SIGKILL to the verdict (``--kill-runs``; ``bench/kill_verdict.py``: keys
+``kill_verdict_ms``, the median, ``kill_verdict_runs_ms`` and ``kill_verdict_running``,
+the peers still in their collective at each verdict). 0 rounds or runs: None.
 """
 
 from __future__ import annotations
@@ -237,7 +246,13 @@ def measure(
     spawn_repeats: int,
     collectives: int = 200,
     torchrun_tests: int = 20,
+    recorder_rounds: int = 7,
+    recorder_calls: int = 500,
+    kill_runs: int = 5,
 ) -> dict[str, dict]:
+    # Imported here, not by the ranks: a warm rank checks every global of the modules it has.
+    from tutorial_impl.bench import kill_verdict, recorder_cost
+
     forkserver.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
     for world_size in world_sizes:
@@ -266,29 +281,39 @@ def measure(
             "torchrun_ms": torchrun_ms,
             "load_average": os.getloadavg()[0],
         }
-        print(
-            f"world {world_size}: harness {harness_ms:7.1f} ms  spawn {spawn_ms:8.1f} ms  "
-            f"ratio {spawn_ms / harness_ms:6.1f}x   (medians of {repeats} and {spawn_repeats})",
-            flush=True,
-        )
-        print(
-            f"world {world_size}: warm    {warm_ms:7.1f} ms  "
-            f"fresh/warm {harness_ms / warm_ms:5.1f}x  "
-            f"poisoned world replaced in {replace_ms:6.1f} ms   (load {os.getloadavg()[0]:.1f})",
-            flush=True,
-        )
-        print(
-            f"world {world_size}: audited {audit_ms:7.1f} ms  "
-            f"audit/warm {audit_ms / warm_ms:5.1f}x  "
-            + (f"torchrun {torchrun_ms:7.1f} ms a test" if torchrun_ms else "torchrun: not run"),
-            flush=True,
-        )
-        print(
-            f"world {world_size}: all_reduce {plain_us:7.1f} us  checked {checked_us:7.1f} us  "
-            f"check {checked_us / plain_us:5.1f}x   (means of {collectives}, slowest rank)",
-            flush=True,
-        )
+        faults = recorder_cost.harness_figures(world_size, recorder_rounds, recorder_calls)
+        faults |= kill_verdict.harness_figures(world_size, kill_runs)
+        figures[str(world_size)] |= faults
+        print_rows(world_size, figures[str(world_size)], (repeats, spawn_repeats, collectives))
     return figures
+
+
+def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None:
+    """One world size's figures, as lines of the table (``counts``: the repeats, the spawn
+    repeats and the collectives they are medians or means of)."""
+    from tutorial_impl.bench import kill_verdict, recorder_cost
+
+    repeats, spawn_repeats, collectives = counts
+    harness_ms, spawn_ms, warm_ms = row["harness_ms"], row["spawn_ms"], row["warm_ms"]
+    plain_us, checked_us, torchrun_ms = (
+        row["collective_us"],
+        row["checked_collective_us"],
+        row["torchrun_ms"],
+    )
+    lines = [
+        f"harness {harness_ms:7.1f} ms  spawn {spawn_ms:8.1f} ms  "
+        f"ratio {spawn_ms / harness_ms:6.1f}x   (medians of {repeats} and {spawn_repeats})",
+        f"warm    {warm_ms:7.1f} ms  fresh/warm {harness_ms / warm_ms:5.1f}x  poisoned world "
+        f"replaced in {row['replace_ms']:6.1f} ms   (load {os.getloadavg()[0]:.1f})",
+        f"audited {row['audit_ms']:7.1f} ms  audit/warm {row['audit_ms'] / warm_ms:5.1f}x  "
+        + (f"torchrun {torchrun_ms:7.1f} ms a test" if torchrun_ms else "torchrun: not run"),
+        f"all_reduce {plain_us:7.1f} us  checked {checked_us:7.1f} us  "
+        f"check {checked_us / plain_us:5.1f}x   (means of {collectives}, slowest rank)",
+    ]
+    for line in lines:
+        print(f"world {world_size}: {line}", flush=True)
+    print(recorder_cost.harness_line(world_size, row), flush=True)
+    print(kill_verdict.harness_line(world_size, row), flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -317,6 +342,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=20,
         help="tests of the torchrun job per world size (0: no torchrun job)",
     )
+    parser.add_argument(
+        "--recorder-rounds",
+        type=int,
+        default=7,
+        help="rounds of fresh worlds, flight recorder off, on and DETAIL (0: none)",
+    )
+    parser.add_argument(
+        "--recorder-calls", type=int, default=500, help="all_reduce calls per rank and world"
+    )
+    parser.add_argument(
+        "--kill-runs", type=int, default=5, help="runs timed from SIGKILL to verdict (0: none)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
@@ -327,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--repeats, --spawn-repeats and --collectives must be at least 1")
     if args.torchrun_tests < 0 or args.torchrun_tests == 1:
         raise SystemExit("--torchrun-tests must be 0 (none) or at least 2")
+    if args.recorder_rounds < 0 or args.recorder_calls < 1 or args.kill_runs < 0:
+        raise SystemExit("--recorder-rounds and --kill-runs must be at least 0, --recorder-calls 1")
     if any(w < 1 for w in args.world_sizes):
         raise SystemExit("--world-sizes must be positive")
     # run_ranks's store does this itself; the spawn side's store and fresh interpreters need
@@ -338,7 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; medians per test")
     figures = measure(
-        args.world_sizes, args.repeats, args.spawn_repeats, args.collectives, args.torchrun_tests
+        args.world_sizes,
+        args.repeats,
+        args.spawn_repeats,
+        args.collectives,
+        args.torchrun_tests,
+        args.recorder_rounds,
+        args.recorder_calls,
+        args.kill_runs,
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -7,7 +7,10 @@ machine's load favours no side), one fresh world of ``--world-size`` ranks per c
 
 * ``off``: a plain gloo group, the recorder off (``TORCH_FR_BUFFER_SIZE=0``);
 * ``on``: a plain gloo group, the recorder on (2000 entries: torch 2.13's default);
-* ``faulty``: the faulty group (``testing/faulty_group.py``, an empty plan), recorder on.
+* ``faulty``: the faulty group (``testing/faulty_group.py``, an empty plan), recorder on;
+* ``detail``: a plain gloo group under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (what
+  ``--check-collectives`` turns on), the recorder at its default: not one of this command's
+  conditions; ``bench harness`` measures ``off``, ``on`` and ``detail`` (``harness_figures``).
 
 A world times ``--calls`` all_reduces of one float after a warm-up; its figures are the
 slowest rank's mean wall-clock microseconds per call (``<condition>_us``) and the ranks' mean
@@ -15,7 +18,8 @@ CPU microseconds per call, all threads of the process (``<condition>_cpu_us``: w
 recorder adds to a rank's work, less disturbed than the wall clock by other jobs on the
 machine). The recorder's cost is the median over rounds of each round's ``on / off``
 (``recorder_ratio``, ``recorder_cpu_ratio``), the faulty group's the median of ``faulty /
-on`` (``faulty_ratio``, ``faulty_cpu_ratio``); ``--json PATH`` writes them, the medians per
+on`` (``faulty_ratio``, ``faulty_cpu_ratio``), DETAIL's the median of ``detail / off``
+(``detail_ratio``, ``detail_cpu_ratio``); ``--json PATH`` writes them, the medians per
 condition, every round and the load average.
 The recorder can only be switched per process (torch reads the variable once), hence a
 world per condition instead of alternating inside one. Figures: docs/faults.md.
@@ -30,8 +34,17 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
-CONDITIONS = ("off", "on", "faulty")
+from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
+
+CONDITIONS = ("off", "on", "faulty")  # this command's
+HARNESS_CONDITIONS = ("off", "on", "detail")  # bench harness's rows, and its JSON keys:
+HARNESS_KEYS = [f"fr_{c}_{u}" for u in ("us", "cpu_us") for c in HARNESS_CONDITIONS]
+HARNESS_KEYS += [f"fr_{n}{k}_ratio" for n in ("recorder", "detail") for k in ("", "_cpu")]
+HARNESS_KEYS += ["fr_rounds"]
+# Each ratio, and the two conditions it divides: a round's figure of the first by the second.
+RATIOS = {"recorder": ("on", "off"), "faulty": ("faulty", "on"), "detail": ("detail", "off")}
 
 
 def timed_all_reduces(
@@ -45,6 +58,10 @@ def timed_all_reduces(
     from tutorial_impl.testing import faulty_group
 
     os.environ["TORCH_FR_BUFFER_SIZE"] = "0" if condition == "off" else "2000"
+    # The harness applied the run's TORCH_DISTRIBUTED_DEBUG (``env_of``) before this call.
+    detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
+    if detail != (condition == "detail"):
+        raise RuntimeError(f"{condition}: torch's debug level is {dist.get_debug_level()}")
     timeout = timedelta(seconds=60)
     if condition == "faulty":
         faulty_group.init_process_group(rank, world_size, (), timeout=timeout)
@@ -61,26 +78,37 @@ def timed_all_reduces(
     return wall / calls * 1e6, (time.process_time() - cpu) / calls * 1e6
 
 
-def summarize(rounds: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def env_of(condition: str) -> dict[str, str]:
+    """The run's environment: DETAIL for ``detail``, as ``--check-collectives`` gives it,
+    and explicitly off for the others (whatever the caller's environment says)."""
+    return dict(CHECK_COLLECTIVES) if condition == "detail" else {"TORCH_DISTRIBUTED_DEBUG": "OFF"}
+
+
+def summarize(
+    rounds: Sequence[Mapping[str, float]], conditions: Sequence[str] = CONDITIONS
+) -> dict[str, float]:
     """Medians per condition (keys ``<condition>_us``, ``<condition>_cpu_us``, as in each
-    round) and the medians of the per-round ratios."""
+    round) and the medians of the per-round ratios (``RATIOS`` whose conditions were run)."""
     out = {}
     for unit in ("us", "cpu_us"):
-        for c in CONDITIONS:
+        for c in conditions:
             out[f"{c}_{unit}"] = statistics.median(r[f"{c}_{unit}"] for r in rounds)
         kind = "" if unit == "us" else "_cpu"
-        for name, (a, b) in {"recorder": ("on", "off"), "faulty": ("faulty", "on")}.items():
-            ratios = (r[f"{a}_{unit}"] / r[f"{b}_{unit}"] for r in rounds)
-            out[f"{name}{kind}_ratio"] = statistics.median(ratios)
+        for name, (a, b) in RATIOS.items():
+            if a in conditions and b in conditions:
+                ratios = (r[f"{a}_{unit}"] / r[f"{b}_{unit}"] for r in rounds)
+                out[f"{name}{kind}_ratio"] = statistics.median(ratios)
     return out
 
 
-def measure(rounds: int, calls: int, world_size: int) -> list[dict[str, float]]:
+def measure(
+    rounds: int, calls: int, world_size: int, conditions: Sequence[str] = CONDITIONS
+) -> list[dict[str, float]]:
     from tutorial_impl.testing import run_ranks
 
     measured = []
     for i in range(rounds):
-        order = CONDITIONS if i % 2 == 0 else CONDITIONS[::-1]
+        order = conditions if i % 2 == 0 else conditions[::-1]
         row: dict[str, float] = {}
         for condition in order:
             per_rank = run_ranks(
@@ -89,18 +117,44 @@ def measure(rounds: int, calls: int, world_size: int) -> list[dict[str, float]]:
                 calls,
                 world_size=world_size,
                 backend=None,
-                timeout=120,
+                timeout=120 + calls * world_size * 0.05,  # DETAIL: up to ~10 ms a call here
+                env=env_of(condition),
             )
             row[f"{condition}_us"] = max(wall for wall, _ in per_rank)
             row[f"{condition}_cpu_us"] = statistics.mean(cpu for _, cpu in per_rank)
         print(
-            "  ".join(
-                f"{c} {row[c + '_us']:6.1f} us ({row[c + '_cpu_us']:5.1f} cpu)" for c in CONDITIONS
+            f"world {world_size} round {i + 1}: "
+            + "  ".join(
+                f"{c} {row[c + '_us']:6.1f} us ({row[c + '_cpu_us']:5.1f} cpu)" for c in conditions
             ),
             flush=True,
         )
         measured.append(row)
     return measured
+
+
+def harness_figures(world_size: int, rounds: int, calls: int) -> dict[str, Any]:
+    """``bench harness``'s recorder rows at one world size: ``summarize`` of the
+    ``HARNESS_CONDITIONS`` in alternating rounds, each key prefixed ``fr_`` (torch's name for
+    its flight recorder), and the rounds themselves (``fr_rounds``); with no rounds, None."""
+    if rounds == 0:
+        return dict.fromkeys(HARNESS_KEYS)
+    measured = measure(rounds, calls, world_size, HARNESS_CONDITIONS)
+    summary = summarize(measured, HARNESS_CONDITIONS)
+    return {**{f"fr_{k}": v for k, v in summary.items()}, "fr_rounds": measured}
+
+
+def harness_line(world_size: int, fig: Mapping[str, Any]) -> str:
+    """The row ``bench harness`` prints for ``harness_figures``."""
+    if fig["fr_rounds"] is None:
+        return f"world {world_size}: recorder: not run"
+    return (
+        f"world {world_size}: recorder off {fig['fr_off_us']:6.1f} us  "
+        f"on {fig['fr_on_us']:6.1f} us  DETAIL {fig['fr_detail_us']:7.1f} us  "
+        f"on/off {fig['fr_recorder_ratio']:5.3f}x  DETAIL/off {fig['fr_detail_ratio']:5.1f}x  "
+        f"(CPU {fig['fr_recorder_cpu_ratio']:5.3f}x, {fig['fr_detail_cpu_ratio']:5.1f}x; "
+        f"medians of {len(fig['fr_rounds'])} rounds)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:

@@ -67,6 +67,7 @@ from os import path, sep
 from typing import Any
 
 from tutorial_impl.testing import fingerprint
+from tutorial_impl.testing.fingerprint import held
 
 WATCHED = (  # the modules whose attributes tests commonly monkeypatch
     "torch torch.cuda torch.distributed torch.distributed.distributed_c10d torch.distributed.rpc "
@@ -117,12 +118,15 @@ class Baseline:
         hooks = vars(torch.nn.modules.module).items()  # global nn.Module hooks
         self.hooks = [(k, v, copy.copy(v)) for k, v in hooks if k.startswith("_global_")]
         np = sys.modules.get("numpy")
-        self.numpy = np.random.get_state() if np else None
+        self.numpy = _legacy_state(np) if np else None
         self.warnings = warnings.filters, list(warnings.filters), warnings.defaultaction
         self.once = warnings.onceregistry, dict(warnings.onceregistry)
-        self.handlers = {int(s): _signal.getsignal(s) for s in signal.valid_signals()}
+        handlers = [(int(s), _signal.getsignal(s)) for s in signal.valid_signals()]
+        # Split once: those the reset restores, and those set in C it can only compare.
+        self.handlers = [(s, h) for s, h in handlers if s not in C_HANDLED and h is not None]
+        self.fixed = [(s, h) for s, h in handlers if s in C_HANDLED or h is None]
         self.problem: str | None = None  # a reset or snapshot that failed: after_task's answer
-        self.modules, self.user = {}, []  # type: ignore  # _user_modules
+        self.loaded, self.user = ({}, None), []  # type: ignore  # _user_modules
         self.threads, self.imported, self.attrs, self.globals = set(), 0, [], []  # type: ignore
 
     def before_task(self) -> None:
@@ -142,7 +146,7 @@ class Baseline:
     def snapshot(self) -> None:
         """What after_task compares with (never raises)."""
         try:
-            self.attrs = [(n, m, dict(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
+            self.attrs = [(n, m, *held(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
             self.globals = [(n, m, *_snapshot(m)) for n, m in self._user_modules()]
         except Exception as exc:  # noqa: BLE001
             self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
@@ -156,7 +160,7 @@ class Baseline:
             self.imported = len(sys.modules)
             have = {name for name, *_ in self.attrs}
             self.attrs += [
-                (n, m, dict(vars(m)))
+                (n, m, *held(vars(m)))
                 for n in WATCHED
                 if n not in have and (m := sys.modules.get(n))
             ]
@@ -205,8 +209,8 @@ class Baseline:
         once.clear()
         once.update(seen)
         _cancel_timers()
-        for sig, handler in self.handlers.items():
-            if sig not in C_HANDLED and handler is not None and handler != _signal.getsignal(sig):
+        for sig, handler in self.handlers:
+            if handler != _signal.getsignal(sig):
                 signal.signal(sig, handler)
 
     def _threads(self) -> str | None:
@@ -219,10 +223,11 @@ class Baseline:
 
     def _globals(self) -> str | None:
         for name, module, names, deep in self.globals:
-            now = dict(vars(module))
+            now = vars(module)  # read only: no copy
             changed = [] if _same_dict(now, names) else _changed(now, names)
             for key, (value, (seen, refs)) in deep.items():
-                state = fingerprint.state_of(value, name) if now.get(key) is value else (seen, refs)
+                same = now.get(key) is value  # as in _snapshot: by the module's own name
+                state = fingerprint.state_of(value, module.__name__) if same else (seen, refs)
                 if state is None or state[0] != seen or not _same_refs(state[1], refs):
                     changed.append(f"{key} (its contents)")
             if changed:
@@ -231,26 +236,31 @@ class Baseline:
 
     def _attrs(self) -> str | None:
         imported = len(sys.modules) > self.imported
-        for name, module, before in self.attrs:
+        for i, (name, module, before, table) in enumerate(self.attrs):
             now = vars(module)
+            if table is not None and fingerprint.table(now) == table:
+                continue  # the same objects bound to the same names: nothing to look at
             try:  # == (the same object, or an equal one) is 4 times faster than _same_dict
                 if now == before:
                     continue
             except Exception:  # noqa: BLE001 - an == that raises: compared one by one below
                 pass
-            for key in sorted(now.keys() | before.keys()):
+            differ = [k for k in sorted(now.keys() | before.keys()) if k not in OWN]
+            for key in differ:
                 old, new = before.get(key, _GONE), now.get(key, _GONE)
-                if old is new or key in OWN or _by_import(old, new, imported):
+                if old is new or _by_import(old, new, imported):
                     continue
                 how = "added" if old is _GONE else "deleted" if new is _GONE else "replaced"
                 return f"{name}.{key} was {how} (monkeypatched)"
+            if all(now.get(k, _GONE) is before.get(k, _GONE) for k in differ):
+                self.attrs[i] = (name, module, *held(now))  # as good (OWN is never compared)
         return None
 
     def _signals(self) -> str | None:
-        names = {s.value: s.name for s in signal.Signals}
-        for sig, handler in self.handlers.items():
-            if (sig in C_HANDLED or handler is None) and _signal.getsignal(sig) is not handler:
-                return f"the handler of {names.get(sig, sig)} was changed: Python cannot restore it"
+        for sig, handler in self.fixed:
+            if _signal.getsignal(sig) is not handler:
+                name = next((s.name for s in signal.Signals if s.value == sig), sig)
+                return f"the handler of {name} was changed: Python cannot restore it"
         return None
 
     def _torch(self) -> str | None:
@@ -268,16 +278,27 @@ class Baseline:
         return None
 
     def _user_modules(self) -> list[tuple[str, Any]]:
-        if _same_dict(sys.modules, self.modules):  # ~40 us for 2,000 modules
+        table = fingerprint.table(sys.modules)
+        if table is not None and table == self.loaded[1]:
             return self.user
-        self.modules, self.user = dict(sys.modules), []
-        for name, module in self.modules.items():
+        # Or: the same module objects, the same user modules (one renamed is compared as is).
+        if table is None and _same_refs(sys.modules.values(), self.loaded[0].values()):
+            return self.user
+        self.loaded, self.user = held(sys.modules), []
+        for name, module in self.loaded[0].items():
             known = CLASSIFIED.get(name)
             if known is None or known[0] is not module:
                 known = CLASSIFIED[name] = module, _is_user(module)
             if known[1]:
                 self.user.append((name, module))
         return self.user
+
+
+def _legacy_state(np: Any) -> tuple[Any, ...]:
+    """numpy's global state, its key a list: ``set_state`` reads it item by item (5 us, 90
+    from an array)."""
+    name, key, *rest = np.random.get_state()
+    return (name, key.tolist(), *rest)
 
 
 def _settings(t: Any) -> list[tuple[Callable[[], Any], Callable[[Any], Any]]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -46,8 +47,10 @@ class WorldCheck:
         """A new test: no point-to-point work of its own yet."""
         self.works.clear()
 
-    def leftovers(self) -> str | None:
-        """What the last test left behind that a fresh world would not have, or None."""
+    def leftovers(self, meanwhile: Callable[[], str | None] = lambda: None) -> str | None:
+        """What the last test left behind that a fresh world would not have, or None; else
+        ``meanwhile``'s answer (the rank's other checks), run while the world's barrier is
+        under way: a rank that waits for its peers there checks itself meanwhile."""
         import torch.distributed as dist
 
         c10d = dist.distributed_c10d
@@ -68,12 +71,15 @@ class WorldCheck:
                 f"{len(pending)} isend/irecv never completed (a receive nobody sent to, or a "
                 "send nobody received): it would take the next test's message"
             )
-        if self.default is not None:
-            try:
-                dist.barrier(async_op=True).wait(timedelta(seconds=CHECK_DEADLINE))
-            except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
-                return f"the world's barrier did not complete: {exc}"
-        return None
+        if self.default is None:
+            return meanwhile()
+        try:
+            barrier = dist.barrier(async_op=True)
+            answer = meanwhile()
+            barrier.wait(timedelta(seconds=CHECK_DEADLINE))
+        except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
+            return f"the world's barrier did not complete: {exc}"
+        return answer
 
 
 def _track_work(works: list[Any]) -> None:
@@ -147,7 +153,7 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             )
             # The test has been answered: the check and the next test's reset run while the
             # parent reports it and moves on (it reads the answer before the next task).
-            problem = _fault_fired() or world.leftovers() or baseline.after_task()
+            problem = _fault_fired() or world.leftovers(meanwhile=baseline.after_task)
             conn.send_bytes(pickle.dumps(problem))
             if problem is None:  # as good as new: its snapshot still holds, only reset
                 baseline.reset()
