@@ -227,11 +227,12 @@ def test_threads_that_find_no_server_yet_start_it_once_with_the_plan(monkeypatch
     find it running. (They used to set the plan too, and the second to remove it raised.)"""
     seen, entered, errors = [], threading.Event(), []
 
-    def start(self):  # multiprocessing's: takes a while, then the server is running
+    def start(self):  # multiprocessing's: starting takes a while, then the server runs
         seen.append(os.environ.get(PLAN_ENV))
         entered.set()
-        time.sleep(0.3)  # the other threads arrive meanwhile
-        self._forkserver_pid = 12345
+        if self._forkserver_pid is None:
+            time.sleep(0.3)  # the other threads arrive meanwhile
+            self._forkserver_pid = 12345
 
     def call():
         try:
