@@ -6,8 +6,9 @@ worlds twice in one ``-n 2`` run, about a second each). ``once_per_session.run(n
 calls ``make()`` at most once per session: the first worker that needs it runs it and leaves
 the pickled result in the directory every worker of the session shares (xdist's own recipe
 for session-wide fixtures); a worker that needs it meanwhile waits for that, with a
-deadline. Used by the RPC lessons (``tests/rpc/conftest.py``: one world each) and the
-pictures (``tests/test_pictures.py``: one run of the command).
+deadline. Used by the RPC lessons (``tests/rpc/conftest.py``: one world each), the hybrid
+lesson's probing worlds (``tests/rpc/test_hybrid_parity.py``) and the pictures
+(``tests/test_pictures.py``: one run of the command).
 """
 
 from __future__ import annotations

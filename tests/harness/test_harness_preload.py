@@ -2,17 +2,17 @@
 
 A fresh rank imports its test module again; the forkserver imports what the collected test
 files import first, with no setting (``preload``, ``importscan``, ``forkserver_preload``), so
-the library under test is loaded once per session instead of in every rank. Proven here
-without starting a rank (each piece on its own, cheaply): which files and which imports the
-scan finds, as pytest would collect them; what the server does with a module that imports
-fine, that is missing, that raises, starts a thread, ends the process or hangs (in a
-subprocess without torch, as the server would, module by module); ``rank_preload`` given
-twice with ``-o``; pytest's summary line; the plan reaching the server's environment and no
-further; and a test module the server imported plainly running with pytest's rewritten
-asserts in a rank. The whole path, a fresh pytest session whose forkserver imports what its
-test file imports and two ``-o rank_preload`` values, is in ``test_harness_isolation.py``
-(its one fresh session), and a library's suite run fresh and warm is the library benchmark
-(``tests/bench/test_bench_library.py``).
+the library under test is loaded once per session instead of in every rank. Proven here without
+starting a rank (each piece on its own, cheaply): which files and which imports the scan finds,
+as pytest would collect them; what the server does with a module that imports fine, that is
+missing, that raises, starts a thread, ends the process or hangs (in a subprocess without
+torch, as the server would, module by module); ``rank_preload`` given twice with ``-o``;
+pytest's summary line; the plan reaching the server's environment and no further, set once when
+threads start the server together; and a test module the server imported plainly running with
+pytest's rewritten asserts in a rank. The whole path, a fresh pytest session whose forkserver
+imports what its test file imports and two ``-o rank_preload`` values, is in
+``test_harness_isolation.py`` (its one fresh session), and a library's suite run fresh and warm
+is the library benchmark (``tests/bench/test_bench_library.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -217,6 +219,41 @@ def test_the_plan_is_in_the_environment_only_while_the_server_starts(monkeypatch
     server._forkserver_pid = 12345  # started: later calls only check on it
     server.ensure_running()
     assert seen[1] is None
+
+
+def test_threads_that_find_no_server_yet_start_it_once_with_the_plan(monkeypatch):
+    """``run_ranks`` from several threads before the server exists (the stress test's
+    start): the first starts it with the plan in the environment, the others wait and then
+    find it running. (They used to set the plan too, and the second to remove it raised.)"""
+    seen, entered, errors = [], threading.Event(), []
+
+    def start(self):  # multiprocessing's: starting takes a while, then the server runs
+        seen.append(os.environ.get(PLAN_ENV))
+        entered.set()
+        if self._forkserver_pid is None:
+            time.sleep(0.3)  # the other threads arrive meanwhile
+            self._forkserver_pid = 12345
+
+    def call():
+        try:
+            server.ensure_running()
+        except Exception as exc:  # reported below, from the test's own thread
+            errors.append(exc)
+
+    monkeypatch.setattr(forkserver._mp_forkserver.ForkServer, "ensure_running", start)
+    server = forkserver._PlannedForkServer()
+    server.plan = {"rank_preload": ["x"], "test_files": None, "report": "r.json"}
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    threads[0].start()
+    assert entered.wait(10)
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert json.loads(seen[0]) == server.plan and seen[1:] == [None, None]
+    assert PLAN_ENV not in os.environ
 
 
 PRELOADED_TEST_MODULE = """

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import threading
 import types
@@ -47,11 +46,29 @@ if os.environ.get("RANK") == "1":
 """
 
 
-@pytest.mark.slow
-def test_ranks_that_collect_different_tests_refuse_together(pytester: pytest.Pytester) -> None:
+def pytest_as_a_torchrun_worker(rank: int, world_size: int, job: dict, project: str) -> None:
+    """One worker of the job: ``pytest`` with torchrun's variables, as torchrun starts it.
+
+    A harness rank, so a fork of a server that has imported torch and pytest (a fresh
+    ``python -m pytest`` would import both again: about 2 s of CPU per worker); what makes
+    it a worker of the job is its environment, as for any process torchrun starts. The
+    session ends the process itself, with the status the ranks agreed on (``os._exit``)."""
+    os.environ.update({**job, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST"):  # not a worker of ours
+        os.environ.pop(name, None)
+    os.chdir(project)
+    pytest.main(["-p", "no:cacheprovider", "test_uneven.py"])
+    raise AssertionError("the session returned instead of ending the worker")
+
+
+def test_ranks_that_collect_different_tests_refuse_together(
+    pytester: pytest.Pytester, run_ranks
+) -> None:
     """Two workers started as torchrun starts them, without the agent (it adds nothing to
     this claim and would cost a third interpreter): torchrun's variables, and the job's
-    store hosted here, as the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    store hosted here, as the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``). Each is a
+    harness rank (``pytest_as_a_torchrun_worker``): about 3 s of CPU less than two fresh
+    ``python -m pytest``, and the same refusal, output and exit status to check."""
     pytester.makepyfile(test_uneven=COLLECTS_BY_RANK)
     store = agents_store(JOB_DEADLINE)
     job = {
@@ -61,33 +78,22 @@ def test_ranks_that_collect_different_tests_refuse_together(pytester: pytest.Pyt
         "MASTER_PORT": str(store.port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
-    workers = []
-    for rank in range(2):
-        env = {**os.environ, **job, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        env.pop("PYTEST_XDIST_WORKER", None)
-        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_uneven.py"]
-        workers.append(
-            subprocess.Popen(
-                command,
-                cwd=pytester.path,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    try:
-        outputs = [w.communicate(timeout=JOB_DEADLINE)[0].decode() for w in workers]
-    finally:
-        for w in workers:
-            w.kill()
-            w.wait()
-    report, quiet = outputs
+    workers = run_ranks(
+        pytest_as_a_torchrun_worker,
+        job,
+        str(pytester.path),
+        world_size=2,
+        backend=None,
+        may_exit={0, 1},
+        timeout=JOB_DEADLINE,
+    )
+    report, quiet = workers.outputs
     assert "the ranks collected different tests, so no test was run" in report, report
     assert "rank 0 has 1, rank 1 has 2" in report
     assert "test_uneven.py::test_only_rank_1_has_this" in report
     assert "passed" not in report.split("no test was run")[-1]
     assert "no test was run" not in quiet and "test session starts" not in quiet, quiet
-    assert [w.returncode for w in workers] == [pytest.ExitCode.USAGE_ERROR] * 2, outputs
+    assert [w.exitcode for w in workers] == [pytest.ExitCode.USAGE_ERROR] * 2, workers.outputs
 
 
 @pytest.mark.slow

@@ -137,23 +137,30 @@ _runs: dict[tuple[int, int], dict] = {}
 
 
 @pytest.fixture
-def probe(run_ranks) -> Callable[[int, int], dict]:
-    """Run (once per world and test process) the probing world; return the master's report.
+def probe(run_ranks, once_per_session) -> Callable[[int, int], dict]:
+    """Run (once per world and test session) the probing world; return the master's report.
 
-    Every test of a world reads the same run: an RPC world costs about a second to start.
+    Every test of a world reads the same run: an RPC world costs about a second of CPU, and
+    under ``pytest -n auto`` this module's tests land on several workers, which would each
+    start it again (``once_per_session``, ``tests/conftest.py``).
     """
+
+    def start(trainers: int, servers: int) -> dict:
+        config = HybridConfig(trainers, servers, seed=SEED, verbose=False, **DEADLINES)
+        results = run_ranks(
+            probe_world, config, world_size=config.world_size, backend=None, timeout=90
+        )
+        # Every rank ran the role of the tutorial's layout and came back.
+        assert [r["name"] for r in results] == [f"trainer{i}" for i in range(trainers)] + [
+            "master"
+        ] + [f"ps{j}" for j in range(servers)]
+        return results[master_rank(config)]
 
     def run(trainers: int, servers: int) -> dict:
         if (trainers, servers) not in _runs:
-            config = HybridConfig(trainers, servers, seed=SEED, verbose=False, **DEADLINES)
-            results = run_ranks(
-                probe_world, config, world_size=config.world_size, backend=None, timeout=90
+            _runs[trainers, servers] = once_per_session.run(
+                f"hybrid-probe-{trainers}t-{servers}ps", lambda: start(trainers, servers), 120
             )
-            # Every rank ran the role of the tutorial's layout and came back.
-            assert [r["name"] for r in results] == [f"trainer{i}" for i in range(trainers)] + [
-                "master"
-            ] + [f"ps{j}" for j in range(servers)]
-            _runs[trainers, servers] = results[master_rank(config)]
         return _runs[trainers, servers]
 
     return run

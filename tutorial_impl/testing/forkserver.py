@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import types
 import warnings
 from multiprocessing import forkserver as _mp_forkserver
@@ -213,15 +214,20 @@ class _PlannedForkServer(_mp_forkserver.ForkServer):
     environment it inherits; ``forkserver_preload`` reads the plan there and removes it."""
 
     plan: dict[str, Any] | None = None
+    # ``run_ranks`` from several threads at once (the stress test's) may all find the server
+    # not yet started: one of them starts it with the plan set, the others wait for it. (Each
+    # setting the variable and deleting it after, the second deletion raised KeyError.)
+    _starting = threading.Lock()
 
     def ensure_running(self) -> None:
-        if self.plan is None or self._forkserver_pid is not None:  # not starting it now
-            return super().ensure_running()
-        os.environ[PLAN_ENV] = json.dumps(self.plan)
-        try:
-            super().ensure_running()
-        finally:
-            del os.environ[PLAN_ENV]  # no rank's or later process's business
+        with self._starting:
+            if self.plan is None or self._forkserver_pid is not None:  # not starting it now
+                return super().ensure_running()
+            os.environ[PLAN_ENV] = json.dumps(self.plan)
+            try:
+                super().ensure_running()
+            finally:
+                del os.environ[PLAN_ENV]  # no rank's or later process's business
 
 
 class _OwnForkServer:
