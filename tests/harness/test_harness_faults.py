@@ -254,11 +254,11 @@ def ddp_steps(steps: int) -> tuple[int, int]:
 
 
 def settled_records(rank: int) -> list[Record]:
-    """The recorder's records once the newest is marked done: gloo's worker thread marks a
-    work done (retired) a moment after the caller has its result (2 s at the most)."""
-    stop = time.monotonic() + 2.0
+    """The recorder's records once every one is marked done: gloo's worker thread marks a
+    work done (retired) a moment after the caller has its result (10 s at the most)."""
+    stop = time.monotonic() + 10.0
     records = recorder.dump(rank, stacks=False)  # with stacks, a first dump imports inductor
-    while records and not records[-1].completed and time.monotonic() < stop:
+    while not all(r.completed for r in records) and time.monotonic() < stop:
         time.sleep(0.01)
         records = recorder.dump(rank, stacks=False)
     return records
