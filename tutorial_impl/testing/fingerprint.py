@@ -96,10 +96,12 @@ def _array(value: Any, module: str) -> State | None:
 # index (1 << its byte 9 bytes), then its entries, as many as its bytes 24-32 say, of the
 # kind its byte 10 says: 0, (hash, key, value); 1, (key, value); 2, split.
 _ENTRY = {0: 24, 1: 16}
+_NULL = bytes(8)
+Table = tuple[int, bytes]  # the kind of a dict's table, and its entries
 
 
-def table(d: dict[Any, Any]) -> bytes | None:
-    """``d``'s entries as CPython holds them: the kind of its table, then the addresses of
+def table(d: dict[Any, Any]) -> Table | None:
+    """``d``'s entries as CPython holds them: the kind of its table, and the addresses of
     each key and value, in order; None where that layout is not the one ``_trusted`` proved.
 
     Two reads are equal only if the same objects are bound to the same keys, in the same
@@ -110,26 +112,23 @@ def table(d: dict[Any, Any]) -> bytes | None:
     return _read(d) if _trusted() else None
 
 
-def held(names: dict[Any, Any]) -> tuple[dict[Any, Any], bytes | None]:
+def held(names: dict[Any, Any]) -> tuple[dict[Any, Any], Table | None]:
     """A copy of ``names``, and its ``table``: valid as long as the copy, which holds every key
     and value of it."""
     return dict(names), table(names)
 
 
-def _read(d: dict[Any, Any]) -> bytes | None:
-    keys, values = _word(id(d) + 32), _word(id(d) + 40)
-    if values or not keys:
+def _read(d: dict[Any, Any]) -> Table | None:
+    pointers = ctypes.string_at(id(d) + 32, 16)  # the keys object's, the values' (split)
+    if pointers[8:] != _NULL:
         return None
+    keys = int.from_bytes(pointers[:8], sys.byteorder)
     header = ctypes.string_at(keys, 32)
     size = _ENTRY.get(header[10])
     if size is None:
         return None
     count = int.from_bytes(header[24:32], sys.byteorder)
-    return header[10:11] + ctypes.string_at(keys + 32 + (1 << header[9]), count * size)
-
-
-def _word(address: int) -> int | None:
-    return ctypes.c_void_p.from_address(address).value
+    return header[10], ctypes.string_at(keys + 32 + (1 << header[9]), count * size)
 
 
 @functools.cache
@@ -149,11 +148,12 @@ def _trusted() -> bool:
     return all(_pairs(_read(d)) == [(id(k), id(v)) for k, v in d.items()] for d in samples)
 
 
-def _pairs(raw: bytes | None) -> list[tuple[int, int]] | None:
+def _pairs(read: Table | None) -> list[tuple[int, int]] | None:
     """The (key, value) addresses of a ``_read``, its deleted entries left out."""
-    if raw is None:
+    if read is None:
         return None
-    words = struct.unpack(f"{(len(raw) - 1) // 8}Q", raw[1:])
-    step = _ENTRY[raw[0]] // 8  # the key and the value are an entry's last two words
+    kind, entries = read
+    words = struct.unpack(f"{len(entries) // 8}Q", entries)
+    step = _ENTRY[kind] // 8  # the key and the value are an entry's last two words
     keys, values = words[step - 2 :: step], words[step - 1 :: step]
     return [(k, v) for k, v in zip(keys, values, strict=True) if k]
