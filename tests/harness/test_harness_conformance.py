@@ -440,6 +440,17 @@ def ddp_steps(rank, world_size):
     return model.module.weight.sum().item()
 
 
+def step_sums(rank, world_size):
+    note()
+    total = torch.zeros(1)
+    for _ in range(4):
+        fault_point("step")
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        total += one
+    return total.item()
+
+
 def functional_sum(rank, world_size):
     note()
     return funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD).sum().item()  # the fault's
@@ -461,7 +472,9 @@ def test_c27c_a_delay_is_survived(run_ranks):
 
 
 def test_c27d_raise_at_a_step(run_ranks):
-    run_ranks(ddp_steps, faults=Fault(0, Raise("bad batch"), step="step", at=3))
+    # Not in DDP: under torchrun rank 1 is left inside its all_reduce (abandoned), and one
+    # left inside DDP's backward can take its worker down when the group's timeout ends it.
+    run_ranks(step_sums, faults=Fault(0, Raise("bad batch"), step="step", at=3))
 
 
 def test_c20_init_method_tcp(run_ranks):
