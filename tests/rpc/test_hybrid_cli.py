@@ -6,28 +6,29 @@ started by ``mp.spawn`` or ``torchrun``, print each trainer's loss per epoch and
 
 What this module proves: the same ``run_worker`` runs in all three settings. Our launcher
 starts the roles through the harness (a race-free port for rank 0's store), torchrun
-starts them itself (the agent's store), and each process's role follows from its RANK. Read
+starts them itself (the agent's store; its own ``main`` in a harness rank, the workers forked
+by its agent), and each process's role follows from its RANK. Read
 the local run first, then ``--help``, then torchrun, then the GPU runs (skipped without GPUs).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
-import subprocess
 import sys
-import uuid
-from pathlib import Path
+from unittest import mock
 
 import pytest
+from torch.distributed import run as torchrun
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from tutorial_impl import __main__ as cli
 from tutorial_impl.rpc import hybrid
 from tutorial_impl.rpc.hybrid import HybridConfig, run_worker
 from tutorial_impl.rpc.hybrid_world import master_rank
 from tutorial_impl.testing import proctable
 
-REPO = Path(__file__).resolve().parents[2]
-MARK = "TUTORIAL_HYBRID_JOB"  # in the agent's environment, inherited by every worker
 LOSS_LINE = re.compile(r"^Trainer (\d+) - Epoch (\d+) - Loss: (\d+\.\d+)$", re.MULTILINE)
 
 
@@ -58,34 +59,66 @@ def test_cli_help_names_every_option(capsys):
     assert "--device {cpu,cuda}" in out
 
 
+# ``torchrun`` and its arguments, after ``python -m torch.distributed.run``: the demo as a
+# learner types it (the README's command, one epoch of two batches), and ``--start-method
+# fork``, which only says how the agent starts a worker given as a function (see below).
+TORCHRUN = ["--standalone", "--nproc_per_node=4", "--monitor-interval=0.1", "--start-method=fork"]
+TORCHRUN += ["-m", "tutorial_impl", "hybrid", "--epochs", "1", "--batches", "2"]
+TORCHRUN += ["--rpc-timeout", "30", "--timeout", "120"]
+
+
+def worker(pids: str, *argv: str) -> int:
+    """One worker of the job, a copy of the agent: its pid written down (the leak check),
+    then what ``python -m tutorial_impl ARGV`` runs, called, so that its exit status is the
+    worker's return value (the agent reads it back)."""
+    proctable.record_self(pids, f"worker{os.environ['RANK']}")
+    return cli.main(list(argv))
+
+
+def agent(rank: int, world_size: int, pids: str) -> dict:
+    """torchrun, in this rank: ``torch.distributed.run.main(TORCHRUN)``, its rendezvous, its
+    store (``--standalone``: on a port the kernel picks), the workers' ranks and variables,
+    their monitoring and stop, all torchrun's own, as in ``test_09_elastic.py``. One change:
+    torchrun hands ``elastic_launch`` the command each worker would run in a fresh
+    interpreter (``python -u -m tutorial_impl ARGS``); here it gets ``worker``, which the
+    agent starts by fork. Four fresh interpreters import torch, RPC and the optimizers
+    (about 2.6 s of CPU each); a fork of this rank costs milliseconds."""
+    # The harness starts its ranks as daemonic processes, and multiprocessing gives a
+    # daemonic process no children; lifted in this rank alone.
+    multiprocessing.current_process().daemon = False
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers, as torchrun sets it
+    returned = {}
+
+    def launch(config: LaunchConfig, entrypoint: str):
+        assert entrypoint == sys.executable and config.start_method == "fork", entrypoint
+
+        def run_workers(*cmd: str) -> None:
+            assert cmd[:3] == ("-u", "-m", "tutorial_impl"), cmd
+            returned.update(elastic_launch(config, worker)(pids, *cmd[3:]))
+
+        return run_workers
+
+    with mock.patch.object(torchrun, "elastic_launch", launch):
+        torchrun.main(TORCHRUN)
+    # The job is over: none of its workers may outlive it (asked here, before this rank
+    # ends: the harness kills whatever its rank leaves behind).
+    return {"returned": returned, "left": proctable.wait_until_gone(pids, timeout=10.0)}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_same_code_under_torchrun(tmp_path):
-    """``torchrun --nproc_per_node=4 -m tutorial_impl hybrid``: ranks 0, 1 train, 2 is the
-    master, 3 the server, exactly the tutorial's layout. ``--standalone`` lets the agent
-    bind its store on a free port, so parallel test runs never collide. This is the suite's
-    one-node torchrun job (``test_07_torchrun`` runs the two-agent form), and no worker may
-    outlive its agent."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    cmd += ["--monitor-interval=0.1", "-m", "tutorial_impl", "hybrid"]
-    cmd += ["--epochs", "1", "--batches", "2", "--rpc-timeout", "30", "--timeout", "120"]
-    log = tmp_path / "torchrun.log"
-    # torchrun starts each worker in a session of its own, so the agent's session cannot
-    # reach them; a mark in the environment, which every worker inherits, does.
-    job = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MARK: job}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        code = proc.wait(timeout=170)
-        left = proctable.wait_until_unmarked(MARK, job, timeout=10.0) if code == 0 else []
-    finally:
-        proctable.kill_marked(MARK, job)
-        proc.wait(5)
-    output = log.read_text(errors="replace")
-    assert code == 0, output
-    _check_output(output, trainers=2, epochs=1)
-    assert not left, f"workers outlived their torchrun agent: {left}"
+@pytest.mark.warm_world(False)  # the agent installs signal handlers and rewrites os.environ
+def test_same_code_under_torchrun(run_ranks, tmp_path):
+    """``torchrun --standalone --nproc_per_node=4 -m tutorial_impl hybrid``: ranks 0, 1
+    train, 2 is the master, 3 the server, exactly the tutorial's layout. This is the suite's
+    one-node torchrun job (``test_07_torchrun`` runs the two-agent form, with fresh
+    interpreters and how they end), and no worker may outlive its agent."""
+    (pids := tmp_path / "pids").mkdir()
+    results = run_ranks(agent, str(pids), world_size=1, backend=None, timeout=150)
+    assert results[0]["returned"] == {0: 0, 1: 0, 2: 0, 3: 0}  # every worker's main said 0
+    assert sorted(proctable.recorded(pids)) == [f"worker{r}" for r in range(4)]
+    assert results[0]["left"] == {}, "workers outlived their torchrun agent"
+    _check_output(results.outputs[0], trainers=2, epochs=1)
 
 
 def _gpu_run(run_ranks, trainers: int) -> None:
