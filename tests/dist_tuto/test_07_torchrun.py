@@ -19,8 +19,12 @@ Ports, race-free under ``pytest -n auto``:
   the "external rendezvous store" setup of a real cluster (etcd or a TCPStore on a login
   node). The store the *workers* use is then created by the rank-0 agent, again on port 0.
 
-Each torchrun process and each worker imports torch (about 2 s each here), so the job
-trains on 256 samples for one epoch: the point is the plumbing, not the learning.
+Each agent is torchrun's own ``main`` (``torch.distributed.run``), called in a rank the
+harness forked, torch already imported: ``python -m torch.distributed.run ARGS`` would import
+it again for each (about 1.6 s of CPU). Everything an agent does is torchrun's, and each
+worker is the fresh ``python -u -m tutorial_impl train ...`` it starts, whose end is the
+lesson below. Each worker imports torch (about 2 s here), so the job trains on 256 samples
+for one epoch: the point is the plumbing, not the learning.
 
 How a worker ends is a lesson of its own, and it comes first. ``destroy_process_group``
 forgets the group, but gloo's threads stop only when the last reference to the group goes;
@@ -39,15 +43,13 @@ from __future__ import annotations
 import gc
 import os
 import re
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import run as torchrun
 
 from tutorial_impl.testing import proctable
 from tutorial_impl.testing.rendezvous import agents_store
@@ -56,7 +58,6 @@ pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE = 150.0  # seconds for a whole torchrun job; generous, the machine is shared
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
 TRAIN = ["-m", "tutorial_impl", "train", "--epochs", "1", "--samples", "256"]
 EPOCH_LINE = re.compile(r"^Rank  (\d+) , epoch  0 :  (\d+\.\d+)$", re.MULTILINE)
 DIGEST_LINE = re.compile(r"^Rank  (\d+)  parameters sha256  ([0-9a-f]{16})$", re.MULTILINE)
@@ -115,53 +116,42 @@ if "LOCAL_RANK" in os.environ:
 """
 
 
-def _run_agents(commands: list[list[str]], log_dir: Path) -> list[str]:
-    """Run the torchrun agents together; return their outputs. Kills everything on failure.
+def agent(rank: int, world_size: int, args: list[str], repo: str) -> None:
+    """One agent of the job: torchrun's own ``main``, in this rank, as ``python -m
+    torch.distributed.run ARGS`` runs it (a fresh interpreter would import torch for it
+    again: about 1.6 s of CPU an agent). Its worker is what a learner's torchrun starts, a
+    fresh ``python -u -m tutorial_impl train ...``, whose output goes to this rank's. It
+    raises if its worker failed, as the command exits non-zero."""
+    os.chdir(repo)
+    torchrun.main(args)
+
+
+def _run_agents(run_ranks, args: list[str], log_dir: Path) -> list[str]:
+    """Run two torchrun agents together, in two harness ranks; return their outputs.
 
     torchrun starts each worker in a session of its own, so neither the agent's session nor
-    its process group reaches the workers. The environment does: every process of this job
+    its process group reaches the workers. The environment does: every worker of this job
     inherits a mark (``proctable.marked``), so after a clean exit "nothing left" is checked
     against the whole process table, and whatever happens (failure, deadline, Ctrl-C) the
-    ``finally`` kills every process carrying the mark. The first agent to fail ends the wait
-    (its peer would sit in the rendezvous until its join timeout). Output goes to files,
-    which cannot fill up and block like a pipe.
+    ``finally`` kills every process carrying the mark. The first agent to fail ends the run
+    (the harness stops its peer, which would sit in the rendezvous until its join timeout).
     """
     job = uuid.uuid4().hex
     observer = log_dir / "observer"
     observer.mkdir()
     (observer / "sitecustomize.py").write_text(OBSERVER)
     path = os.pathsep.join(p for p in (str(observer), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MARK: job}
-    env["PYTHONPATH"] = path
-    logs = [log_dir / f"agent{i}.log" for i in range(len(commands))]
-    procs: list[subprocess.Popen[bytes]] = []
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MARK: job, "PYTHONPATH": path}
     try:
-        for cmd, log in zip(commands, logs, strict=True):
-            with open(log, "wb") as out:
-                procs.append(
-                    subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-                )
-        deadline = time.monotonic() + DEADLINE
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        outputs = [log.read_text(errors="replace") for log in logs]
-        for proc, out in zip(procs, outputs, strict=True):
-            if proc.returncode not in (None, 0):
-                pytest.fail(f"torchrun exited with {proc.returncode}: {proc.args}\n{out}")
-        for proc, out in zip(procs, outputs, strict=True):
-            if proc.returncode is None:
-                pytest.fail(f"torchrun still running after {DEADLINE:g} s: {proc.args}\n{out}")
+        results = run_ranks(
+            agent, args, str(REPO), world_size=2, backend=None, env=env, timeout=DEADLINE
+        )
         # A clean exit must leave nothing behind: no worker outlives its agent.
         left = proctable.wait_until_unmarked(MARK, job, timeout=10.0)
         assert not left, f"processes outlived their torchrun agents: {left}"
-        return outputs
+        return results.outputs
     finally:
         proctable.kill_marked(MARK, job)
-        for proc in procs:
-            proc.wait(5)
 
 
 def _check_training(output: str, world_size: int) -> None:
@@ -176,7 +166,8 @@ def _check_training(output: str, world_size: int) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
+@pytest.mark.warm_world(False)  # the agents install signal handlers and rewrite os.environ
+def test_torchrun_two_agents_form_a_two_node_job(run_ranks, tmp_path: Path) -> None:
     """Two agents, one worker each, meet at a c10d rendezvous and train as ranks 0 and 1.
 
     One job proves what a single-node run would too: the workers train in lockstep with
@@ -189,8 +180,8 @@ def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
     # The test owns the rendezvous store, bound to a port the kernel chose (see the module
     # docstring); the agents are clients, so no process has to guess a free port.
     store = agents_store(DEADLINE)
-    agent = [
-        *TORCHRUN,
+    args = [
+        "--monitor-interval=0.1",
         "--nnodes=2",
         "--nproc_per_node=1",
         "--rdzv-backend=c10d",
@@ -201,7 +192,7 @@ def test_torchrun_two_agents_form_a_two_node_job(tmp_path: Path) -> None:
         "--max-restarts=0",
         *TRAIN,
     ]
-    outputs = _run_agents([agent, agent], tmp_path)
+    outputs = _run_agents(run_ranks, args, tmp_path)
     # Each agent's output holds its own worker's lines; together they form the 2-rank job.
     _check_training("\n".join(outputs), world_size=2)
     assert "2 ranks on cpu" in "\n".join(outputs)  # rank 0 saw the world size torchrun set
