@@ -652,9 +652,11 @@ CASES: dict[str, Case] = {
     # Fresh ranks start clean; a warm world that a test changed is replaced.
     "test_c19a_fills_a_module_global": Case(Expect("passed")),
     "test_c19b_reads_it_in_the_next_test": Case(
-        # Both ranks raise it: the first is the cause, the other is named on the same line.
+        # Both ranks raise it: the first is the cause, the other is named on the same line
+        # when its KeyError arrives within the crash grace (under load it may come later).
         Expect(
-            "failed", re.compile(r"^rank [01] raised KeyError: 'k' \(rank\(s\) [01] failed too\)$")
+            "failed",
+            re.compile(r"^rank [01] raised KeyError: 'k'( \(rank\(s\) [01] failed too\))?$"),
         ),
         torchrun=Differs("passed", why=ONE_PROCESS),
     ),
