@@ -26,7 +26,6 @@ its reaping; ``wall_ms`` is the median time from one test's start to the next.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tutorial_impl.bench import library
+from tutorial_impl.bench.report import write_json
 
 SKIP = 3  # tests left out at the start
 STAMP = """
@@ -322,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--tests must be at least {SKIP + 2}, --world-size positive")
     figures = measure(args.tests, args.world_size, args.heavy.split())
     show(figures)
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+    write_json(figures, args.json)
     return 0
 
 

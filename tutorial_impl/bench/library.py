@@ -51,6 +51,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tutorial_impl.bench.report import write_json
+
 LIBRARY = '''"""A library-shaped package: a heavy import, then metrics the tests call."""
 import torch
 import torch.distributed as dist
@@ -464,8 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pool_start_method,
     )
     show(figures)
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+    write_json(figures, args.json)
     return 0
 
 

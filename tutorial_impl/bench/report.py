@@ -8,14 +8,22 @@ imported when a plot is asked for.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
+
+
+def write_json(figures: Mapping[str, object], path: str | None) -> None:
+    """The figures as JSON at ``path`` (a benchmark's ``--json``), if one was given."""
+    if path:
+        Path(path).write_text(json.dumps(figures, indent=2))
 
 
 def info_section() -> str:
