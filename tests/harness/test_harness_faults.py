@@ -391,3 +391,18 @@ def test_a_killed_rank_is_seen_by_its_peer_at_once(run_ranks):
     assert "Connection closed by peer" in message or "reset by peer" in message
     assert seconds < 5.0  # at once: not at the group's timeout (30 s) nor the deadline
     assert isinstance(results[1], RankExited) and results[1].exitcode == -9
+
+
+def test_run_ranks_refuses_a_bad_faults_option_before_any_rank_starts():
+    """``faults=`` is checked in ``call.build``: a word, a bare action, a rank the world does
+    not have are each refused by name; one Fault alone is a plan of one."""
+    from tutorial_impl.testing import call
+
+    for plan, words in [
+        ("kill", "faults must be a Fault or a collection"),
+        ([Kill()], "fault 0 of the plan is not a Fault"),
+        ([Fault(5, Kill())], r"names rank\(s\) \[5\], not ranks of a world of 2"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            call.build(join, ((),), faults=plan)
+    assert call.build(join, ((),), faults=Fault(1, Kill())).faults == (Fault(1, Kill()),)
