@@ -21,10 +21,11 @@ some did (it really was warm).
 
 Forked and warm run in this process (``pytester.runpytest``: their ranks come from the
 forkserver this process already has); torchrun is one job of subprocesses, which deselects
-the SIGKILL case (``TORCHRUN_DESELECT``). The file's order serves torchrun: ``os._exit`` on
-a rank comes last (the job cannot go on without it), and the test that patches
-``dist.all_reduce`` comes after every other test that calls it but its witness (a torchrun
-rank is one process for the whole session: the patch stays).
+the two SIGKILL cases (``TORCHRUN_DESELECT``): a death ends a job, so the injected kill runs
+in a second job of its own (``test_torchrun_a_kill_ends_the_job``). The file's order serves
+torchrun: ``os._exit`` on a rank comes last (the job cannot go on without it), and the test
+that patches ``dist.all_reduce`` comes after every other test that calls it but its witness
+(a torchrun rank is one process for the whole session: the patch stays).
 
 ``test_the_checker_sees_each_kind_of_deviation`` proves the comparison itself on a junit
 file of known content: a conforming run gives no deviation, each planted one is reported.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -46,13 +48,16 @@ from pathlib import Path
 import numpy  # noqa: F401 - see below
 import pytest
 import torch  # noqa: F401 - see below
+import torch.distributed._functional_collectives  # noqa: F401 - see below
+from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
 
 from tutorial_impl.testing import forkserver as _ranks
 from tutorial_impl.testing import proctable
 from tutorial_impl.testing.rendezvous import agents_store
 
-# The stranger's file imports torch and numpy. pytester's in-process runs drop the modules
-# they imported, and neither can be loaded twice in one process: imported here, they stay.
+# The stranger's file imports torch, numpy and functional collectives. pytester's in-process
+# runs drop the modules they imported, and none can be loaded twice in one process (the
+# last registers torch operators): imported here, they stay.
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -731,11 +736,6 @@ CASES: dict[str, Case] = {
             "kill at all_reduce #8, the 3rd all_reduce)",
             within=10,  # a DDP start and three steps: under load, more than a bare kill's 5 s
         ),
-        torchrun=Differs(
-            "failed",
-            re.compile(r"^ValueError: faults cannot be honoured under torchrun \(faults: a kill"),
-            why="a worker that is killed ends the whole job: refused by name, never run",
-        ),
     ),
     "test_c27b_hang_at_a_functional_collective": Case(
         Expect(
@@ -759,7 +759,11 @@ CASES: dict[str, Case] = {
         )
     ),
 }
-TORCHRUN_DESELECT = "not test_c05_kill_rank_1"
+# Under torchrun a worker's death ends the job: c27a's kill runs in a job of its own
+# (``test_torchrun_a_kill_ends_the_job``); c05's SIGKILL, from the test's own code, gives
+# the worker no time to tell its peers (``TORCHRUN_DESELECT``'s reason in the table).
+KILL_JOB = "test_c27a_kill_in_ddps_third_all_reduce"
+TORCHRUN_DESELECT = f"not test_c05_kill_rank_1 and not {KILL_JOB}"
 
 # --- reading a run -------------------------------------------------------------------------
 
@@ -900,10 +904,10 @@ def deviations(run: Run, cases: dict[str, Case] = CASES) -> list[str]:
     return out
 
 
-def report(run: Run) -> str:
+def report(run: Run, cases: dict[str, Case] = CASES) -> str:
     return (
         f"{run.strategy}: {run.wall:.1f} s wall, {run.cpu:.1f} s CPU; "
-        f"{len(run.cases)} cases; deviations:\n  " + "\n  ".join(deviations(run))
+        f"{len(run.cases)} cases; deviations:\n  " + "\n  ".join(deviations(run, cases))
     )
 
 
@@ -1184,6 +1188,49 @@ def test_torchrun(pytester: pytest.Pytester) -> None:
         )
     problems += _one_report(outputs, reporter)
     run = Run("torchrun", cases, output, wall, cpu, problems)
-    print(report(run), f"agents exited {codes}", sep="\n")
-    if deviations(run):
-        pytest.fail(report(run), pytrace=False)
+    table = {name: case for name, case in CASES.items() if name != KILL_JOB}
+    print(report(run, table), f"agents exited {codes}", sep="\n")
+    if deviations(run, table):
+        pytest.fail(report(run, table), pytrace=False)
+
+
+def test_torchrun_a_kill_ends_the_job(pytester: pytest.Pytester, run_ranks) -> None:
+    """c27a under torchrun, in a job of its own (a worker's death ends its job), with the
+    verdict and first line it has forked: the worker a fault kills first tells its peers
+    through the job's store how it leaves and which fault fired, shuts its group's sockets,
+    and waits for rank 0's report (``torchrun.Launched``); then it dies by SIGKILL, and the
+    session stops after the test. Its workers are harness ranks (``torchrun_worker``), the
+    job's store hosted here as an agent hosts it: what the workers do among themselves,
+    without the two interpreters and agents of a job of subprocesses."""
+    pids = pytester.path / "pids"
+    pids.mkdir()
+    (pytester.path / f"{MODULE}.py").write_text(STRANGER)
+    store = agents_store(JOB_LIMIT)
+    job = {**job_environment(store, 2), "CONFORMANCE_PIDS": str(pids)}
+    args = [*RUN_ARGS, "-v", "--junitxml=kill.xml", "-k", KILL_JOB, f"{MODULE}.py"]
+    start = time.monotonic()
+    workers = run_ranks(
+        pytest_as_a_torchrun_worker,
+        job,
+        str(pytester.path),
+        args,
+        world_size=2,
+        backend=None,
+        may_exit={0, 1},
+        timeout=JOB_LIMIT,
+    )
+    wall = time.monotonic() - start
+    problems = (
+        [f"[torchrun] processes outlived the job: {left}"]
+        if (left := proctable.wait_until_gone(pids))
+        else []
+    )
+    codes = [w.exitcode for w in workers]
+    if codes[1] != -signal.SIGKILL or not codes[0]:
+        problems.append(f"[torchrun] workers exited {codes}: rank 1 killed, rank 0 failed")
+    junit = pytester.path / "kill.xml"
+    cases = read_junit(junit) if junit.exists() else {}
+    run = Run("torchrun", cases, workers.outputs[0], wall, 0.0, problems)
+    table = {KILL_JOB: CASES[KILL_JOB]}
+    if deviations(run, table):
+        pytest.fail(report(run, table) + "\n" + workers.outputs[0][-3000:], pytrace=False)

@@ -16,13 +16,12 @@ function leaves: ``test_an_abandoned_functions_logs_stay_out_of_later_tests``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import types
-import uuid
 
 import pytest
+from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
 
 from tutorial_impl.testing.rendezvous import agents_store
 from tutorial_impl.testing.torchrun import AbandonedLogs
@@ -46,42 +45,21 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def pytest_as_a_torchrun_worker(rank: int, world_size: int, job: dict, project: str) -> None:
-    """One worker of the job: ``pytest`` with torchrun's variables, as torchrun starts it.
-
-    A harness rank, so a fork of a server that has imported torch and pytest (a fresh
-    ``python -m pytest`` would import both again: about 2 s of CPU per worker); what makes
-    it a worker of the job is its environment, as for any process torchrun starts. The
-    session ends the process itself, with the status the ranks agreed on (``os._exit``)."""
-    os.environ.update({**job, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST"):  # not a worker of ours
-        os.environ.pop(name, None)
-    os.chdir(project)
-    pytest.main(["-p", "no:cacheprovider", "test_uneven.py"])
-    raise AssertionError("the session returned instead of ending the worker")
-
-
 def test_ranks_that_collect_different_tests_refuse_together(
     pytester: pytest.Pytester, run_ranks
 ) -> None:
     """Two workers started as torchrun starts them, without the agent (it adds nothing to
     this claim and would cost a third interpreter): torchrun's variables, and the job's
     store hosted here, as the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``). Each is a
-    harness rank (``pytest_as_a_torchrun_worker``): about 3 s of CPU less than two fresh
+    harness rank (``torchrun_worker``): about 3 s of CPU less than two fresh
     ``python -m pytest``, and the same refusal, output and exit status to check."""
     pytester.makepyfile(test_uneven=COLLECTS_BY_RANK)
     store = agents_store(JOB_DEADLINE)
-    job = {
-        "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
     workers = run_ranks(
         pytest_as_a_torchrun_worker,
-        job,
+        job_environment(store, 2),
         str(pytester.path),
+        ["-p", "no:cacheprovider", "test_uneven.py"],
         world_size=2,
         backend=None,
         may_exit={0, 1},

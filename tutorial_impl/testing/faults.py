@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tutorial_impl.testing.fault_plan import (
@@ -65,6 +66,9 @@ class Injector:
     # Set when the call the plan was armed for is over: a ``Hang`` still sleeping then ends
     # (under torchrun the worker lives on, and a hung thread would hold its group).
     released: threading.Event = field(default_factory=threading.Event)
+    # Called with the exit status (a code, or minus the signal) before a fault ends the
+    # process: a torchrun worker tells its peers first (``torchrun.Launched``).
+    before_death: Callable[[int], None] | None = None
 
     def arm(
         self,
@@ -72,10 +76,12 @@ class Injector:
         rank: int,
         world_size: int | None = None,
         report_to: str | None = None,
+        before_death: Callable[[int], None] | None = None,
     ) -> None:
         """Arm ``plan`` for this rank (counts start again; what was seen is kept).
         ``report_to``: a file each fault that fires is written to (JSON, ``read_fired``)
-        before it acts, so the parent knows of it even when the rank dies."""
+        before it acts, so the parent knows of it even when the rank dies;
+        ``before_death``: what to do before a ``Kill`` or an ``Exit`` acts."""
         plan = check_plan(plan, world_size) if world_size is not None else tuple(plan)
         with self.lock:
             self.rank, self.plan = rank, plan
@@ -84,6 +90,7 @@ class Injector:
             self.steps.clear()
             self.epoch += 1
             self.report_to = report_to
+            self.before_death = before_death
             self.released.set()  # an earlier call's hang ends: each arming has its own
             self.released = threading.Event()
 
@@ -123,9 +130,15 @@ class Injector:
             hang(self.released)
             raise InjectedFault(f"{what}: hung until its call was over")
         elif isinstance(action, Exit):
+            self._last_words(action.code)
             exit_now(action.code)
         else:
+            self._last_words(-signal.SIGKILL)
             kill_self()
+
+    def _last_words(self, status: int) -> None:
+        if self.before_death is not None:
+            self.before_death(status)
 
 
 @dataclass(frozen=True)
@@ -227,9 +240,9 @@ def close_sockets(sockets: list[tuple[int, str]]) -> int:
 INJECTOR = Injector()  # this process's one state (a rank's)
 
 
-def arm(plan: Plan, rank: int, world_size: int | None = None, report_to: str | None = None) -> None:
-    """Arm ``plan`` in this rank, before its faulty groups are made or between collectives."""
-    INJECTOR.arm(plan, rank, world_size, report_to)
+# Arm a plan in this rank, before its faulty groups are made or between collectives
+# (``Injector.arm``).
+arm = INJECTOR.arm
 
 
 def arm_from_env(rank: int, world_size: int | None = None) -> Plan:

@@ -2,9 +2,8 @@
 and the process group the harness manages on it.
 
 ``torchrun --nnodes=2 --nproc-per-node=2 -m pytest`` starts four pytest processes, each one a
-rank of the job (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` in
-its environment). ``detect`` reads that into a ``Launch``; ``Job`` holds what the session
-shares between its tests:
+rank of the job (``launch``: where each stands). ``Job`` holds what the session shares
+between its tests:
 
 * **A channel that a stuck collective cannot block** (``Channel``): the ranks talk through
   the job's own key-value store (torchrun's agent hosts it), never through the process
@@ -30,6 +29,9 @@ from datetime import timedelta
 from typing import Any
 
 from tutorial_impl.testing import backends
+from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.faults import Fired
+from tutorial_impl.testing.launch import Launch
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls, reserve_port
 from tutorial_impl.testing.timing import (
     HEARTBEAT_LOST,
@@ -39,64 +41,20 @@ from tutorial_impl.testing.timing import (
     group_timeout,
 )
 
-# What torchrun (and torch.distributed.launch, and an srun that starts torchrun) puts in
-# every worker's environment.
-LAUNCH_ENV = (
-    "TORCHELASTIC_RUN_ID",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
 
 @dataclass(frozen=True)
-class Launch:
-    """This worker's place in the launched job, read from its environment."""
+class Departure:
+    """A worker leaving in the middle of the session, as it tells its peers before it goes:
+    its exit status (``os._exit``'s code, or minus the signal a fault kills it with), when,
+    and the faults that fired on it (``faults.Fired``)."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    run_id: str
-    restart: int
-    agent_store: bool  # the agent hosts the store (torchrun's default); else rank 0 does
+    status: int
+    at: float
+    fired: tuple[Fired, ...] = ()
 
     @property
-    def describe(self) -> str:
-        return f"rank {self.rank} of {self.world_size} (torchrun job {self.run_id})"
-
-
-def detect(environ: dict[str, str] | os._Environ[str] = os.environ) -> Launch | None:
-    """The launch this process is part of, or None when torchrun did not start it.
-
-    A malformed variable is a ValueError naming it, never a silent forked run."""
-    if not all(name in environ for name in LAUNCH_ENV):
-        return None
-    numbers = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        try:
-            numbers[name] = int(environ[name])
-        except ValueError:
-            raise ValueError(
-                f"torchrun variable {name}={environ[name]!r} is not a number"
-            ) from None
-    if not 0 <= numbers["RANK"] < numbers["WORLD_SIZE"]:
-        raise ValueError(
-            f"RANK={numbers['RANK']} is not a rank of WORLD_SIZE={numbers['WORLD_SIZE']}"
-        )
-    return Launch(
-        rank=numbers["RANK"],
-        world_size=numbers["WORLD_SIZE"],
-        local_rank=numbers["LOCAL_RANK"],
-        master_addr=environ["MASTER_ADDR"],
-        master_port=numbers["MASTER_PORT"],
-        run_id=environ["TORCHELASTIC_RUN_ID"],
-        restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-    )
+    def outcome(self) -> _o.Lost | _o.Killed:
+        return _o.Killed(-self.status) if self.status < 0 else _o.Lost(self.status)
 
 
 class Channel:
@@ -104,7 +62,9 @@ class Channel:
 
     ``publish(key, obj)`` writes ``key/RANK``; ``collect(key, timeout)`` reads every rank's,
     polling (a blocking ``wait`` would hold the store client's lock, and the watchdog thread
-    shares the client), and returns those that arrived in time.
+    shares the client), and returns those that arrived in time. A worker that has said it is
+    leaving (``silence``) writes nothing more: its peers have judged it gone, and a late
+    answer from its other threads must not contradict that.
     """
 
     def __init__(self, launch: Launch, store: Any) -> None:
@@ -113,14 +73,20 @@ class Channel:
         self.launch = launch
         prefix = f"tutorial-impl-pytest/{launch.run_id}/{launch.restart}/"
         self._store = dist.PrefixStore(prefix, store)
+        self.silent = False
 
     def publish(self, key: str, obj: Any) -> None:
         """``key/RANK`` = ``obj``, pickled (or ``obj`` itself, if it is pickled already)."""
-        data = obj if isinstance(obj, bytes) else _dumps(obj)
-        self._store.set(f"{key}/{self.launch.rank}", data)
+        if not self.silent:
+            data = obj if isinstance(obj, bytes) else _dumps(obj)
+            self._store.set(f"{key}/{self.launch.rank}", data)
 
     def set(self, key: str, obj: Any = True) -> None:
-        self._store.set(key, pickle.dumps(obj))
+        if not self.silent:
+            self._store.set(key, pickle.dumps(obj))
+
+    def silence(self) -> None:
+        self.silent = True
 
     def has(self, key: str) -> bool:
         return bool(self._store.check([key]))
@@ -175,8 +141,8 @@ class Heartbeats:
     def beat(self) -> None:
         self.channel.add(f"alive/{self.channel.launch.rank}", 1)
 
-    def exit_code(self, rank: int) -> int | None:
-        """The code ``rank`` called ``os._exit`` with, if it did (``Job.hook_exit``)."""
+    def departure(self, rank: int) -> Departure | None:
+        """How ``rank`` said it was leaving, if it did (``Job.leave``)."""
         key = f"exited/{rank}"
         return self.channel.get(key) if self.channel.has(key) else None
 
@@ -196,11 +162,14 @@ class Heartbeats:
     def lost_ranks(self) -> list[int]:
         return [r for r in range(self.channel.launch.world_size) if self.lost(r)]
 
-    def how(self, rank: int) -> str:
-        """How a lost rank ended, in words (``outcome.Lost``'s)."""
-        from tutorial_impl.testing.outcome import Lost
+    def outcome(self, rank: int) -> _o.Lost | _o.Killed:
+        """How a lost rank ended: as it said when it left, else lost without a word."""
+        departure = self.departure(rank)
+        return departure.outcome if departure is not None else _o.Lost(None)
 
-        return Lost(self.exit_code(rank)).how
+    def how(self, rank: int) -> str:
+        """How a lost rank ended, in words."""
+        return self.outcome(rank).how
 
 
 def _dumps(obj: Any) -> bytes:
@@ -253,21 +222,36 @@ class Job:
 
     def _exit_mid_session(self, code: int) -> None:
         """``os._exit`` called by a test while the session runs, in this worker (a child it
-        forked just exits): tell the other ranks at once through the store, wait until rank
-        0's report is written (the agent stops every worker as soon as one fails), then end
-        non-zero: a worker that leaves in the middle of the job has failed it, and its agent
-        must see that (one whose worker exits 0 waits for the others in torchelastic's exit
-        barrier, minutes)."""
+        forked just exits): leave as ``leave`` says, then end non-zero: a worker that leaves
+        in the middle of the job has failed it, and its agent must see that (one whose
+        worker exits 0 waits for the others in torchelastic's exit barrier, minutes)."""
         if os.getpid() != self.pid:
             self.real_exit(code)
+        self.leave(code)
+        self.await_report()
+        self.real_exit(code or 1)
+
+    def leave(self, status: int, fired: tuple[Fired, ...] = ()) -> None:
+        """Tell the other ranks at once, through the store, that this worker is leaving
+        (``Departure``), then say nothing more (``Channel.silence``). Once only."""
+        if self.channel.silent:
+            return
         try:
-            self.channel.set(f"exited/{self.launch.rank}", code)
+            departure = Departure(status, time.time(), fired)
+            self.channel.set(f"exited/{self.launch.rank}", departure)
+        except Exception:  # noqa: BLE001 - the store is gone: the heartbeat tells the rest
+            pass
+        self.channel.silence()
+
+    def await_report(self) -> None:
+        """Wait (at most ``REPORT_WAIT`` s) until rank 0's report is written: the agent
+        stops every worker as soon as one has gone, and rank 0 must not be cut off."""
+        try:
             stop = time.monotonic() + REPORT_WAIT
             while not self.channel.has("done") and time.monotonic() < stop:
                 time.sleep(STORE_POLL_MAX)
-        except Exception:  # noqa: BLE001 - the store is gone: the heartbeat tells the rest
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to wait for
             pass
-        self.real_exit(code or 1)
 
     def group(self, backend: str, timeout: float) -> None:
         """Make sure the default group has ``backend``, is clean, and times out at ``timeout``."""
@@ -329,44 +313,3 @@ class Job:
                 raise TimeoutError(f"rank 0 did not publish {key} within {timeout:g} s")
             time.sleep(STORE_POLL_MAX)
         return self.channel.get(key)
-
-
-# --- what a launched job can run ------------------------------------------------------------
-
-
-def size_mismatch(world_size: int, launch: Launch) -> str:
-    return (
-        f"needs world_size {world_size}; this torchrun job has {launch.world_size} ranks "
-        "(under torchrun a test runs on the whole job: launch it with that many workers)"
-    )
-
-
-def why_not_here(launch: Launch, settings: Any) -> str | None:
-    """Why this job cannot run a test with these settings (``config.Settings``), or None.
-
-    A world size other than the job's is skipped (not run on a subgroup: a test's
-    collectives on the default group must mean the whole world it asked for). A GPU test
-    needs LOCAL_RANK's GPU on every rank."""
-    if settings.world_size != launch.world_size:
-        return size_mismatch(settings.world_size, launch)
-    reason = backends.why_not_here(settings.backend, 1, 1 if settings.gpus else 0)
-    if reason or not settings.gpus:
-        return reason
-    import torch
-
-    if torch.cuda.device_count() <= launch.local_rank:
-        return f"LOCAL_RANK {launch.local_rank} has no GPU ({torch.cuda.device_count()} visible)"
-    return None
-
-
-def basetemp(launch: Launch) -> str:
-    """A temporary directory of this rank's own, under pytest's usual per-user root."""
-    import getpass
-    import tempfile
-
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no name for this uid (a container)
-        user = "unknown"
-    root = os.path.join(tempfile.gettempdir(), f"pytest-of-{user}")
-    return os.path.join(root, f"torchrun-{launch.run_id[:12]}-rank{launch.rank}")

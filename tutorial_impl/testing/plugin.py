@@ -60,8 +60,9 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, fixtures, forkserver, job, matrix, preload, report
+from tutorial_impl.testing import backends, fixtures, forkserver, matrix, preload, report
 from tutorial_impl.testing import config as _config
+from tutorial_impl.testing import launch as where
 from tutorial_impl.testing.fixtures import (
     DEADLINE_CAP,
     SESSION,
@@ -161,8 +162,9 @@ def pytest_configure(config: pytest.Config) -> None:
         forkserver.SERVER.use_shared(shared)
 
 
-def _join_the_job(config: pytest.Config, session: Session, launch: job.Launch) -> None:
+def _join_the_job(config: pytest.Config, session: Session, launch: where.Launch) -> None:
     """This pytest is one worker of a torchrun job: join it, register its session hooks."""
+    from tutorial_impl.testing.job import Job
     from tutorial_impl.testing.torchrun import AbandonedLogs, Launched
     from tutorial_impl.testing.torchrun_session import LaunchedSession
 
@@ -171,7 +173,7 @@ def _join_the_job(config: pytest.Config, session: Session, launch: job.Launch) -
             "--init-method cannot be honoured under torchrun: the job has torchrun's own "
             "rendezvous; drop the option (or use --launcher fork)"
         )
-    the_job = job.Job(launch, session.default_deadline)
+    the_job = Job(launch, session.default_deadline)
     session.launched = Launched(the_job)
     config.pluginmanager.register(
         LaunchedSession(config, the_job, _deadline_of), "tutorial-impl-launched-session"
@@ -196,21 +198,20 @@ def pytest_configure_node(node: Any) -> None:
     node.workerinput[forkserver.WORKERINPUT_KEY] = forkserver.SERVER.start_shared()
 
 
-def _launch(config: pytest.Config) -> job.Launch | None:
+def _launch(config: pytest.Config) -> where.Launch | None:
     """This run's place in a torchrun job (``--launcher``), or None for forked ranks."""
     choice = config.getoption("--launcher")
     if choice == "fork":
         return None
     try:
-        launch = job.detect()
+        launch = where.detect()
     except ValueError as exc:
         raise pytest.UsageError(f"--launcher {choice}: {exc}") from None
     if launch is None:
         if choice == "torchrun":
             raise pytest.UsageError(
-                "--launcher torchrun: this pytest was not started by torchrun (it needs all "
-                f"of {', '.join(job.LAUNCH_ENV)} in its environment); run `torchrun "
-                "--nproc-per-node=N -m pytest ...`"
+                f"--launcher torchrun: this pytest was not started by torchrun (it needs all of "
+                f"{', '.join(where.LAUNCH_ENV)} in its environment); run `torchrun ...` instead"
             )
         return None
     if getattr(config.option, "numprocesses", None):
@@ -223,17 +224,16 @@ def _launch(config: pytest.Config) -> job.Launch | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    """Before pytest configures anything: under torchrun, give each rank a ``--basetemp`` of
-    its own. The ranks of one host would otherwise share pytest's numbered temporary
-    directories and delete each other's (pytest keeps the last three per user)."""
+    """Under torchrun, before pytest configures anything, give each rank a ``--basetemp`` of
+    its own (the ranks of one host would delete each other's numbered directories)."""
     if config.getoption("--launcher") == "fork" or config.option.basetemp:
         return
     try:
-        launch = job.detect()
+        launch = where.detect()
     except ValueError:
         return  # pytest_configure reports it
     if launch is not None:
-        config.option.basetemp = job.basetemp(launch)
+        config.option.basetemp = where.basetemp(launch)
 
 
 def _deadline_of(item: pytest.Item) -> float:
@@ -330,7 +330,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 def _why_not_here(session: Session, settings: _config.Settings) -> str | None:
     if session.launched is not None:  # one process of the job per rank, on LOCAL_RANK's GPU
-        return job.why_not_here(session.launched.job.launch, settings)  # type: ignore[attr-defined]
+        return where.why_not_here(session.launched.job.launch, settings)  # type: ignore[attr-defined]
     return backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
 
 

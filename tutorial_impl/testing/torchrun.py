@@ -15,6 +15,11 @@ process group. What makes that safe:
   results or the same error on every rank, by the rules forked ranks are judged by.
 * **Nothing asked for is dropped.** A field of the call the job cannot honour
   (``NOT_HONOURED``) is refused by name, before anything runs.
+* **A fault that ends its worker ends the job, after the verdict.** A ``Kill`` or an
+  ``Exit`` fires in this worker as it would in a forked rank, but first the worker tells its
+  peers through the store how it leaves and which fault fired (``Job.leave``), shuts its
+  group's sockets (its peers' collectives fail as on a real death), and waits for rank 0's
+  report; then it dies as asked, and torchrun's agent ends the job.
 * **An abandoned function stays out of later tests' reports.** A function still running at
   its deadline cannot be killed (it is a thread of this worker); it ends by itself once its
   collective hits the group's timeout. Its log records then belong to a test that has ended:
@@ -62,9 +67,7 @@ NOT_HONOURED = {
     "stream_prefix": "a worker's output goes where torchrun sends it",
     "may_exit": "a worker that exits ends the whole job; run this test forked",
     "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
-    "faults": "a kill or an exit ends a worker, and with it the whole job; run this test forked",
 }
-ENDS_WORKER = frozenset({"kill", "exit"})  # fault actions a torchrun job cannot survive
 
 
 @dataclass
@@ -87,10 +90,9 @@ class Launched:
         self.job = job
 
     def refusal(self, call: Call) -> str | None:
-        used = set(call.given) - {"faults"}  # refused only for what ends a worker (below)
+        used = set(call.given)
         used |= {"may_exit"} if call.may_exit else set()
         used |= {"debug_rank"} if call.debug_rank is not None else set()
-        used |= {"faults"} if any(f.action.name in ENDS_WORKER for f in call.faults) else set()
         return refused_fields(sorted(used), "under torchrun", NOT_HONOURED)
 
     def run(self, call: Call) -> RankResults:
@@ -118,7 +120,8 @@ class Launched:
             rank, size = launch.rank, launch.world_size
             args, kwargs = arguments(call.payload, call.rank_params, rank, size)
             since_ns = time.time_ns()
-            faults.arm(call.faults, rank)  # a faulty group numbers this call's from 1
+            # A faulty group numbers this call's collectives from 1.
+            faults.arm(call.faults, rank, before_death=self._leave)
             mine = run_here(job, key, resolve(call.function), args, kwargs, call.deadline)
             mine.records, mine.fired = _my_records(rank, since_ns), _my_fired()
             faults.arm((), rank)
@@ -136,6 +139,14 @@ class Launched:
         elif host is not None:
             host.close()
         return decide(finished)
+
+    def _leave(self, status: int) -> None:
+        """Before a fault ends this worker (``status``: the exit code, or minus the signal):
+        tell the peers, shut the group's sockets as the kernel would, wait for rank 0's
+        report."""
+        self.job.leave(status, tuple(_my_fired()))
+        faults.close_sockets(faults.INJECTOR.sockets)
+        self.job.await_report()
 
 
 def _backend(call: Call) -> str:
@@ -161,14 +172,21 @@ def _my_fired() -> list[faults.Fired]:
 
 
 def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
-    """Every rank's answer as the verdict reads it: a rank that published none is named as
-    exited when its heartbeat is lost, else as still running."""
+    """Every rank's answer as the verdict reads it: a rank that said it was leaving is named
+    as it said (``Departure``), whatever else came from it; one that published nothing is
+    named as exited when its heartbeat is lost, else as still running."""
     reports = {r: a.report for r, a in answers.items()}
     stacks = {r: a.stacks for r, a in answers.items() if a.stacks}
+    fired = {r: a.fired for r, a in answers.items() if a.fired}
     for r in range(job.launch.world_size):
-        if r not in reports:
+        departure = job.heartbeats.departure(r)
+        if departure is not None:  # what it said as it left, whatever else came from it
+            reports[r] = _o.Report(departure.outcome, 0, departure.at)
+            fired[r] = list(departure.fired)
+            stacks.pop(r, None)
+        elif r not in reports:
             lost = job.heartbeats.lost(r)
-            outcome = _o.Lost(job.heartbeats.exit_code(r)) if lost else _o.Stopped(None)
+            outcome = job.heartbeats.outcome(r) if lost else _o.Stopped(None)
             reports[r] = _o.Report(outcome, 0, time.time())
             stacks[r] = "(no answer through the store: the worker is gone)" if lost else ""
     return Finished(
@@ -179,7 +197,7 @@ def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
         deadline=deadline,
         stacks=stacks,
         records={r: a.records for r, a in answers.items() if a.records is not None},
-        fired={r: a.fired for r, a in answers.items() if a.fired},
+        fired=fired,
     )
 
 

@@ -124,8 +124,11 @@ def agree(
     if lost:
         ended = "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
         headline = f"{ended} during the {mine.when} phase; the session stops here"
+        if mine.outcome == "failed":  # its own failure names the rank gone, and why
+            rep.sections.append(("the job", headline))
+        else:
+            rep.longrepr = RemoteRepr(headline, headline)
         rep.outcome = "failed"
-        rep.longrepr = RemoteRepr(headline, headline)
     elif silent:
         _silent(rep, mine, silent, rank, stacks_of)
     else:
