@@ -12,15 +12,16 @@ machine's load favours no side), one fresh world of ``--world-size`` ranks per c
   ``--check-collectives`` turns on), the recorder at its default: not one of this command's
   conditions; ``bench harness`` measures ``off``, ``on`` and ``detail`` (``harness_figures``).
 
-A world times ``--calls`` all_reduces of one float after a warm-up; its figures are the
-slowest rank's mean wall-clock microseconds per call (``<condition>_us``) and the ranks' mean
-CPU microseconds per call, all threads of the process (``<condition>_cpu_us``: what the
-recorder adds to a rank's work, less disturbed than the wall clock by other jobs on the
-machine). The recorder's cost is the median over rounds of each round's ``on / off``
-(``recorder_ratio``, ``recorder_cpu_ratio``), the faulty group's the median of ``faulty /
-on`` (``faulty_ratio``, ``faulty_cpu_ratio``), DETAIL's the median of ``detail / off``
-(``detail_ratio``, ``detail_cpu_ratio``); ``--json PATH`` writes them, the medians per
-condition, every round and the load average.
+A world times ``--calls`` all_reduces of one float after a warm-up, in blocks of ``BLOCK``;
+its figures are the slowest rank's wall-clock microseconds per call in its median block
+(``<condition>_us``) and the ranks' mean CPU microseconds per call, all threads of the
+process, in their median block (``<condition>_cpu_us``: what the recorder adds to a rank's
+work, less disturbed than the wall clock by other jobs on the machine). The median block
+leaves out the blocks another process preempted. The recorder's cost is the median over
+rounds of each round's ``on / off`` (``recorder_ratio``, ``recorder_cpu_ratio``), the
+faulty group's the median of ``faulty / on`` (``faulty_ratio``, ``faulty_cpu_ratio``),
+DETAIL's the median of ``detail / off`` (``detail_ratio``, ``detail_cpu_ratio``); ``--json
+PATH`` writes them, the medians per condition, every round and the load average.
 The recorder can only be switched per process (torch reads the variable once), hence a
 world per condition instead of alternating inside one. Figures: docs/faults.md.
 """
@@ -45,13 +46,15 @@ HARNESS_KEYS += [f"fr_{n}{k}_ratio" for n in ("recorder", "detail") for k in (""
 HARNESS_KEYS += ["fr_rounds"]
 # Each ratio, and the two conditions it divides: a round's figure of the first by the second.
 RATIOS = {"recorder": ("on", "off"), "faulty": ("faulty", "on"), "detail": ("detail", "off")}
+BLOCK = 25  # all_reduces timed together; a world's figure is its median block's
 
 
 def timed_all_reduces(
     rank: int, world_size: int, condition: str, calls: int
 ) -> tuple[float, float]:
-    """Join a group as ``condition`` says, then the mean wall and CPU microseconds per
-    all_reduce."""
+    """Join a group as ``condition`` says, then the wall and CPU microseconds per all_reduce:
+    of the median block of ``BLOCK`` calls (a block another process preempted is an
+    outlier, not the recorder's price)."""
     import torch
     import torch.distributed as dist
 
@@ -71,11 +74,14 @@ def timed_all_reduces(
     for _ in range(20):  # the group's first calls set up connections and buffers
         dist.all_reduce(t)
     dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(calls):
-        dist.all_reduce(t)
-    wall = time.perf_counter() - start
-    return wall / calls * 1e6, (time.process_time() - cpu) / calls * 1e6
+    walls, cpus = [], []
+    for _ in range(max(1, calls // BLOCK)):
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(BLOCK):
+            dist.all_reduce(t)
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls) / BLOCK * 1e6, statistics.median(cpus) / BLOCK * 1e6
 
 
 def env_of(condition: str) -> dict[str, str]:
