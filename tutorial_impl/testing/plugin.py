@@ -78,8 +78,7 @@ from tutorial_impl.testing.warm import WarmPool
 
 __all__ = ["_run_ranks", "_world_size_matrix", "world_size"]  # the fixtures pytest finds here
 
-# Imported once by the rank forkserver under pytest: a rank that runs a function of a test
-# file imports that file, and the file imports pytest (~0.3 s a rank otherwise).
+# Imported once by the rank forkserver: a test file's rank imports it, and pytest (~0.3 s).
 PYTEST_PRELOAD = ["pytest", __name__]
 _refused_skip = pytest.StashKey[str]()  # reason a --require-gpu test would have been skipped
 _bad_config = pytest.StashKey[str]()  # a marker the harness cannot honour: fails the test
@@ -210,8 +209,9 @@ def _launch(config: pytest.Config) -> where.Launch | None:
     if launch is None:
         if choice == "torchrun":
             raise pytest.UsageError(
-                f"--launcher torchrun: this pytest was not started by torchrun (it needs all of "
-                f"{', '.join(where.LAUNCH_ENV)} in its environment); run `torchrun ...` instead"
+                "--launcher torchrun: this pytest was not started by torchrun (it needs all of "
+                f"{', '.join(where.LAUNCH_ENV)} in its environment); run "
+                "`torchrun --nproc-per-node=N -m pytest ...`"
             )
         return None
     if getattr(config.option, "numprocesses", None):

@@ -172,23 +172,23 @@ def _my_fired() -> list[faults.Fired]:
 
 
 def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
-    """Every rank's answer as the verdict reads it: a rank that said it was leaving is named
-    as it said (``Departure``), whatever else came from it; one that published nothing is
-    named as exited when its heartbeat is lost, else as still running."""
+    """Every rank's answer as the verdict reads it. A rank that published none is named as
+    it said when it left (``Departure``: a fault or ``os._exit`` ended it, and it said nothing
+    more after), else as exited when its heartbeat is lost, else as still running."""
     reports = {r: a.report for r, a in answers.items()}
     stacks = {r: a.stacks for r, a in answers.items() if a.stacks}
     fired = {r: a.fired for r, a in answers.items() if a.fired}
     for r in range(job.launch.world_size):
+        if r in reports:
+            continue
         departure = job.heartbeats.departure(r)
-        if departure is not None:  # what it said as it left, whatever else came from it
+        if departure is not None:
             reports[r] = _o.Report(departure.outcome, 0, departure.at)
             fired[r] = list(departure.fired)
-            stacks.pop(r, None)
-        elif r not in reports:
-            lost = job.heartbeats.lost(r)
-            outcome = job.heartbeats.outcome(r) if lost else _o.Stopped(None)
-            reports[r] = _o.Report(outcome, 0, time.time())
-            stacks[r] = "(no answer through the store: the worker is gone)" if lost else ""
+            continue
+        lost = job.heartbeats.lost(r)
+        reports[r] = _o.Report(_o.Lost(None) if lost else _o.Stopped(None), 0, time.time())
+        stacks[r] = "(no answer through the store: the worker is gone)" if lost else ""
     return Finished(
         world_size=job.launch.world_size,
         reports=reports,
