@@ -67,7 +67,10 @@ NOT_HONOURED = {
     "stream_prefix": "a worker's output goes where torchrun sends it",
     "may_exit": "a worker that exits ends the whole job; run this test forked",
     "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
+    "faults": "a kill or an exit on rank 0 leaves the job without the rank that reports it; "
+    "put it on another rank, or run this test forked",
 }
+ENDS_WORKER = frozenset({"kill", "exit"})
 
 
 @dataclass
@@ -90,7 +93,9 @@ class Launched:
         self.job = job
 
     def refusal(self, call: Call) -> str | None:
-        used = set(call.given)
+        used = set(call.given) - {"faults"}  # refused only where rank 0 would die (below)
+        ends_rank_0 = [f for f in call.faults if f.action.name in ENDS_WORKER and 0 in f.ranks]
+        used |= {"faults"} if ends_rank_0 else set()
         used |= {"may_exit"} if call.may_exit else set()
         used |= {"debug_rank"} if call.debug_rank is not None else set()
         return refused_fields(sorted(used), "under torchrun", NOT_HONOURED)
