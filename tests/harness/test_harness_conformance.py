@@ -21,11 +21,12 @@ some did (it really was warm).
 
 Forked and warm run in this process (``pytester.runpytest``: their ranks come from the
 forkserver this process already has); torchrun is one job of subprocesses, which deselects
-the two SIGKILL cases (``TORCHRUN_DESELECT``): a death ends a job, so the injected kill runs
-in a second job of its own (``test_torchrun_a_kill_ends_the_job``). The file's order serves
-torchrun: ``os._exit`` on a rank comes last (the job cannot go on without it), and the test
-that patches ``dist.all_reduce`` comes after every other test that calls it but its witness
-(a torchrun rank is one process for the whole session: the patch stays).
+the two SIGKILL cases and rank 0's ``os._exit`` (``TORCHRUN_DESELECT``): a death ends a job,
+and so does the reporter's exit, so the injected kill and c13b each run in a job of their
+own (``test_torchrun_a_leaving_worker_ends_the_job``). The file's order serves torchrun:
+``os._exit`` on rank 1 comes last (the job cannot go on without it), and the test that
+patches ``dist.all_reduce`` comes after every other test that calls it but its witness (a
+torchrun rank is one process for the whole session: the patch stays).
 
 ``test_the_checker_sees_each_kind_of_deviation`` proves the comparison itself on a junit
 file of known content: a conforming run gives no deviation, each planted one is reported.
@@ -513,6 +514,18 @@ def test_c19f_all_reduces_for_real(run_ranks):
     assert run_ranks(real_all_reduce) == [2.0, 2.0]
 
 
+def exit_on_rank_0(rank, world_size):
+    note()
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+@pytest.mark.rank_timeout(10)
+def test_c13b_os_exit_on_rank_0(run_ranks):  # torchrun: the reporter leaves; a job of its own
+    run_ranks(exit_on_rank_0)
+
+
 def exit_on_rank_1(rank, world_size):
     note()
     if rank == 1:
@@ -690,6 +703,11 @@ CASES: dict[str, Case] = {
     "test_c13_os_exit_on_rank_1": Case(
         Expect("failed", starts("rank 1 exited with code 0"), within=5)
     ),
+    # Under torchrun rank 0 writes the report: its function's os._exit ends the function,
+    # the test fails with it, and the session stops after the test (its own job, below).
+    "test_c13b_os_exit_on_rank_0": Case(
+        Expect("failed", starts("rank 0 exited with code 3"), within=5)
+    ),
     "test_c21_rpc_gets_a_rendezvous_of_its_own": Case(Expect("passed")),
     "test_c24_the_group_timeout_stays_behind_the_deadline": Case(Expect("passed")),
     # Rank functions of other shapes (shape.py), and run_ranks called by a helper during the
@@ -759,11 +777,15 @@ CASES: dict[str, Case] = {
         )
     ),
 }
-# Under torchrun a worker's death ends the job: c27a's kill runs in a job of its own
-# (``test_torchrun_a_kill_ends_the_job``); c05's SIGKILL, from the test's own code, gives
-# the worker no time to tell its peers (``TORCHRUN_DESELECT``'s reason in the table).
+# Under torchrun a worker's death ends the job, and so does rank 0's os._exit: c27a's kill
+# and c13b each run in a job of their own (``test_torchrun_a_leaving_worker_ends_the_job``);
+# c05's SIGKILL, from the test's own code, gives the worker no time to tell its peers
+# (``TORCHRUN_DESELECT``'s reason in the table).
 KILL_JOB = "test_c27a_kill_in_ddps_third_all_reduce"
-TORCHRUN_DESELECT = f"not test_c05_kill_rank_1 and not {KILL_JOB}"
+EXIT_0_JOB = "test_c13b_os_exit_on_rank_0"
+OWN_JOBS = (KILL_JOB, EXIT_0_JOB)
+LAST = "test_c13_os_exit_on_rank_1"  # the file's last test: nothing can follow it
+TORCHRUN_DESELECT = "not test_c05_kill_rank_1" + "".join(f" and not {n}" for n in OWN_JOBS)
 
 # --- reading a run -------------------------------------------------------------------------
 
@@ -983,7 +1005,7 @@ def test_the_checker_sees_each_kind_of_deviation(tmp_path: Path) -> None:
 def test_the_table_names_every_test_of_the_file_and_no_other() -> None:
     defined = re.findall(r"^def (test_\w+)\(", STRANGER, re.M)
     assert sorted({name.partition("[")[0] for name in CASES}) == sorted(defined)
-    assert defined[-1] == "test_c13_os_exit_on_rank_1"  # under torchrun nothing can follow it
+    assert defined[-1] == LAST  # under torchrun nothing can follow it
     assert sum(n.startswith("test_c10_") for n in CASES) == 4
 
 
@@ -1188,18 +1210,40 @@ def test_torchrun(pytester: pytest.Pytester) -> None:
         )
     problems += _one_report(outputs, reporter)
     run = Run("torchrun", cases, output, wall, cpu, problems)
-    table = {name: case for name, case in CASES.items() if name != KILL_JOB}
+    table = {name: case for name, case in CASES.items() if name not in OWN_JOBS}
     print(report(run, table), f"agents exited {codes}", sep="\n")
     if deviations(run, table):
         pytest.fail(report(run, table), pytrace=False)
 
 
-def test_torchrun_a_kill_ends_the_job(pytester: pytest.Pytester, run_ranks) -> None:
-    """c27a under torchrun, in a job of its own (a worker's death ends its job), with the
-    verdict and first line it has forked: the worker a fault kills first tells its peers
-    through the job's store how it leaves and which fault fired, shuts its group's sockets,
-    and waits for rank 0's report (``torchrun.Launched``); then it dies by SIGKILL, and the
-    session stops after the test. Its workers are harness ranks (``torchrun_worker``), the
+def _rank_1_killed(codes: list[int | None]) -> bool:
+    return codes[1] == -signal.SIGKILL and bool(codes[0])
+
+
+def _both_failed(codes: list[int | None]) -> bool:
+    return all(code is not None and code > 0 for code in codes)
+
+
+@pytest.mark.parametrize(
+    ("case", "codes_ok", "codes_say"),
+    [
+        (KILL_JOB, _rank_1_killed, "rank 1 killed, rank 0 failed"),
+        (EXIT_0_JOB, _both_failed, "each failed (the session's status), neither killed"),
+    ],
+    ids=["kill-on-rank-1", "os-exit-on-rank-0"],
+)
+def test_torchrun_a_leaving_worker_ends_the_job(
+    pytester: pytest.Pytester, run_ranks, case: str, codes_ok, codes_say: str
+) -> None:
+    """c27a and c13b under torchrun, each in a job of its own, with the verdict and first
+    line they have forked; the file's last test is selected too, and must not run.
+
+    c27a: the worker a fault kills first tells its peers through the job's store how it
+    leaves and which fault fired, shuts its group's sockets, and waits for rank 0's report
+    (``torchrun.Launched``); then it dies by SIGKILL, and the session stops after the test.
+    c13b: rank 0 writes the report, so its function's ``os._exit`` ends only the function
+    (``Job._exit_mid_session``): the test fails on every rank with the exit's first line,
+    and the session stops after it. The workers are harness ranks (``torchrun_worker``), the
     job's store hosted here as an agent hosts it: what the workers do among themselves,
     without the two interpreters and agents of a job of subprocesses."""
     pids = pytester.path / "pids"
@@ -1207,7 +1251,7 @@ def test_torchrun_a_kill_ends_the_job(pytester: pytest.Pytester, run_ranks) -> N
     (pytester.path / f"{MODULE}.py").write_text(STRANGER)
     store = agents_store(JOB_LIMIT)
     job = {**job_environment(store, 2), "CONFORMANCE_PIDS": str(pids)}
-    args = [*RUN_ARGS, "-v", "--junitxml=kill.xml", "-k", KILL_JOB, f"{MODULE}.py"]
+    args = [*RUN_ARGS, "-v", "--junitxml=job.xml", "-k", f"{case} or {LAST}", f"{MODULE}.py"]
     start = time.monotonic()
     workers = run_ranks(
         pytest_as_a_torchrun_worker,
@@ -1226,11 +1270,11 @@ def test_torchrun_a_kill_ends_the_job(pytester: pytest.Pytester, run_ranks) -> N
         else []
     )
     codes = [w.exitcode for w in workers]
-    if codes[1] != -signal.SIGKILL or not codes[0]:
-        problems.append(f"[torchrun] workers exited {codes}: rank 1 killed, rank 0 failed")
-    junit = pytester.path / "kill.xml"
+    if not codes_ok(codes):
+        problems.append(f"[torchrun] workers exited {codes}: expected {codes_say}")
+    junit = pytester.path / "job.xml"
     cases = read_junit(junit) if junit.exists() else {}
     run = Run("torchrun", cases, workers.outputs[0], wall, 0.0, problems)
-    table = {KILL_JOB: CASES[KILL_JOB]}
+    table = {case: CASES[case], LAST: Case(Expect(NOT_RUN))}
     if deviations(run, table):
         pytest.fail(report(run, table) + "\n" + workers.outputs[0][-3000:], pytrace=False)

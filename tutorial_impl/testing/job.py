@@ -24,6 +24,7 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -218,17 +219,33 @@ class Job:
         self.dirty = False  # the last call failed: its group is not reused
         self.abandoned: list[threading.Thread] = []  # rank functions still running
         self.in_call = False  # a run_ranks call is on: it keeps its own deadline
+        # Rank 0 only, set by the call running now: ends that call's function as an exit
+        # (``_exit_mid_session``); ``ending`` then says why the session stops after the test.
+        self.end_call: Callable[[int], None] | None = None
+        self.ending: str | None = None
         self.stale: list[Any] = []  # MASTER_PORTs reserved for failed backend=None calls
 
     def _exit_mid_session(self, code: int) -> None:
         """``os._exit`` called by a test while the session runs, in this worker (a child it
         forked just exits): leave as ``leave`` says, then end non-zero: a worker that leaves
         in the middle of the job has failed it, and its agent must see that (one whose
-        worker exits 0 waits for the others in torchelastic's exit barrier, minutes)."""
+        worker exits 0 waits for the others in torchelastic's exit barrier, minutes).
+
+        Rank 0 is the exception: it writes the job's report, so nobody would report the test
+        its function left. Called from a rank function of rank 0, the function ends here as
+        an exit (``end_call``; the thread stays parked, as if its process were gone), the
+        test fails with it on every rank, and the session stops after that test. Elsewhere
+        on rank 0 (a test's body, a fixture) it exits at once: no report is coming."""
         if os.getpid() != self.pid:
             self.real_exit(code)
+        end_call = self.end_call
+        if end_call is not None and threading.current_thread() is not threading.main_thread():
+            end_call(code)
+            while True:  # parked until the worker exits at the session's end (daemon thread)
+                time.sleep(3600)
         self.leave(code)
-        self.await_report()
+        if self.launch.rank != 0:
+            self.await_report()
         self.real_exit(code or 1)
 
     def leave(self, status: int, fired: tuple[Fired, ...] = ()) -> None:

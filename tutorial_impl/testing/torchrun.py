@@ -137,6 +137,7 @@ class Launched:
             os.environ.clear()
             os.environ.update(saved)
         finished = finish(job, answers, call.deadline)
+        job.ending = job.ending or _reporter_left(answers)
         job.dirty = any(not isinstance(o, _o.Returned) for o in finished.outcomes.values())
         job.dirty |= bool(finished.fired)  # a group that saw a fault is made anew
         if host is not None and job.dirty:
@@ -152,6 +153,18 @@ class Launched:
         self.job.leave(status, tuple(_my_fired()))
         faults.close_sockets(faults.INJECTOR.sockets)
         self.job.await_report()
+
+
+def _reporter_left(answers: dict[int, Answer]) -> str | None:
+    """Why the session stops after this test, the same on every rank: rank 0's function
+    called ``os._exit`` (its answer says ``Lost``: ``Job._exit_mid_session``)."""
+    outcome = answers[0].report.outcome if 0 in answers else None
+    if not isinstance(outcome, _o.Lost):
+        return None
+    return (
+        f"rank 0 {outcome.how} in a rank function; rank 0 writes the job's report, so the "
+        "session stops after this test"
+    )
 
 
 def _backend(call: Call) -> str:
@@ -247,16 +260,22 @@ def run_here(
         if report.pid != worker:  # a child the function forked came back here
             os.write(child_w, pickle.dumps(report))
             os._exit(1)
-        box["report"] = report
+        box.setdefault("report", report)
+        done.set()
+
+    def exited(code: int) -> None:  # rank 0's function called os._exit (Job.end_call)
+        box.setdefault("report", _o.Report(_o.Lost(code), worker, time.time()))
         done.set()
 
     tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
     sys.stdout, sys.stderr = tee_out, tee_err
     thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=True)
+    job.end_call = exited if launch.rank == 0 else None
     try:
         thread.start()
         ended = _wait(job, key, done, timeout)
     finally:
+        job.end_call = None
         sys.stdout, sys.stderr = tee_out.stream, tee_err.stream
     output = tee_out.copy.getvalue() + tee_err.copy.getvalue()
     if ended is None and box["report"].forked:

@@ -226,6 +226,7 @@ class LaunchedSession:
             got.setdefault(r, mine)
         agree(rep, mine, got, self.launch.rank, self.launch.world_size, self._stacks_of, lost)
         problem = lockstep_problem(mine, got, self.launch.world_size, lost)
+        problem = problem or (self.job.ending if rep.when == "teardown" else None)
         self.lost |= set(lost)
         if problem and not self.broken:
             self.broken = problem
