@@ -59,8 +59,15 @@ def test_a_tiny_run_measures_the_three_ways(pytester, monkeypatch, capsys):
         cpu_ratio = figures["warm_cpu_ms"] / figures["pool_cpu_ms"]
         assert figures["warm_cpu_ratio"] == pytest.approx(cpu_ratio)
     assert figures["unpreloaded_ms"] is None and figures["unpreloaded_ratio"] is None
+    # The pool was made (its fixture timed) and the forkserver was running already here.
+    assert figures["pool_start_ms"] > 0 and figures["fresh_start_ms"] >= 0
+    pool_suite = figures["pool_start_ms"] / 1e3 + 6 * figures["pool_ms"] / 1e3
+    assert figures["pool_suite_s"] == pytest.approx(pool_suite)
+    ratio = figures["fresh_suite_s"] / figures["pool_suite_s"]
+    assert figures["fresh_suite_ratio"] == pytest.approx(ratio)
     printed = capsys.readouterr().out
     assert f"{figures['fresh_ratio']:5.2f}x the pool" in printed
+    assert f"a suite of 6 such tests, its start included: pool {pool_suite:.2f} s" in printed
 
 
 def test_a_test_costs_the_median_gap_to_the_next_of_its_way_after_the_first(monkeypatch):
@@ -68,6 +75,8 @@ def test_a_test_costs_the_median_gap_to_the_next_of_its_way_after_the_first(monk
     stamps = [(f"test_{name}", t, 0.0) for name, t in stamps]
     # 500 ms (the forkserver's start) left out, 60 ms (the next is no fresh test) not a gap
     assert library.per_test_ms(stamps, "fresh") == pytest.approx(16.0)
+    # ... and the first test paid the forkserver's start: 500 ms less a test's 16
+    assert library.start_ms(stamps, "fresh") == pytest.approx(484.0)
     with pytest.raises(ValueError, match="at least 3 tests"):
         library.per_test_ms(stamps[:2], "fresh")
 
@@ -93,7 +102,7 @@ def test_cpu_is_counted_block_by_block_after_the_first(monkeypatch):
                     stamps.append((f"test_{way}", now, now * 2))  # CPU: both cores, always
                     now += seconds
         stamps.append(("test_zz_end", now, now * 2))
-        return {"stamps": stamps, "report": {"preloaded": ["heavylib"]}}
+        return {"stamps": stamps, "report": {"preloaded": ["heavylib"]}, "pool_made_s": 0.3}
 
     monkeypatch.setattr(library, "run_session", session)
     figures = library.measure(8, 2, ["json"], unpreloaded_tests=4)
@@ -101,6 +110,11 @@ def test_cpu_is_counted_block_by_block_after_the_first(monkeypatch):
     assert figures["fresh_ratio"] == pytest.approx(1.2)
     assert figures["warm_cpu_ms"] == pytest.approx(10.0)
     assert figures["fresh_cpu_ratio"] == pytest.approx(1.2)
+    # 8 tests a way: the pool made in 300 ms, then 10 ms a test; fresh 12 ms, no start here
+    assert figures["pool_start_ms"] == pytest.approx(300.0)
+    assert figures["pool_suite_s"] == pytest.approx(0.38)
+    assert figures["fresh_suite_s"] == pytest.approx(0.096)
+    assert figures["fresh_suite_ratio"] == pytest.approx(0.096 / 0.38)
     assert figures["unpreloaded_ms"] == pytest.approx(500.0)
     assert figures["unpreloaded_ratio"] == pytest.approx(50.0)
     assert figures["preloaded"] == ["heavylib"]

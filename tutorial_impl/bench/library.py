@@ -33,7 +33,13 @@ torchmetrics' ``_class_test`` (``--batches`` batches of 32 per rank, as its
 ``warm_cpu_ms`` are what a test costs in CPU, every process of the session counted (the
 pytest process, the pool's workers, the forkserver, the ranks, the exited ones too), and
 their ratios to the pool's ``fresh_cpu_ratio``, ``warm_cpu_ratio``: what other jobs on a
-shared machine do not change much. ``preloaded`` lists what the forkserver
+shared machine do not change much. A session pays once what a test of its way needs first:
+``pool_start_ms`` (the pool made, a session fixture, and its first call's extra) and
+``fresh_start_ms`` (the first fresh test's extra: the forkserver's start, its torch and the
+test files' imports); ``pool_suite_s`` and ``fresh_suite_s`` are a suite of ``--tests`` such
+tests run one way, its start included, as the issue's own table has a session's wall time
+beside a test's, and ``fresh_suite_ratio`` their ratio (it tends to ``fresh_ratio`` as a
+suite grows). ``preloaded`` lists what the forkserver
 imported for the suite (its report), and ``load_average`` the 1-minute load after the runs.
 
     python -m tutorial_impl bench library [--tests 20] [--world-size 2] [--json PATH]
@@ -156,6 +162,7 @@ import pytest
 from pool_setup import setup_ddp
 
 STAMPS = []
+POOL_MADE = []  # seconds the pool took to make (its workers' start, imports and group)
 WORLD = {world}
 
 
@@ -170,8 +177,10 @@ def context(start):
 @pytest.fixture(scope="session")
 def pool(tmp_path_factory):
     store_file = tmp_path_factory.mktemp("pool") / "store"  # a fresh file: no port to pick
+    made = time.perf_counter()
     pool = context("{start}").Pool(WORLD)
     pool.starmap(setup_ddp, [(rank, WORLD, str(store_file)) for rank in range(WORLD)])
+    POOL_MADE.append(time.perf_counter() - made)
     yield pool
     pool.terminate()
 
@@ -212,7 +221,8 @@ def pytest_sessionfinish(session):
     from tutorial_impl.testing import forkserver
 
     with open(os.environ["BENCH_STAMPS"], "w") as f:
-        json.dump({{"stamps": STAMPS, "report": forkserver.SERVER.report()}}, f)
+        report = forkserver.SERVER.report()
+        json.dump({{"stamps": STAMPS, "report": report, "pool_made_s": sum(POOL_MADE)}}, f)
 """
 
 # One test as a metrics library writes it (torchmetrics' ``_class_test``): inputs made in the
@@ -349,6 +359,16 @@ def per_test_ms(stamps: list[list[Any]], way: str) -> float:
     return statistics.median(gaps)
 
 
+def start_ms(stamps: list[list[Any]], way: str) -> float:
+    """What the first ``test_<way>`` cost beyond a test of its way: the forkserver's start
+    (its torch and the test files' imports) for fresh ranks, a pool's first call for the
+    pool (whose making, a session fixture, comes before any test's stamp: ``pool_made_s``)."""
+    name = f"test_{way}"
+    pairs = zip(stamps, stamps[1:], strict=False)
+    first = next((b[1] - a[1]) * 1e3 for a, b in pairs if a[0] == name)
+    return max(0.0, first - per_test_ms(stamps, way))
+
+
 def per_test_cpu_ms(stamps: list[list[Any]], way: str) -> float:
     """CPU milliseconds a ``test_<way>`` costs, every process of the session counted: each
     block of that way's tests from its first test's start to the next block's, its first
@@ -381,6 +401,8 @@ def measure(
         write_suite(work, heavy, world_size, batches, start)
         run = run_session(work, tests)
         pool, fresh, warm = (per_test_ms(run["stamps"], way) for way in WAYS)
+        pool_start = run.get("pool_made_s", 0.0) * 1e3 + start_ms(run["stamps"], "pool")
+        fresh_start = start_ms(run["stamps"], "fresh")
         cpu = {way: per_test_cpu_ms(run["stamps"], way) for way in WAYS}
         unpreloaded = None
         if unpreloaded_tests:
@@ -397,6 +419,14 @@ def measure(
         "warm_ms": warm,
         "fresh_ratio": fresh / pool,
         "warm_ratio": warm / pool,
+        # A suite of ``tests`` such tests run one way, its start included (the issue's own
+        # table has both: a session's wall time, a test's): a pool is made, a forkserver
+        # started, once per session, so the per-test ratio is where a long suite tends.
+        "pool_start_ms": pool_start,
+        "fresh_start_ms": fresh_start,
+        "pool_suite_s": (pool_start + tests * pool) / 1e3,
+        "fresh_suite_s": (fresh_start + tests * fresh) / 1e3,
+        "fresh_suite_ratio": (fresh_start + tests * fresh) / (pool_start + tests * pool),
         "unpreloaded_ms": unpreloaded,
         "unpreloaded_ratio": None if unpreloaded is None else unpreloaded / pool,
         **{f"{way}_cpu_ms": cpu[way] for way in WAYS},
@@ -415,6 +445,11 @@ def show(figures: dict) -> None:
           f"{figures['fresh_ratio']:5.2f}x the pool")  # fmt: skip
     print(f"  warm worlds                        {figures['warm_ms']:8.1f} ms  "
           f"{figures['warm_ratio']:5.2f}x the pool")  # fmt: skip
+    made, started = figures["pool_start_ms"] / 1e3, figures["fresh_start_ms"] / 1e3
+    print(f"  a suite of {figures['tests']} such tests, its start included: pool "
+          f"{figures['pool_suite_s']:.2f} s (made in {made:.2f} s), fresh "
+          f"{figures['fresh_suite_s']:.2f} s (the forkserver started in {started:.2f} s): "
+          f"{figures['fresh_suite_ratio']:.2f}x")  # fmt: skip
     cpu = ", ".join(f"{way} {figures[f'{way}_cpu_ms']:.1f} ms" for way in WAYS)
     print(f"  CPU a test, every process: {cpu}")
     if figures["unpreloaded_ms"] is not None:
