@@ -196,6 +196,15 @@ def test_rank_pdb_option_reaches_the_ranks_and_refuses_a_rank_outside_the_world(
     outside.stdout.fnmatch_lines(["*debug_rank must be a rank of this world (0 to 1), got 2*"])
 
 
+def test_a_debugger_window_that_ends_as_the_parent_looks_is_no_error(tmp_path):
+    """A rank removes its marker when nobody attached in time; the parent may have listed it
+    a moment before (seen under load: the parent's FileNotFoundError failed the run)."""
+    said: list[str] = []
+    deadline = debugging.Deadline(10, tmp_path, said.append)
+    (tmp_path / "rank1.debugging").symlink_to(tmp_path / "gone")  # listed, gone when read
+    assert deadline.remaining() > 0 and said == []
+
+
 def test_the_deadline_stands_still_while_the_parent_is_in_a_debugger(tmp_path, monkeypatch):
     """As pytest-timeout does: pdb's trace function in this process pauses the deadline."""
     deadline = debugging.Deadline(0.05, tmp_path)

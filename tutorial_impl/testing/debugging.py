@@ -183,7 +183,10 @@ class Deadline:
     def remaining(self) -> float:
         if self.announce is not None:
             for marker in self.log_dir.glob("rank*.debugging"):
-                port = marker.read_text().strip()
+                try:
+                    port = marker.read_text().strip()
+                except FileNotFoundError:  # its window ended between the glob and the read
+                    continue
                 if port and port not in self.announced:
                     self.announced.add(port)
                     rank = marker.name[len("rank") : -len(".debugging")]
