@@ -117,8 +117,15 @@ def caller_of_a_killed_worker(rank: int, world_size: int) -> dict:
     return report
 
 
+# torch's own RPC transports, shared memory included (this suite's ranks otherwise run RPC
+# over TCP only: tests/rpc_over_tcp.py): the words below are what a learner's run prints.
+TORCH_TRANSPORTS = {"TUTORIAL_SUITE_TORCH_RPC_TRANSPORTS": "1"}
+
+
 def test_a_killed_rpc_worker_is_an_error_at_once_for_its_caller(run_ranks):
-    results = run_ranks(caller_of_a_killed_worker, backend=None, may_exit={1}, timeout=40)
+    results = run_ranks(
+        caller_of_a_killed_worker, backend=None, may_exit={1}, timeout=40, env=TORCH_TRANSPORTS
+    )
     assert isinstance(results[1], RankExited) and results[1].exitcode == -signal.SIGKILL
     for call in ("dying", "after"):
         error, seconds = results[0][call]
