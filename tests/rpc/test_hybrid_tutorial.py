@@ -125,13 +125,20 @@ def test_the_tutorials_program_trains_and_shuts_down(run_ranks, tmp_path):
     assert trainers[0]["batches"] != trainers[1]["batches"]  # each trainer has its own data
 
     # 2. One table on the server, looked up once per batch of either trainer, nothing else;
-    # every row a batch used was stepped, and only those (an epoch uses nearly all 100).
+    # only the rows a batch used were stepped (an epoch uses nearly all 100) ...
     assert server["tables"] == 1
     sent = [indices for trainer in trainers for indices, _ in trainer["batches"]]
     assert sorted(server["lookups"]) == sorted(sent)
     used = {i for indices in sent for i in indices}
     changed = (server["final"] != server["initial"]).any(dim=1).nonzero().flatten().tolist()
-    assert set(changed) == used
+    assert set(changed) <= used
+    # ... and nearly all of them, not all: the server steps each trainer's update as it comes,
+    # the two at once, without a lock (for SGD, DistributedOptimizer runs TorchScript's
+    # functional optimizer there, torch's _ScriptLocalOptimizer, which takes none; the eager
+    # _LocalOptimizer does). Each step adds its dense gradient to the whole table, zeros for
+    # the rows its trainer did not use, so a step that overlaps the other's can write a row
+    # back as it read it. A row only one batch used can end as it began (seen: 1 row of ~95).
+    assert len(changed) >= 0.9 * len(used)
 
     # 3. One Linear on two trainers: the same at the start, stepped, the same at the end.
     assert torch.equal(trainers[0]["fc_start"], trainers[1]["fc_start"])
