@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 import runpy
+import signal
 import sys
 
 from tutorial_impl.testing import faults, faulty_group
@@ -69,7 +70,16 @@ def call_main(module: str, *args: str) -> object:
     imports included). Same steps as ``main``, then ``MODULE.main(ARGS)``: the function
     ``python -m MODULE ARGS`` ends in, called rather than run as ``__main__``, so that its
     return value, not an exit, ends the worker (the agent reads it back).
+
+    A forked worker starts with the signal handlers of its agent, which torch's agent set to
+    raise ``SignalException`` on SIGTERM, SIGINT, SIGHUP and SIGQUIT. A Python handler runs
+    only when the worker's interpreter gets control: a worker stuck in C++ (a collective whose
+    peer is gone) would let the agent's SIGTERM wait out its 30 s before SIGKILL. So they are
+    put back first as a fresh interpreter, torchrun's own worker, has them.
     """
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     prepare()
     return importlib.import_module(module).main(list(args))
 
