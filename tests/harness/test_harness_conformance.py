@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 import torch.distributed._functional_collectives as funcol
-from tutorial_impl.testing import Delay, Fault, Hang, Kill, Raise, fault_point
+from tutorial_impl.testing import Delay, Exit, Fault, Hang, Kill, Raise, fault_point
 from tutorial_impl.testing import assert_equal_across_ranks, proctable
 from tutorial_impl.testing import run_ranks as public_run_ranks
 
@@ -466,6 +466,10 @@ def test_c27a_kill_in_ddps_third_all_reduce(run_ranks):
     run_ranks(ddp_steps, faults=Fault(1, Kill(), at=3, op="all_reduce"))
 
 
+def test_c27e_exit_on_rank_0_in_ddps_second_all_reduce(run_ranks):
+    run_ranks(ddp_steps, faults=Fault(0, Exit(3), at=2, op="all_reduce"))
+
+
 @pytest.mark.rank_timeout(3)
 def test_c27b_hang_at_a_functional_collective(run_ranks):
     run_ranks(functional_sum, faults=Fault(1, Hang(), op="all_reduce"))
@@ -755,6 +759,18 @@ CASES: dict[str, Case] = {
             within=10,  # a DDP start and three steps: under load, more than a bare kill's 5 s
         ),
     ),
+    # Forked and warm, the parent saw an exit; under torchrun rank 0 said so itself (it
+    # writes the report: its exit ends its function, and the session stops after the test).
+    "test_c27e_exit_on_rank_0_in_ddps_second_all_reduce": Case(
+        Expect(
+            "failed",
+            re.compile(
+                r"^rank 0 exited with code 3 \(os\._exit( or a crash)?\) before returning a "
+                r"result \(rank 0: injected exit at all_reduce #\d+, the 2nd all_reduce\)$"
+            ),
+            within=10,
+        ),
+    ),
     "test_c27b_hang_at_a_functional_collective": Case(
         Expect(
             "failed",
@@ -783,7 +799,8 @@ CASES: dict[str, Case] = {
 # (``TORCHRUN_DESELECT``'s reason in the table).
 KILL_JOB = "test_c27a_kill_in_ddps_third_all_reduce"
 EXIT_0_JOB = "test_c13b_os_exit_on_rank_0"
-OWN_JOBS = (KILL_JOB, EXIT_0_JOB)
+FAULT_EXIT_0_JOB = "test_c27e_exit_on_rank_0_in_ddps_second_all_reduce"
+OWN_JOBS = (KILL_JOB, EXIT_0_JOB, FAULT_EXIT_0_JOB)
 LAST = "test_c13_os_exit_on_rank_1"  # the file's last test: nothing can follow it
 TORCHRUN_DESELECT = "not test_c05_kill_rank_1" + "".join(f" and not {n}" for n in OWN_JOBS)
 
@@ -1229,8 +1246,9 @@ def _both_failed(codes: list[int | None]) -> bool:
     [
         (KILL_JOB, _rank_1_killed, "rank 1 killed, rank 0 failed"),
         (EXIT_0_JOB, _both_failed, "each failed (the session's status), neither killed"),
+        (FAULT_EXIT_0_JOB, _both_failed, "each failed (the session's status), neither killed"),
     ],
-    ids=["kill-on-rank-1", "os-exit-on-rank-0"],
+    ids=["kill-on-rank-1", "os-exit-on-rank-0", "exit-fault-on-rank-0"],
 )
 def test_torchrun_a_leaving_worker_ends_the_job(
     pytester: pytest.Pytester, run_ranks, case: str, codes_ok, codes_say: str

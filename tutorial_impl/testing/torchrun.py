@@ -19,7 +19,9 @@ process group. What makes that safe:
   ``Exit`` fires in this worker as it would in a forked rank, but first the worker tells its
   peers through the store how it leaves and which fault fired (``Job.leave``), shuts its
   group's sockets (its peers' collectives fail as on a real death), and waits for rank 0's
-  report; then it dies as asked, and torchrun's agent ends the job.
+  report; then it dies as asked, and torchrun's agent ends the job. Rank 0 writes the report:
+  its ``Exit`` (or a rank function's ``os._exit``) ends only its function, the test fails with
+  it, and the session stops after the test; a ``Kill`` there is refused.
 * **An abandoned function stays out of later tests' reports.** A function still running at
   its deadline cannot be killed (it is a thread of this worker); it ends by itself once its
   collective hits the group's timeout. Its log records then belong to a test that has ended:
@@ -67,10 +69,9 @@ NOT_HONOURED = {
     "stream_prefix": "a worker's output goes where torchrun sends it",
     "may_exit": "a worker that exits ends the whole job; run this test forked",
     "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
-    "faults": "a kill or an exit on rank 0 leaves the job without the rank that reports it; "
-    "put it on another rank, or run this test forked",
+    "faults": "a kill on rank 0 leaves the job without the rank that reports it; put it on "
+    "another rank, or run this test forked",
 }
-ENDS_WORKER = frozenset({"kill", "exit"})
 
 
 @dataclass
@@ -93,9 +94,9 @@ class Launched:
         self.job = job
 
     def refusal(self, call: Call) -> str | None:
-        used = set(call.given) - {"faults"}  # refused only where rank 0 would die (below)
-        ends_rank_0 = [f for f in call.faults if f.action.name in ENDS_WORKER and 0 in f.ranks]
-        used |= {"faults"} if ends_rank_0 else set()
+        used = set(call.given) - {"faults"}  # refused only where rank 0 would be killed
+        kills_rank_0 = [f for f in call.faults if f.action.name == "kill" and 0 in f.ranks]
+        used |= {"faults"} if kills_rank_0 else set()
         used |= {"may_exit"} if call.may_exit else set()
         used |= {"debug_rank"} if call.debug_rank is not None else set()
         return refused_fields(sorted(used), "under torchrun", NOT_HONOURED)
@@ -149,7 +150,12 @@ class Launched:
     def _leave(self, status: int) -> None:
         """Before a fault ends this worker (``status``: the exit code, or minus the signal):
         tell the peers, shut the group's sockets as the kernel would, wait for rank 0's
-        report."""
+        report. Rank 0 (an ``Exit``: a ``Kill`` there is refused) only shuts its sockets: it
+        writes the report, and its exit ends its function, not the worker
+        (``Job._exit_mid_session``)."""
+        if self.job.launch.rank == 0:
+            faults.close_sockets(faults.INJECTOR.sockets)
+            return
         self.job.leave(status, tuple(_my_fired()))
         faults.close_sockets(faults.INJECTOR.sockets)
         self.job.await_report()
