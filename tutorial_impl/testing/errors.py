@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.caught import Caught
 from tutorial_impl.testing.forensics import Place
 
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
@@ -65,6 +66,7 @@ class RankError(Exception):
         self.in_message = True  # stacks and outputs in str(error)
         self.failed_ranks: list[int] = []  # every rank that failed (raised or died)
         self.thread_errors: dict[int, tuple[str, ...]] = {}  # exceptions in rank threads
+        self.caught: dict[int, Caught] = {}  # the ranks' warnings and the like (``caught``)
 
     @property
     def headline(self) -> str:
@@ -184,11 +186,13 @@ class RankExited:
 
 
 class RankResults(list):  # type: ignore[type-arg]
-    """The ranks' return values in rank order, plus what each rank printed (``outputs``)
-    and the exceptions raised in each rank's own threads (``thread_errors``)."""
+    """The ranks' return values in rank order, plus what each rank printed (``outputs``),
+    the exceptions raised in each rank's own threads (``thread_errors``) and the warnings,
+    unraisable exceptions and threads left running each rank caught (``caught``)."""
 
     outputs: list[str]
     thread_errors: dict[int, tuple[str, ...]] = {}  # noqa: RUF012 - replaced per instance
+    caught: dict[int, Caught] = {}  # noqa: RUF012 - replaced per instance
 
 
 def prefixed(rank: int, text: str, limit: int = OUTPUT_TAIL_LINES) -> str:
