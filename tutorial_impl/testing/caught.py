@@ -261,6 +261,7 @@ def emit(thread_errors: dict[int, tuple[str, ...]], caught: dict[int, Caught]) -
     """Hand every rank's catch to pytest, labelled with the rank: its warnings as the rank
     decided them, then its thread and unraisable exceptions and threads left running as
     warnings under the test's filters (an "error" one raises here, as pytest's would)."""
+    __tracebackhide__ = True  # a warning raised here is the ranks', not the harness's
     import pytest
 
     level = _outside_the_harness()
