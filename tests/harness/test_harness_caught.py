@@ -68,7 +68,7 @@ def test_a_filter_whose_category_a_rank_cannot_find_is_refused_by_name():
 # --- 2. in a rank ---------------------------------------------------------------------------
 
 
-def _capture(fn, filters=None, **kwargs):
+def _capture(fn, filters=(), **kwargs):
     catcher = Catcher(filters)
 
     def body():
@@ -254,3 +254,10 @@ def test_an_error_filter_in_the_parent_raises_a_threads_exception():
         with pytest.raises(pytest.PytestUnhandledThreadExceptionWarning, match="^rank 2: "):
             caught.emit({2: ("Exception in thread t\n\nboom",)}, {})
         caught.emit({}, {2: Caught()})  # nothing caught: nothing said
+
+
+def test_outside_pytest_a_ranks_warnings_are_left_alone():
+    catcher = Catcher(None)  # run_ranks outside pytest: no filters, no one to re-emit
+    with pytest.warns(UserWarning, match="^as before$"), catcher.recording():
+        warnings.warn("as before", UserWarning)  # reaches the rank's own stderr
+    assert not catcher.caught()

@@ -153,7 +153,7 @@ class Catcher:
     """The catching of one rank function's run: ``hooks`` around all of it, ``recording``
     around the function itself (not the harness's set-up), ``settle`` once it returned."""
 
-    filters: Filters | None = None  # None: leave this process's filters as they are
+    filters: Filters | None = None  # None: not under pytest, warnings are left alone
     thread_errors: list[str] = field(default_factory=list)
     late: list[tuple[str, BaseException]] = field(default_factory=list)
     unraisable: list[str] = field(default_factory=list)
@@ -175,10 +175,14 @@ class Catcher:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Warnings recorded under ``filters`` (an "error" one raises where it is warned)."""
+        """Warnings recorded under ``filters`` (an "error" one raises where it is warned).
+        Without filters (``run_ranks`` outside pytest) nothing is recorded: no one would
+        re-emit the warnings, and a rank's own stderr shows them, as before."""
+        if self.filters is None:
+            yield
+            return
         with warnings.catch_warnings(record=True) as log:
-            if self.filters is not None:
-                install(self.filters)
+            install(self.filters)
             self.log = log
             yield
 

@@ -18,8 +18,10 @@ A rank ends in exactly one of these ways, and ``verdict`` decides from the type 
 (forked, warm, under torchrun): it calls the rank function, turns what happened into one of
 the above, and wraps it in a ``Report`` that says which process answered (only the rank
 itself may: a child it forked that returns from the function is a failure of that rank),
-when, and which exceptions the rank's own threads raised meanwhile. ``verdict.decide`` turns
-every rank's report into one verdict. Everything here pickles: the exception is carried as
+when, which exceptions the rank's own threads raised meanwhile, and what else pytest would
+have caught around a test body (``caught``: warnings, unraisable exceptions, threads the
+function left running; one of those that raises after the function returned fails the
+rank). ``verdict.decide`` turns every rank's report into one verdict. Everything here pickles: the exception is carried as
 text, because the exception object itself may not unpickle in the parent (a class defined in
 a test module, a constructor with other arguments).
 """

@@ -44,7 +44,7 @@ from typing import Any
 from tutorial_impl.testing import faults, faulty_group, forensics, proctable, recorder, records
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.caught import Catcher
+from tutorial_impl.testing.caught import Catcher, current_filters
 from tutorial_impl.testing.errors import RankResults
 from tutorial_impl.testing.job import Job
 from tutorial_impl.testing.lookup import resolve
@@ -261,7 +261,7 @@ def run_here(
     box: dict[str, _o.Report] = {}
     done = threading.Event()
     child_r, child_w = os.pipe()  # where a forked child that came back reports
-    catcher = Catcher()  # this worker's filters are the test's already: pytest's
+    catcher = Catcher(current_filters())  # this worker's: pytest's for the test
 
     def rank_function() -> None:  # the name frames_of stops at
         report = _o.capture(fn, launch.rank, args, kwargs, catcher=catcher)
