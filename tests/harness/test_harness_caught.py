@@ -22,7 +22,7 @@ import warnings
 
 import pytest
 
-from tutorial_impl.testing import caught, outcome
+from tutorial_impl.testing import caught, errors, fixtures, outcome
 from tutorial_impl.testing.caught import Catcher, Caught, Warned
 
 
@@ -33,6 +33,11 @@ class OwnWarning(DeprecationWarning):
 class Picky(UserWarning):
     def __init__(self, code: int, text: str) -> None:  # not one message argument
         super().__init__(f"{code}: {text}")
+
+
+class Prefixed(UserWarning):
+    def __init__(self, text: str) -> None:  # one argument, but not the message as given
+        super().__init__(f"[lib] {text}")
 
 
 # --- 1. the filters cross ------------------------------------------------------------------
@@ -223,9 +228,10 @@ def test_a_thread_that_ends_within_the_grace_is_not_named():
 def test_the_parent_re_emits_each_catch_labelled_with_the_rank():
     warned = Warned("mind this", (f"{__name__}:OwnWarning",), "/src/lib.py", 7)
     picky = Warned("7: odd", (f"{__name__}:Picky",), "/src/lib.py", 9)
+    prefixed = Warned("[lib] said", (f"{__name__}:Prefixed",), "/src/lib.py", 11)
     gone = Warned("from the rank only", ("rank_only:Gone", "builtins:FutureWarning"), "/x.py", 1)
     found = {
-        1: Caught((warned, picky), ("Exception ignored in: obj",), ("lingers",)),
+        1: Caught((warned, picky, prefixed), ("Exception ignored in: obj",), ("lingers",)),
         0: Caught((gone,)),
     }
     with warnings.catch_warnings(record=True) as log:
@@ -235,17 +241,18 @@ def test_the_parent_re_emits_each_catch_labelled_with_the_rank():
         caught.emit({1: ("Exception in thread t\n\nboom",)}, found)
     said = [(w.category, str(w.message), w.filename, w.lineno) for w in log]
     here = __file__
-    assert said[:3] == [
+    assert said[:4] == [
         (FutureWarning, "rank 0: from the rank only", "/x.py", 1),  # its base: found here
         (OwnWarning, "rank 1: mind this", "/src/lib.py", 7),
         (Picky, "rank 1: 7: odd", "/src/lib.py", 9),
+        (Prefixed, "rank 1: [lib] said", "/src/lib.py", 11),  # the rank's text, as it was
     ]
-    assert [(c, m) for c, m, _, _ in said[3:]] == [
+    assert [(c, m) for c, m, _, _ in said[4:]] == [
         (pytest.PytestUnhandledThreadExceptionWarning, "rank 1: Exception in thread t\n\nboom"),
         (pytest.PytestUnraisableExceptionWarning, "rank 1: Exception ignored in: obj"),
         (caught.RankThreadWarning, "rank 1: " + caught.LEFT_RUNNING.format(name="lingers")),
     ]
-    assert {f for _, _, f, _ in said[3:]} == {here}  # at the caller, not in the harness
+    assert {f for _, _, f, _ in said[4:]} == {here}  # at the caller, not in the harness
 
 
 def test_an_error_filter_in_the_parent_raises_a_threads_exception():
@@ -261,3 +268,13 @@ def test_outside_pytest_a_ranks_warnings_are_left_alone():
     with pytest.warns(UserWarning, match="^as before$"), catcher.recording():
         warnings.warn("as before", UserWarning)  # reaches the rank's own stderr
     assert not catcher.caught()
+
+
+def test_a_failures_warnings_are_said_at_the_tests_line_past_the_harness():
+    error = errors.error_for(1, outcome.Raised("ValueError", "boom", ""), "", {})
+    error.thread_errors = {1: ("Exception in thread t\n\nboom",)}
+    with warnings.catch_warnings(record=True) as log, pytest.raises(errors.RankFailed):
+        warnings.simplefilter("always")
+        fixtures.reported(error)  # the harness's frames between this line and ``emit``
+    [(said, line)] = [(w.filename, w.lineno) for w in log]
+    assert (said, line) == (__file__, _line() - 2)
