@@ -154,6 +154,7 @@ class Catcher:
     around the function itself (not the harness's set-up), ``settle`` once it returned."""
 
     filters: Filters | None = None  # None: not under pytest, warnings are left alone
+    grace: float = THREAD_GRACE  # how long ``settle`` waits for the threads left running
     thread_errors: list[str] = field(default_factory=list)
     late: list[tuple[str, BaseException]] = field(default_factory=list)
     unraisable: list[str] = field(default_factory=list)
@@ -186,12 +187,12 @@ class Catcher:
             self.log = log
             yield
 
-    def settle(self, grace: float = THREAD_GRACE) -> tuple[str, BaseException] | None:
+    def settle(self) -> tuple[str, BaseException] | None:
         """Wait (at most ``grace`` s in all) for the non-daemon threads started meanwhile;
         name those still running. The first exception one raised after the function
         returned, or None."""
         self._settling = True
-        stop = time.monotonic() + grace
+        stop = time.monotonic() + self.grace
         for thread in self._started():
             thread.join(max(0.0, stop - time.monotonic()))
         self.left_running = [t.name for t in self._started() if t.is_alive()]
