@@ -22,7 +22,7 @@ import warnings
 
 import pytest
 
-from tutorial_impl.testing import caught, errors, fixtures, outcome
+from tutorial_impl.testing import caught, errors, fixtures, outcome, verdict
 from tutorial_impl.testing.caught import Catcher, Caught, Warned
 
 
@@ -278,3 +278,19 @@ def test_a_failures_warnings_are_said_at_the_tests_line_past_the_harness():
         fixtures.reported(error)  # the harness's frames between this line and ``emit``
     [(said, line)] = [(w.filename, w.lineno) for w in log]
     assert (said, line) == (__file__, _line() - 2)
+
+
+def test_the_verdict_carries_every_ranks_catch_to_the_parent():
+    warned = Warned("mind this", ("builtins:UserWarning",), "/src/lib.py", 7)
+    reports = {
+        0: outcome.Report(outcome.Returned(0), 10, 1.0, caught=Caught((warned,))),
+        1: outcome.Report(outcome.Returned(1), 11, 1.0, caught=Caught(unraisable=("x",))),
+        2: outcome.Report(outcome.Returned(2), 12, 1.0),  # nothing caught: not listed
+    }
+    run = verdict.Finished(3, reports, [0, 1, 2], {}, 60.0)
+    results = verdict.decide(run)
+    assert results.caught == {0: Caught((warned,)), 1: Caught(unraisable=("x",))}
+    reports[2] = outcome.Report(outcome.Raised("ValueError", "boom", ""), 12, 1.0)
+    with pytest.raises(errors.RankFailed) as failed:
+        verdict.decide(run)
+    assert failed.value.caught == results.caught  # a failure's too: emitted by ``reported``
