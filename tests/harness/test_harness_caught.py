@@ -294,3 +294,18 @@ def test_the_verdict_carries_every_ranks_catch_to_the_parent():
     with pytest.raises(errors.RankFailed) as failed:
         verdict.decide(run)
     assert failed.value.caught == results.caught  # a failure's too: emitted by ``reported``
+
+
+def warn_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        warnings.warn("from a rank", OwnWarning)  # WARN_HERE
+    return rank
+
+
+WARN_HERE = next(i for i, line in enumerate(open(__file__), 1) if line.endswith("# WARN_HERE\n"))
+
+
+def test_through_real_ranks_the_warning_reaches_pytest_warns_around_run_ranks(run_ranks):
+    with pytest.warns(OwnWarning, match="^rank 1: from a rank$") as seen:
+        assert run_ranks(warn_on_rank_1, backend=None) == [0, 1]
+    assert [(w.filename, w.lineno) for w in seen] == [(__file__, WARN_HERE)]
