@@ -95,10 +95,14 @@ def test_an_error_filter_raises_at_the_warning_in_the_rank():
     def old_api():
         warnings.warn("old API", DeprecationWarning)
 
+    expected_line = old_api.__code__.co_firstlineno + 1
     report = _capture(old_api, _filters(("error", DeprecationWarning)))
     assert isinstance(report.outcome, outcome.Raised)
-    assert report.outcome.summary == "DeprecationWarning: old API"
+    where = f"test_harness_caught.py:{expected_line}"
+    assert report.outcome.summary == f"DeprecationWarning: old API (at {where})"
     assert "in old_api" in report.outcome.traceback
+    plain = outcome.Raised("ValueError", "boom", "")  # an exception, not a warning: no place
+    assert plain.summary == "ValueError: boom"
     assert not report.caught
 
 

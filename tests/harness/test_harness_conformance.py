@@ -621,6 +621,7 @@ FUNCTIONAL_LINE = next(
     i for i, line in enumerate(STRANGER.splitlines(), 1) if "# the fault's" in line
 )
 WARN_LINE = next(i for i, line in enumerate(STRANGER.splitlines(), 1) if "warning's line" in line)
+AT_WARN = f"(at {MODULE}.py:{WARN_LINE})"  # where an "error" filter raised the warning
 HANG_LINE = next(
     i for i, line in enumerate(STRANGER.splitlines(), 1) if "hang's all_gather" in line
 )
@@ -748,13 +749,13 @@ CASES: dict[str, Case] = {
     # raises at the warning, so the rank fails with it, at its line); what is shown reaches
     # pytest's summary labelled with the rank, at the warning's own file and line.
     "test_c28a_warning_under_cmdline_error": Case(
-        Expect("failed", "rank 1 raised DeprecationWarning: cmdline-decides: old API")
+        Expect("failed", f"rank 1 raised DeprecationWarning: cmdline-decides: old API {AT_WARN}")
     ),
     "test_c28b_warning_under_ini_error": Case(
-        Expect("failed", "rank 1 raised RuntimeWarning: ini-decides: odd value")
+        Expect("failed", f"rank 1 raised RuntimeWarning: ini-decides: odd value {AT_WARN}")
     ),
     "test_c28c_warning_under_mark_error": Case(
-        Expect("failed", "rank 1 raised UserWarning: shown-always: take note")
+        Expect("failed", f"rank 1 raised UserWarning: shown-always: take note {AT_WARN}")
     ),
     "test_c28d_warning_shown_in_the_summary": Case(
         Expect(

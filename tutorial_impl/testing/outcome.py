@@ -55,14 +55,17 @@ class Raised:
     exc_type: str  # "ValueError", or "package.module.MyError" for a class outside builtins
     message: str  # str(exc)
     traceback: str  # the full formatted traceback, as the rank saw it
+    warned_at: str | None = None  # a warning an "error" filter raised: "test_x.py:12"
 
     @property
     def summary(self) -> str:
-        """``ValueError: boom``: the type and the first line of the message."""
+        """``ValueError: boom``: the type and the first line of the message (a warning
+        raised as an error: and where, ``DeprecationWarning: old API (at test_x.py:12)``)."""
         first = self.message.strip().splitlines()[0] if self.message.strip() else ""
         if len(first) > HEADLINE_CHARS:
             first = first[:HEADLINE_CHARS] + "..."
-        return f"{self.exc_type}: {first}" if first else self.exc_type
+        said = f"{self.exc_type}: {first}" if first else self.exc_type
+        return f"{said} (at {self.warned_at})" if self.warned_at else said
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,15 @@ def from_exception(exc: BaseException) -> Raised | Skipped | XFailed:
     kind = skip_kind(exc)
     if kind is not None:
         return kind(str(getattr(exc, "msg", None) or exc))
-    return Raised(_type_name(exc), str(exc), traceback.format_exc())
+    return Raised(_type_name(exc), str(exc), traceback.format_exc(), _warned_at(exc))
+
+
+def _warned_at(exc: BaseException) -> str | None:
+    """Where a warning was raised as an exception (an "error" filter): its innermost line."""
+    if not isinstance(exc, Warning) or exc.__traceback__ is None:
+        return None
+    last = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{os.path.basename(last.filename)}:{last.lineno}"
 
 
 def capture(
