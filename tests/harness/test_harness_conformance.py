@@ -69,6 +69,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -487,6 +488,77 @@ def test_c27d_raise_at_a_step(run_ranks):
     run_ranks(step_sums, faults=Fault(0, Raise("bad batch"), step="step", at=3))
 
 
+# A rank function is a test body: its warnings meet the test's filters (RUN_ARGS' -W, the
+# project's ini, the test's marks), its threads' failures and unraisable exceptions are
+# reported as pytest reports them, and a thread it leaves running is waited for.
+def warn_on_1(rank, world_size, text, category):
+    note()
+    if rank == 1:
+        warnings.warn(text, category)  # the warning's line
+    return rank
+
+
+def test_c28a_warning_under_cmdline_error(run_ranks):
+    run_ranks(warn_on_1, "cmdline-decides: old API", DeprecationWarning)
+
+
+def test_c28b_warning_under_ini_error(run_ranks):
+    run_ranks(warn_on_1, "ini-decides: odd value", RuntimeWarning)
+
+
+@pytest.mark.filterwarnings("error")  # the mark beats -W always:shown-always
+def test_c28c_warning_under_mark_error(run_ranks):
+    run_ranks(warn_on_1, "shown-always: take note", UserWarning)
+
+
+def test_c28d_warning_shown_in_the_summary(run_ranks):
+    assert run_ranks(warn_on_1, "shown-always: take note", UserWarning) == [0, 1]
+    with pytest.warns(UserWarning, match="^rank 1: shown-always: caught here$"):
+        run_ranks(warn_on_1, "shown-always: caught here", UserWarning)
+
+
+def warns_inside(rank, world_size):
+    note()
+    with pytest.warns(DeprecationWarning, match="cmdline-decides"):  # -W made it an error
+        warnings.warn("cmdline-decides: expected", DeprecationWarning)
+    return rank
+
+
+def test_c28e_pytest_warns_in_a_rank(run_ranks):
+    assert run_ranks(warns_inside) == [0, 1]
+
+
+def leave_threads(rank, world_size):
+    note()
+
+    def late():
+        time.sleep(0.1)
+        raise ValueError(f"late on {rank}")
+
+    if rank == 1:  # (a thread still running after the grace: test_harness_caught)
+        threading.Thread(target=late, name="late-boom").start()
+
+
+def test_c28f_thread_fails_after_the_function(run_ranks):
+    run_ranks(leave_threads)
+
+
+class Unclosable:
+    def __del__(self):
+        raise OSError("close failed")
+
+
+def drop_unclosable(rank, world_size):
+    note()
+    if rank == 1:
+        Unclosable()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_c28g_unraisable_exception(run_ranks):
+    run_ranks(drop_unclosable)
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -548,6 +620,8 @@ assert WARM != STRANGER
 FUNCTIONAL_LINE = next(
     i for i, line in enumerate(STRANGER.splitlines(), 1) if "# the fault's" in line
 )
+WARN_LINE = next(i for i, line in enumerate(STRANGER.splitlines(), 1) if "warning's line" in line)
+AT_WARN = f"(at {MODULE}.py:{WARN_LINE})"  # where an "error" filter raised the warning
 HANG_LINE = next(
     i for i, line in enumerate(STRANGER.splitlines(), 1) if "hang's all_gather" in line
 )
@@ -670,6 +744,43 @@ CASES: dict[str, Case] = {
     "test_c17_rank_timeout_0": misconfigured("rank_timeout"),
     "test_c18_exception_in_a_thread_of_rank_1": Case(
         Expect("passed", warnings=(r"ZeroDivisionError", r"\brank 1\b"))
+    ),
+    # pytest's conventions inside ranks: the test's filters decide in the rank (an "error"
+    # raises at the warning, so the rank fails with it, at its line); what is shown reaches
+    # pytest's summary labelled with the rank, at the warning's own file and line.
+    "test_c28a_warning_under_cmdline_error": Case(
+        Expect("failed", f"rank 1 raised DeprecationWarning: cmdline-decides: old API {AT_WARN}")
+    ),
+    "test_c28b_warning_under_ini_error": Case(
+        Expect("failed", f"rank 1 raised RuntimeWarning: ini-decides: odd value {AT_WARN}")
+    ),
+    "test_c28c_warning_under_mark_error": Case(
+        Expect("failed", f"rank 1 raised UserWarning: shown-always: take note {AT_WARN}")
+    ),
+    "test_c28d_warning_shown_in_the_summary": Case(
+        Expect(
+            "passed",
+            warnings=(rf"{MODULE}\.py:{WARN_LINE}: UserWarning: rank 1: shown-always: take note",),
+        )
+    ),
+    "test_c28e_pytest_warns_in_a_rank": Case(Expect("passed")),
+    "test_c28f_thread_fails_after_the_function": Case(
+        Expect(
+            "failed",
+            "rank 1 raised ValueError: late on 1 (in thread 'late-boom', after the rank function "
+            "had returned)",
+            within=5,
+        ),
+    ),
+    # Under its mark's "error", as pytest fails a test whose object's __del__ raised.
+    "test_c28g_unraisable_exception": Case(
+        Expect(
+            "failed",
+            starts(
+                "pytest.PytestUnraisableExceptionWarning: rank 1: Exception ignored in: "
+                "<function Unclosable.__del__"
+            ),
+        )
     ),
     # Fresh ranks start clean; a warm world that a test changed is replaced.
     "test_c19a_fills_a_module_global": Case(Expect("passed")),
@@ -1028,7 +1139,20 @@ def test_the_table_names_every_test_of_the_file_and_no_other() -> None:
 
 # --- running the file forked or warm, in this process ------------------------------------
 
-RUN_ARGS = ["-p", "no:cacheprovider", "-p", "no:randomly", "-rA", "--rank-timeout=20"]
+RUN_ARGS = [
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:randomly",
+    "-rA",
+    "--rank-timeout=20",
+    # Warning filters for the c28 cases, by message: the file's other cases keep pytest's.
+    "-W",
+    "error:cmdline-decides:DeprecationWarning",
+    "-W",
+    "always:shown-always",
+]
+INI = "[pytest]\nfilterwarnings =\n    error:ini-decides\n"  # the project's, for c28b
 IN_PROCESS_LIMIT = 60.0  # seconds a forked or warm run of the file may take (deadlines: 3 s)
 
 
@@ -1064,6 +1188,7 @@ def run_in_process(
     pids.mkdir()
     monkeypatch.setenv("CONFORMANCE_PIDS", str(pids))
     (pytester.path / f"{MODULE}.py").write_text(source)
+    (pytester.path / "pytest.ini").write_text(INI)
     server = _ranks.forkserver_pid()
     cpu = _own_cpu() - _cpu_of(server)
     start = time.monotonic()
@@ -1158,6 +1283,7 @@ def test_torchrun(pytester: pytest.Pytester) -> None:
     pids = pytester.path / "pids"
     pids.mkdir()
     (pytester.path / f"{MODULE}.py").write_text(STRANGER)
+    (pytester.path / "pytest.ini").write_text(INI)
     store = agents_store(JOB_LIMIT)
     args = [*RUN_ARGS, "-v", "--junitxml=torchrun.xml", "-k", TORCHRUN_DESELECT, f"{MODULE}.py"]
     command = _agent(store.port, f"conformance-{uuid.uuid4().hex[:8]}", args)
@@ -1267,6 +1393,7 @@ def test_torchrun_a_leaving_worker_ends_the_job(
     pids = pytester.path / "pids"
     pids.mkdir()
     (pytester.path / f"{MODULE}.py").write_text(STRANGER)
+    (pytester.path / "pytest.ini").write_text(INI)
     store = agents_store(JOB_LIMIT)
     job = {**job_environment(store, 2), "CONFORMANCE_PIDS": str(pids)}
     args = [*RUN_ARGS, "-v", "--junitxml=job.xml", "-k", f"{case} or {LAST}", f"{MODULE}.py"]

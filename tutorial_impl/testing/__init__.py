@@ -14,6 +14,7 @@ from tutorial_impl.testing.assertions import (
     assert_close_across_ranks,
     assert_equal_across_ranks,
 )
+from tutorial_impl.testing.caught import RankThreadWarning
 from tutorial_impl.testing.errors import (
     RankCrashed,
     RankError,
@@ -42,6 +43,7 @@ __all__ = [
     "RankFailed",
     "RankResults",
     "RankSkipped",
+    "RankThreadWarning",
     "RankTimeout",
     "assert_close_across_ranks",
     "assert_equal_across_ranks",

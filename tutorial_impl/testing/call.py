@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from tutorial_impl.testing import backends, fault_plan
 from tutorial_impl.testing import coverage as _coverage
 from tutorial_impl.testing import shape as _shape
+from tutorial_impl.testing.caught import Filters
 from tutorial_impl.testing.config import (
     DEFAULT_BACKEND,
     DEFAULT_DEADLINE,
@@ -76,6 +77,8 @@ class Call:
     faults: fault_plan.Plan = ()  # what goes wrong on purpose (docs/faults.md)
     # Where a debugged rank's "attach to port N" goes (pytest's terminal; else stderr).
     announce: Callable[[str], None] | None = None
+    # The test's warning filters at the call (``caught``); None: a rank keeps its own.
+    warning_filters: Filters | None = None
 
     @property
     def debug_env(self) -> dict[str, str]:
@@ -236,6 +239,7 @@ class RankSpec:
     # The rendezvous of the harness's own group, set only while it joins (``rendezvous``).
     harness_env: dict[str, str] = field(default_factory=dict)
     faults: fault_plan.Plan = ()  # armed in the rank before its group is made
+    warning_filters: Filters | None = None  # see Call.warning_filters
 
     @property
     def records_path(self) -> str:
@@ -280,4 +284,5 @@ def rank_spec(
         owner_pid=os.getpid(),
         harness_env=dict(harness_env or {}),
         faults=call.faults,
+        warning_filters=call.warning_filters,
     )

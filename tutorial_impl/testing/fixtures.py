@@ -5,7 +5,8 @@ verdict out: the test's settings (``config``, read once at collection) and the c
 keyword options become one checked ``call.Call``; the strategy is chosen (``Session.runner``:
 under torchrun the job, a warm world when asked for and possible, else fresh ranks), runs it
 and returns the results or raises the run's one error (``verdict``); a skip or an xfail
-becomes pytest's own, and exceptions in the ranks' threads become pytest's warnings.
+becomes pytest's own, and what the ranks caught (warnings, exceptions in their threads)
+becomes pytest's warnings (``caught``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import functools
 import itertools
 import re
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import pytest
 
 from tutorial_impl.testing import call as _call
+from tutorial_impl.testing import caught
 from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import matrix
 from tutorial_impl.testing import shadowing as _shadowing
@@ -166,6 +167,7 @@ class RunRanksOfTest:
             deadline=min(call.deadline, self.item.stash.get(DEADLINE_CAP, float("inf"))),
             log_dir=call.log_dir or self.next_dir(),
             announce=_terminal_line(self.config),
+            warning_filters=caught.current_filters(),  # pytest's for this test, now
         )
         runner = self.session.runner(self.settings, call)
         if runner is self.session.launched and call.world_size != world_size_of_job(runner):
@@ -307,7 +309,7 @@ def _outcome(
         if as_pytest:
             reported(error)
         raise
-    _warn_thread_errors(results.thread_errors)
+    caught.emit(results.thread_errors, results.caught)
     # Under torchrun each rank's own capture has the output; with stream= it was relayed live.
     if session.launched is None and call.stream is None:
         for rank, text in enumerate(results.outputs):
@@ -316,24 +318,18 @@ def _outcome(
     return results
 
 
-def _warn_thread_errors(errors: dict[int, tuple[str, ...]]) -> None:
-    """An exception in a rank's thread, as plain pytest reports one in its own process."""
-    for rank, texts in sorted(errors.items()):
-        for text in texts:
-            warnings.warn(
-                pytest.PytestUnhandledThreadExceptionWarning(f"rank {rank}: {text}"), stacklevel=3
-            )
-
-
 def reported(error: RankError) -> NoReturn:
     """Raise ``error`` as the test's outcome: pytest's skip or xfail, else the error with its
-    stacks and outputs left to the report's sections (``report``); the exceptions of the
-    ranks' threads become warnings. An error reported once already is raised as it is."""
+    stacks and outputs left to the report's sections (``report``); what the ranks caught
+    becomes pytest's warnings (``caught.emit``), but one an "error" filter turns into an
+    exception does not replace the ranks' own verdict. An error reported once already is
+    raised as it is."""
     __tracebackhide__ = True
     if not error.in_message:
         raise error
     error.in_message = False  # stacks and outputs go to report sections instead
-    _warn_thread_errors(error.thread_errors)
+    with contextlib.suppress(Warning):
+        caught.emit(error.thread_errors, error.caught)
     if isinstance(error, RankSkipped):  # reported at the test's location, not the harness's
         raise pytest.skip.Exception(f"rank {error.rank}: {error.reason}", _use_item_location=True)
     if isinstance(error, RankXFailed):

@@ -18,8 +18,10 @@ A rank ends in exactly one of these ways, and ``verdict`` decides from the type 
 (forked, warm, under torchrun): it calls the rank function, turns what happened into one of
 the above, and wraps it in a ``Report`` that says which process answered (only the rank
 itself may: a child it forked that returns from the function is a failure of that rank),
-when, and which exceptions the rank's own threads raised meanwhile. ``verdict.decide`` turns
-every rank's report into one verdict. Everything here pickles: the exception is carried as
+when, which exceptions the rank's own threads raised meanwhile, and what else pytest would
+have caught around a test body (``caught``: warnings, unraisable exceptions, threads the
+function left running; one of those that raises after the function returned fails the
+rank). ``verdict.decide`` turns every rank's report into one verdict. Everything here pickles: the exception is carried as
 text, because the exception object itself may not unpickle in the parent (a class defined in
 a test module, a constructor with other arguments).
 """
@@ -29,12 +31,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from tutorial_impl.testing.caught import Catcher, Caught
 
 if TYPE_CHECKING:
     from tutorial_impl.testing.forensics import Place
@@ -52,14 +55,17 @@ class Raised:
     exc_type: str  # "ValueError", or "package.module.MyError" for a class outside builtins
     message: str  # str(exc)
     traceback: str  # the full formatted traceback, as the rank saw it
+    warned_at: str | None = None  # a warning an "error" filter raised: "test_x.py:12"
 
     @property
     def summary(self) -> str:
-        """``ValueError: boom``: the type and the first line of the message."""
+        """``ValueError: boom``: the type and the first line of the message (a warning
+        raised as an error: and where, ``DeprecationWarning: old API (at test_x.py:12)``)."""
         first = self.message.strip().splitlines()[0] if self.message.strip() else ""
         if len(first) > HEADLINE_CHARS:
             first = first[:HEADLINE_CHARS] + "..."
-        return f"{self.exc_type}: {first}" if first else self.exc_type
+        said = f"{self.exc_type}: {first}" if first else self.exc_type
+        return f"{said} (at {self.warned_at})" if self.warned_at else said
 
 
 @dataclass(frozen=True)
@@ -127,14 +133,16 @@ FORKED_CHILD = "tutorial_impl.testing.ForkedChildReturned"  # Raised.exc_type of
 
 @dataclass(frozen=True)
 class Report:
-    """One rank's answer: its outcome, the process that gave it, when, and the exceptions
-    its own threads raised meanwhile (formatted; the plugin turns them into warnings)."""
+    """One rank's answer: its outcome, the process that gave it, when, the exceptions its
+    own threads raised meanwhile (formatted), and what else pytest would have caught around
+    it (``caught``); the parent hands those two to pytest as warnings (``caught.emit``)."""
 
     outcome: Outcome
     pid: int
     at: float  # time.time() when the function ended
     thread_errors: tuple[str, ...] = ()
     forked: bool = False  # the function forked this process (os.fork, a fork-started Process)
+    caught: Caught = Caught()  # its warnings, unraisable exceptions, threads left running
 
 
 class _Forks:
@@ -190,7 +198,15 @@ def from_exception(exc: BaseException) -> Raised | Skipped | XFailed:
     kind = skip_kind(exc)
     if kind is not None:
         return kind(str(getattr(exc, "msg", None) or exc))
-    return Raised(_type_name(exc), str(exc), traceback.format_exc())
+    return Raised(_type_name(exc), str(exc), traceback.format_exc(), _warned_at(exc))
+
+
+def _warned_at(exc: BaseException) -> str | None:
+    """Where a warning was raised as an exception (an "error" filter): its innermost line."""
+    if not isinstance(exc, Warning) or exc.__traceback__ is None:
+        return None
+    last = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{os.path.basename(last.filename)}:{last.lineno}"
 
 
 def capture(
@@ -199,33 +215,50 @@ def capture(
     args: tuple,
     kwargs: dict,
     on_error: Callable[[BaseException], None] | None = None,
+    catcher: Catcher | None = None,
 ) -> Report:
     """Run ``fn(*args, **kwargs)`` in rank ``rank`` and report how it ended: the one
     rank-side capture of every strategy. Never raises (``exit()`` and Ctrl-C included).
+
+    What pytest would catch around a test body is caught meanwhile (``catcher``: threads'
+    and unraisable exceptions; its ``recording`` of warnings is the caller's to open around
+    the function itself), and the threads the function left running are waited for
+    (``Catcher.settle``): one that raises then fails the rank, unless it failed already.
 
     If the function forked and the *child* comes back here, its report is a failure of the
     rank that says so (the parent tells it apart by ``pid``): a child answering for its rank
     would hide whatever the rank itself did.
     """
     owner, forks = os.getpid(), FORKS.count
-    thread_errors: list[str] = []
-    hook = threading.excepthook
-    threading.excepthook = lambda hook_args: thread_errors.append(_thread_error(hook_args))
-    try:
-        outcome: Outcome = Returned(fn(*args, **kwargs))
-    except BaseException as exc:  # noqa: BLE001 - everything is reported, even exit()
-        outcome = from_exception(exc)
-        if on_error is not None and os.getpid() == owner:
-            try:
-                on_error(exc)
-            except BaseException:  # noqa: BLE001 - the debugger went away: report the error
-                pass
-    finally:
-        threading.excepthook = hook
+    catcher = catcher if catcher is not None else Catcher()
+    with catcher.hooks():
+        try:
+            outcome: Outcome = Returned(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - everything is reported, even exit()
+            outcome = from_exception(exc)
+            if on_error is not None and os.getpid() == owner:
+                try:
+                    on_error(exc)
+                except BaseException:  # noqa: BLE001 - the debugger went away: report the error
+                    pass
+        late = catcher.settle() if os.getpid() == owner else None
     if os.getpid() != owner:
         outcome = forked_child(rank, os.getpid())
+    elif late is not None and not isinstance(outcome, Failure):
+        outcome = _late_failure(*late)
+    elif late is not None:
+        catcher.thread_errors.append(late[0])
     forked = FORKS.count != forks
-    return Report(outcome, os.getpid(), time.time(), tuple(thread_errors), forked)
+    return Report(
+        outcome, os.getpid(), time.time(), tuple(catcher.thread_errors), forked, catcher.caught()
+    )
+
+
+def _late_failure(text: str, exc: BaseException) -> Raised:
+    """A thread's exception after the rank function returned, as the rank's failure."""
+    name = text.splitlines()[0].removeprefix("Exception in thread ")
+    message = f"{exc} (in thread {name!r}, after the rank function had returned)"
+    return Raised(_type_name(exc), message, text)
 
 
 def forked_child(rank: int, pid: int) -> Raised:
@@ -234,14 +267,6 @@ def forked_child(rank: int, pid: int) -> Raised:
         "instead of ending with os._exit; only the rank itself answers for its rank"
     )
     return Raised(FORKED_CHILD, message, f"{FORKED_CHILD}: {message}\n")
-
-
-def _thread_error(hook_args: Any) -> str:
-    name = getattr(hook_args.thread, "name", "?")
-    text = "".join(
-        traceback.format_exception(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
-    )
-    return f"Exception in thread {name}\n{text}"
 
 
 def unpicklable(what: str, exc: BaseException) -> Raised:

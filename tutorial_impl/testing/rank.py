@@ -11,6 +11,7 @@ torch, so inside a rank those imports are free.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import faulthandler
 import io
 import multiprocessing.connection
@@ -33,6 +34,7 @@ from tutorial_impl.testing import proctable as _proctable
 from tutorial_impl.testing import torchenv as _torchenv
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
 from tutorial_impl.testing.call import RankSpec
+from tutorial_impl.testing.caught import Catcher
 from tutorial_impl.testing.lookup import resolve
 from tutorial_impl.testing.rendezvous import harness_view, init_method_url
 from tutorial_impl.testing.shape import arguments
@@ -248,6 +250,7 @@ def run_task(
     if _debugging.debug_rank() is not None:
         spec.timeout = _debugging.HOLD  # hold every rank while one is debugged
     cov = _coverage.start_in_rank(spec.coverage)
+    catcher = Catcher(spec.warning_filters)
     report = _outcome.capture(
         _set_up_and_call,
         spec.rank,
@@ -256,8 +259,10 @@ def run_task(
             "imported_with": imported_with,
             "join_group": join_group,
             "baseline": baseline,
+            "catcher": catcher,
         },
         on_error=debugging.post_mortem,
+        catcher=catcher,
     )
     if os.getpid() != rank_pid:  # a forked child of the rank function: report and go
         send(pickle.dumps(report))
@@ -269,7 +274,7 @@ def run_task(
     except Exception as exc:  # noqa: BLE001
         failure = _outcome.unpicklable("returned a value that cannot be pickled", exc)
         message = pickle.dumps(
-            _outcome.Report(failure, report.pid, report.at, report.thread_errors)
+            dataclasses.replace(report, outcome=failure, forked=False)
         )
     _coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
     sys.stdout.flush()
@@ -282,10 +287,12 @@ def _set_up_and_call(
     imported_with: dict[str, str],
     join_group: bool,
     baseline: Any,
+    catcher: Catcher,
 ) -> Any:
     """What ``capture`` runs: find the function, join the group, call it in its shape
-    (``shape``; a warm rank's ``baseline`` snapshot taken right before the call: what the
-    harness did is not the test's)."""
+    (``shape``; a warm rank's ``baseline`` snapshot taken right before the call, and the
+    test's warning filters applied to the call alone: what the harness did is not the
+    test's)."""
     fn = resolve(spec.function)
     args, kwargs = arguments(spec.payload, spec.rank_params, spec.rank, spec.world_size)
     _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
@@ -295,7 +302,8 @@ def _set_up_and_call(
         init_process_group(spec)
     if baseline is not None:
         baseline.refresh()
-    return fn(*args, **kwargs)
+    with catcher.recording():
+        return fn(*args, **kwargs)
 
 
 def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:

@@ -37,6 +37,9 @@ SKIP_GRACE = 5.0
 # A rank whose function forked waits this long for those copies of itself to end before it
 # reports: one that came back from the function reports first (a failure of the rank).
 FORK_GRACE = 1.0
+# Threads a rank function started (non-daemon) that still run when it returns are waited for
+# this long before the rank reports: one that raises meanwhile fails the rank (``caught``).
+THREAD_GRACE = 1.0
 DUMP_BUDGET = 1.0  # seconds the parent may wait for the ranks' stack dumps, at most
 STACK_POLL = 0.05  # how often the stack files are looked at while they are written
 

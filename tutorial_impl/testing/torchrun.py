@@ -44,6 +44,7 @@ from typing import Any
 from tutorial_impl.testing import faults, faulty_group, forensics, proctable, recorder, records
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.caught import Catcher, current_filters
 from tutorial_impl.testing.errors import RankResults
 from tutorial_impl.testing.job import Job
 from tutorial_impl.testing.lookup import resolve
@@ -260,9 +261,10 @@ def run_here(
     box: dict[str, _o.Report] = {}
     done = threading.Event()
     child_r, child_w = os.pipe()  # where a forked child that came back reports
+    catcher = Catcher(current_filters())  # this worker's: pytest's for the test
 
     def rank_function() -> None:  # the name frames_of stops at
-        report = _o.capture(fn, launch.rank, args, kwargs)
+        report = _o.capture(fn, launch.rank, args, kwargs, catcher=catcher)
         if report.pid != worker:  # a child the function forked came back here
             os.write(child_w, pickle.dumps(report))
             os._exit(1)
@@ -275,11 +277,17 @@ def run_here(
 
     tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
     sys.stdout, sys.stderr = tee_out, tee_err
-    thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=True)
+    # Not a daemon, as a forked rank's main thread is not: the threads the function starts
+    # inherit that, and those are the ones waited for (``caught``). The worker never waits
+    # for it at exit (it leaves through os._exit: ``torchrun_session``).
+    thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=False)
     job.end_call = exited if launch.rank == 0 else None
     try:
-        thread.start()
-        ended = _wait(job, key, done, timeout)
+        # Warnings recorded in this thread, which outlives the call's: a recording opened
+        # in the function's thread would be closed, if ever, after pytest's own (abandoned).
+        with catcher.recording():
+            thread.start()
+            ended = _wait(job, key, done, timeout)
     finally:
         job.end_call = None
         sys.stdout, sys.stderr = tee_out.stream, tee_err.stream

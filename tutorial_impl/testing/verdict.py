@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from tutorial_impl.testing import desync
 from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.caught import Caught
 from tutorial_impl.testing.errors import (
     RankError,
     RankResults,
@@ -60,6 +61,10 @@ class Finished:
     def thread_errors(self) -> dict[int, tuple[str, ...]]:
         return {r: rep.thread_errors for r, rep in self.reports.items() if rep.thread_errors}
 
+    @property
+    def caught(self) -> dict[int, Caught]:
+        return {r: rep.caught for r, rep in self.reports.items() if rep.caught}
+
 
 def cause(outcomes: dict[int, _o.Outcome], order: list[int]) -> int | None:
     """The rank whose failure is the cause (rule 1), or None if no rank failed."""
@@ -86,13 +91,13 @@ def decide(run: Finished) -> RankResults:
     if error is None and skips:
         error = error_for(skips[0], outcomes[skips[0]], "", run.outputs)
     if error is not None:
-        error.thread_errors = run.thread_errors
+        error.thread_errors, error.caught = run.thread_errors, run.caught
         if first is not None:
             _explain_failure(run, error)
         raise error
     results = RankResults(outcomes[r].value for r in range(run.world_size))  # type: ignore[union-attr]
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
-    results.thread_errors = run.thread_errors
+    results.thread_errors, results.caught = run.thread_errors, run.caught
     return results
 
 
