@@ -279,12 +279,11 @@ def _build(
         "timeout": settings.deadline,
         **options,
     }
-    env = dict(options.get("env") or {})
-    if session.check_collectives or settings.check_collectives:  # the caller's env= wins
-        fields["env"] = {**CHECK_COLLECTIVES, **env}
     if session.debug_rank is not None and "debug_rank" not in options:
         fields["debug_rank"] = session.debug_rank
     try:
+        if session.check_collectives or settings.check_collectives:  # the caller's env= wins
+            fields["env"] = {**CHECK_COLLECTIVES, **_call.check_env(options.get("env"))}
         return _call.build(fn, args, given=given, **fields)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"run_ranks: {exc}") from None
