@@ -196,8 +196,11 @@ def test_a_foreign_projects_gpu_and_slow_markers_keep_their_meaning(pytester):
         (["--rank-timeout", "0"], "--rank-timeout: 0.0; accepted: a positive number of seconds"),
         ("ini 0", "rank_timeout ini: '0'; accepted: a positive number of seconds"),
         # Refused where it is read, not an OverflowError in every test's wait.
-        (["--rank-timeout", "1e9"], "--rank-timeout: 1000000000.0; accepted: a positive number "
-         "of seconds, at most 604800 (a week)"),
+        (
+            ["--rank-timeout", "1e9"],
+            "--rank-timeout: 1000000000.0; accepted: a positive number "
+            "of seconds, at most 604800 (a week)",
+        ),
     ],
 )
 def test_a_bad_option_is_a_usage_error_naming_it(pytester, how, message):

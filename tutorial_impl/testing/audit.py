@@ -5,8 +5,8 @@ the harness can see (``warm_rank``, ``reuse``). What it cannot see (``docs/harne
 lists it) is where a CI job that wants proof turns this on: each call of a warm test runs in
 its warm world and then on fresh ranks, and the two verdicts (passed, skipped, xfailed, or
 failed with how every rank ended) must agree. Which failing rank's report arrived first is
-not compared: that is a race, and the same test fresh twice may differ in it. It costs a fresh run per call
-(``python -m tutorial_impl bench harness`` measures it).
+not compared: that is a race, and the same test fresh twice may differ in it. It costs a
+fresh run per call (``python -m tutorial_impl bench harness`` measures it).
 """
 
 from __future__ import annotations

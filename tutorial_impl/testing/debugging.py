@@ -24,10 +24,11 @@ ranks are held where they wait (their process group's own timeout is lifted for 
 the harness deadline is paused for as long as the debugged rank has a debugger (the
 ``rank<N>.debugging`` file exists: see ``Deadline``). ``c`` lets the rank go on and the run end
 as it would have, and so does Ctrl-D in ``attach`` (after whatever commands were typed
-before it: a later stop of that rank waits for a new ``attach``); ``q`` ends the rank with ``bdb.BdbQuit``, which fails the test, and the
-harness kills every rank as always. Limits: one rank per run; the deadline stays paused until
-that rank ends once its debugger has started (so a rank that hangs *after* ``c`` waits for
-pytest-timeout, if any, or Ctrl-C); pytest-timeout keeps counting (run with ``--timeout 0``).
+before it: a later stop of that rank waits for a new ``attach``); ``q`` ends the rank with
+``bdb.BdbQuit``, which fails the test, and the harness kills every rank as always. Limits:
+one rank per run; the deadline stays paused until that rank ends once its debugger has
+started (so a rank that hangs *after* ``c`` waits for pytest-timeout, if any, or Ctrl-C);
+pytest-timeout keeps counting (run with ``--timeout 0``).
 """
 
 from __future__ import annotations

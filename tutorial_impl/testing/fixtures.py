@@ -152,7 +152,11 @@ class RunRanksOfTest:
         return self._run(fn, args, options, as_pytest=False)
 
     def _run(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any], as_pytest: bool
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        options: dict[str, Any],
+        as_pytest: bool,
     ) -> RankResults:
         __tracebackhide__ = True
         runner, call = self.prepare(fn, args, options)

@@ -66,7 +66,8 @@ class Finished:
 
 def cause(outcomes: dict[int, _o.Outcome], order: list[int]) -> int | None:
     """The rank whose failure is the cause (rule 1), or None if no rank failed."""
-    return (echo.causes(outcomes, order) or [None])[0]
+    ranked = echo.causes(outcomes, order)
+    return ranked[0] if ranked else None
 
 
 def decide(run: Finished) -> RankResults:
