@@ -14,11 +14,13 @@ them when its peer's process ended (``tests/dist_tuto/test_08_failure.py`` check
 from __future__ import annotations
 
 import itertools
+import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tutorial_impl.testing import echo
+from tutorial_impl.testing import echo, run_ranks, timing
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.audit import verdict_of
 from tutorial_impl.testing.errors import RankCrashed, RankError, RankFailed
@@ -126,6 +128,9 @@ def test_the_audit_compares_how_every_rank_ended_not_which_came_first():
     assert verdict_of(other) != verdict_of(fresh)
     returned = verdict({**same, 1: _o.Returned(1)}, [2, 1, 0])
     assert verdict_of(returned) != verdict_of(fresh)
+    # An error no verdict made (no outcomes): its rank and type, as before.
+    bare = RankFailed(1, "tb", "rank 1 raised ValueError: x", {}, exc_type="ValueError")
+    assert verdict_of(bare) == ("failed", "rank 1 raised ValueError")
     # An object's address differs from run to run; the rest of the message does not.
     at = [raised("TypeError", f"cannot pickle <Lock at {a}>") for a in ("0x7f01", "0x7fab")]
     assert verdict_of(verdict({0: at[0]}, [0])) == verdict_of(verdict({0: at[1]}, [0]))
@@ -155,3 +160,24 @@ def test_a_thread_gets_the_innermost_test_and_tests_side_by_side_are_refused():
         thread.join(10)
         assert running.current() is outer
     assert running.current() is None
+
+
+def test_a_deadline_is_usable_from_above_0_to_a_week():
+    for seconds in (0.001, 0.5, 1, 60, timing.MAX_DEADLINE):
+        assert timing.usable_seconds(seconds), seconds
+    for seconds in (0, -1, timing.MAX_DEADLINE + 0.5, 1e9, math.inf, math.nan, True, "60", None):
+        assert not timing.usable_seconds(seconds), seconds
+
+
+def rank_and_size(rank: int, world_size: int) -> tuple[int, int]:
+    return rank, world_size
+
+
+@pytest.mark.world_size(3)
+def test_run_ranks_from_a_thread_of_the_test_is_the_tests():
+    """The public ``run_ranks`` from an executor's thread, which has no test context of its
+    own: the test's world_size(3), not the default 2 (the conformance file's c34a proves it
+    forked, warm and under torchrun)."""
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(run_ranks, rank_and_size).result(timeout=60)
+    assert got == [(0, 3), (1, 3), (2, 3)]

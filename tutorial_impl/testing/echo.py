@@ -49,9 +49,10 @@ def consequence(outcomes: dict[int, _o.Outcome], order: list[int], cause: int, r
 
 
 def returned_peers(outcomes: dict[int, _o.Outcome], cause: int) -> list[int]:
-    """When ``cause`` is an echo and no rank died: the ranks that had returned, whose
-    groups closed as their functions ended (the peer gloo calls "crashing"); else []."""
-    if not is_echo(outcomes[cause]) or any(isinstance(o, _o.Died) for o in outcomes.values()):
+    """When the cause (``causes``'s first) is an echo, so no rank died or raised an error of
+    its own: the ranks that had returned, whose connections closed as they left (the peer
+    gloo calls "crashing"); else []."""
+    if not is_echo(outcomes[cause]):
         return []
     return sorted(r for r, o in outcomes.items() if isinstance(o, _o.Returned))
 
