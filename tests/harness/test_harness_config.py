@@ -101,6 +101,10 @@ def test_negative_deadline(run_ranks):
 def test_zero_deadline(run_ranks):
     run_ranks(nothing)
 
+@pytest.mark.rank_timeout(1e9)  # beyond what the waits beneath can take: refused, no OverflowError
+def test_endless_deadline(run_ranks):
+    run_ranks(nothing)
+
 @pytest.mark.rank_timeout(10, secs=2)
 def test_deadline_keyword(run_ranks):
     run_ranks(nothing)
@@ -122,6 +126,8 @@ EXPECTED = {
     "test_forked_mpi": "backend 'mpi' at world size 2: MPI takes its ranks from the MPI launcher",
     "test_negative_deadline": "rank_timeout(-1): -1; accepted: a positive number of seconds",
     "test_zero_deadline": "rank_timeout(0): 0; accepted: a positive number of seconds",
+    "test_endless_deadline": "rank_timeout(1000000000.0): 1000000000.0; accepted: a positive "
+    "number of seconds, at most 604800 (a week)",
     "test_deadline_keyword": "rank_timeout(10, secs=2): unknown keyword argument 'secs'",
     "test_no_ranks": "world_size(0): 0 is not a world size; accepted: an int >= 1",
 }
@@ -189,6 +195,12 @@ def test_a_foreign_projects_gpu_and_slow_markers_keep_their_meaning(pytester):
         # Zero is refused too, not taken for "not given" and replaced by the default 60 s.
         (["--rank-timeout", "0"], "--rank-timeout: 0.0; accepted: a positive number of seconds"),
         ("ini 0", "rank_timeout ini: '0'; accepted: a positive number of seconds"),
+        # Refused where it is read, not an OverflowError in every test's wait.
+        (
+            ["--rank-timeout", "1e9"],
+            "--rank-timeout: 1000000000.0; accepted: a positive number "
+            "of seconds, at most 604800 (a week)",
+        ),
     ],
 )
 def test_a_bad_option_is_a_usage_error_naming_it(pytester, how, message):

@@ -559,6 +559,88 @@ def test_c28g_unraisable_exception(run_ranks):
     run_ranks(drop_unclosable)
 
 
+# One test, one context (issue 34): run_ranks from a thread the test started is the test's;
+# bad values are refused before any rank starts, naming the field; a rank's own error is the
+# headline over the lost connections its exit caused, and a peer that returned is said to.
+@pytest.mark.world_size(4)
+def test_c34a_run_ranks_from_a_thread_of_the_test(run_ranks):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(public_run_ranks, sum_of_ranks).result() == [6.0] * 4
+
+
+async def coroutine_ranks(rank, world_size):
+    note()
+
+
+def generator_ranks(rank, world_size):
+    note()
+    yield rank
+
+
+async def async_generator_ranks(rank, world_size):
+    note()
+    yield rank
+
+
+MISUSES = [
+    ({"timeout": float("inf")}, ValueError, "timeout must be a positive number of seconds"),
+    ({"timeout": 1e9}, ValueError, "timeout must be .* at most 604800"),
+    ({"env": ["A"]}, TypeError, "env must be a mapping of str to str"),
+    ({"env": {"A": 1}}, TypeError, "env must be a mapping of str to str"),
+    ({"stream": "stdout"}, TypeError, "stream must be a text stream"),
+]
+NOT_FUNCTIONS = [
+    (coroutine_ranks, "an async def function"),
+    (generator_ranks, "a generator function"),
+    (async_generator_ranks, "an async generator function"),
+    (functools.partial(coroutine_ranks), "an async def function"),
+]
+
+
+def test_c34b_bad_values_are_refused_naming_the_field(run_ranks):
+    # TypeError/ValueError from the call itself: no rank ran (a rank's error is a RankError).
+    for options, error, words in MISUSES:
+        with pytest.raises(error, match=words):
+            run_ranks(sum_of_ranks, **options)
+    for fn, kind in NOT_FUNCTIONS:
+        with pytest.raises(TypeError, match=f"^run_ranks: fn .* is {kind}"):
+            run_ranks(fn)
+        with pytest.raises(TypeError, match=f"^run_ranks: fn .* is {kind}"):
+            public_run_ranks(fn)
+
+
+def own_error_on_rank_2(rank, world_size):
+    note()
+    dist.init_process_group("gloo")
+    try:
+        if rank == 2:
+            raise ValueError("rank 2's own bug")
+        dist.all_reduce(torch.ones(1))  # ranks 0 and 1 lose their connection to rank 2 ...
+    finally:
+        dist.destroy_process_group()  # ... at once, as rank 2 cleans up before it reports
+
+
+@pytest.mark.world_size(3)
+def test_c34c_rank_2_raises_and_its_peers_lose_the_connection(run_ranks):
+    run_ranks(own_error_on_rank_2, backend=None)
+
+
+def rank_0_returns_early(rank, world_size):
+    note()
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        dist.destroy_process_group()  # rank 0 is done: its connections close
+        return "done"
+    dist.all_reduce(torch.ones(1))  # rank 1 waits for rank 0, which has left
+
+
+def test_c34d_a_peer_that_returned_is_said_to_have_returned(run_ranks):
+    run_ranks(rank_0_returns_early, backend=None)
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -808,6 +890,34 @@ CASES: dict[str, Case] = {
             why="the job has its own rendezvous: init_method cannot be honoured there, so it is "
             "refused, never silently dropped",
         ),
+    ),
+    "test_c34a_run_ranks_from_a_thread_of_the_test": Case(
+        Expect("passed"),
+        torchrun=Differs(
+            "skipped",
+            re.compile(r"needs world_size 4; this torchrun job has 2 ranks"),
+            why="the thread's call is the test's (its world_size(4)), which the job cannot "
+            "give: skipped as the test's own call would be, not run on the job's 2 ranks",
+        ),
+    ),
+    "test_c34b_bad_values_are_refused_naming_the_field": Case(Expect("passed")),
+    "test_c34c_rank_2_raises_and_its_peers_lose_the_connection": Case(
+        Expect("failed", "rank 2 raised ValueError: rank 2's own bug"),
+        torchrun=Differs(
+            "skipped",
+            re.compile(r"needs world_size 3; this torchrun job has 2 ranks"),
+            why="under torchrun a test runs on the whole job: another size is skipped",
+        ),
+    ),
+    "test_c34d_a_peer_that_returned_is_said_to_have_returned": Case(
+        Expect(
+            "failed",
+            re.compile(
+                r"^rank 1 raised RuntimeError: .*Connection (closed|reset) by peer.*"
+                r"\(rank\(s\) 0 had returned and closed the connection, while this rank was "
+                r"still in a collective with it: no rank crashed\)$"
+            ),
+        )
     ),
     "test_c19e_patches_all_reduce": Case(Expect("passed")),
     "test_c19f_all_reduces_for_real": Case(

@@ -120,6 +120,25 @@ def test_a_breakpoint_in_one_rank_reaches_the_user_and_the_run_goes_on(tmp_path)
     assert transcript[1].strip() == "20"  # rank 1's own x
 
 
+def test_ctrl_d_after_a_command_runs_it_and_lets_the_rank_go_on(tmp_path):
+    """A command typed, then Ctrl-D at once (attach's stdin ends): the command's answer is
+    shown, the rank goes on as ``c`` would, and the run passes (not ``bdb.BdbQuit``)."""
+    shown = []
+
+    def user_script(user: User) -> None:
+        user.until("(rank 1 Pdb) ")
+        user.type("p x")
+        user.attach.stdin.close()  # Ctrl-D, before pdb has answered
+        shown.append(user.attach.stdout.read().decode())  # attach ends when the rank lets go
+
+    session = debug_session(tmp_path, user_script)
+    results = run_ranks(stops_at_a_breakpoint, timeout=DEADLINE, debug_rank=1, log_dir=tmp_path)
+    session.join(60)
+    assert session.error is None
+    assert results == [30.0, 30.0]
+    assert "20\n" in shown[0] and "rank 1 goes on" in shown[0], shown
+
+
 def test_a_failing_rank_opens_a_post_mortem_and_quitting_ends_the_run(tmp_path):
     prompt = "(rank 1 Pdb) "
     transcript = []

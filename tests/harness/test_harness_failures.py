@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import types
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
@@ -316,6 +318,18 @@ def _decorated(rank: int, world_size: int) -> None:
     pass
 
 
+async def _coroutine(rank: int, world_size: int) -> None:
+    pass
+
+
+def _generator(rank: int, world_size: int) -> Iterator[int]:
+    yield rank
+
+
+async def _async_gen(rank: int, world_size: int) -> AsyncIterator[int]:
+    yield rank
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -325,8 +339,21 @@ def _decorated(rank: int, world_size: int) -> None:
         ({"init_method": "udp"}, ValueError, "unknown init method 'udp'"),
         ({"backend": "glooo"}, ValueError, "unknown backend 'glooo'"),
         ({"backend": "cpu:glo"}, ValueError, "unknown backend 'cpu:glo'"),
-        ({"timeout": 0}, ValueError, "timeout must be positive"),
-        ({"timeout": "10"}, ValueError, "timeout must be positive: a number of seconds"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds"),
+        ({"timeout": "10"}, ValueError, "timeout must be a positive number of seconds"),
+        # within what the waits beneath can take (OverflowError from the store, else)
+        ({"timeout": float("inf")}, ValueError, r"at most 604800 \(a week\), got inf"),
+        ({"timeout": float("nan")}, ValueError, "timeout must be .*, got nan"),
+        ({"timeout": 604800.5}, ValueError, "timeout must be .*, got 604800.5"),
+        ({"env": ["A"]}, TypeError, r"env must be a mapping of str to str, got \['A'\]"),
+        ({"env": {"A": 1}}, TypeError, "env must be a mapping of str to str"),
+        ({"env": {1: "A"}}, TypeError, "env must be a mapping of str to str"),
+        ({"stream": "stdout"}, TypeError, "stream must be a text stream .* got 'stdout'"),
+        ({"stream": types.SimpleNamespace(write=print)}, TypeError, "with write.. and flush"),
+        ({"fn": _coroutine}, TypeError, r"fn \(the rank function _coroutine\) is an async def"),
+        ({"fn": _generator}, TypeError, r"fn \(the rank function _generator\) is a generator"),
+        ({"fn": _async_gen}, TypeError, "is an async generator function"),
+        ({"fn": functools.partial(_coroutine, 1)}, TypeError, "_coroutine.* is an async def"),
         ({"backend": "mpi", "world_size": 2}, ValueError, "each forked rank would be a world"),
         ({"fn": lambda rank, world_size: None}, TypeError, "not a module-level function"),
         ({"fn": _in_main}, TypeError, "defined in __main__"),

@@ -255,6 +255,14 @@ def test_fills(run_ranks):
 
 def test_reads(run_ranks):
     assert run_ranks(read) == [0, 1]
+
+
+def same_error(rank, world_size):
+    raise ValueError("the same on every rank")
+
+
+def test_fails_alike(run_ranks):  # which rank's report comes first is a race, not a verdict
+    run_ranks(same_error)
 """
 
 
@@ -263,13 +271,14 @@ def test_warm_audit_catches_what_a_warm_world_cannot_see(pytester):
     args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
     # Warm alone, the second test passes on the state the first left (a documented blind
     # spot); audited, it fails saying both verdicts.
-    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2)
+    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2, failed=1)
     audited = pytester.runpytest_inprocess(*args, "--warm-audit")
-    audited.assert_outcomes(passed=1, failed=1)
+    audited.assert_outcomes(passed=1, failed=2)
     audited.stdout.fnmatch_lines(
         [
             "*WarmAuditError: --warm-audit: the warm world's verdict (passed) differs from "
-            "fresh ranks' (failed, rank ? raised KeyError)*",
+            "fresh ranks' (failed, rank 0 raised KeyError: 'k', rank 1 raised KeyError: 'k')*",
             "FAILED test_nested.py::test_reads - --warm-audit*",
+            "FAILED test_nested.py::test_fails_alike - rank ? raised ValueError: the same*",
         ]
     )

@@ -3,7 +3,8 @@
 The debugged rank (``pytest --rank-pdb N`` or ``run_ranks(fn, debug_rank=N)``, see
 ``debugging``) prints the port when it stops. This copies lines from your stdin to the rank's
 pdb and everything it writes back to your stdout, until the rank closes the connection (``c``
-to the end, or ``q``) or you press Ctrl-D.
+to the end, or ``q``). Ctrl-D lets the rank go on: the commands typed before it run first,
+their output is shown, and the rank then continues as ``c`` would.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ def attach(port: int, host: str = "127.0.0.1") -> int:
                     sys.stdout.flush()
                 else:
                     line = sys.stdin.readline()
-                    if not line:  # Ctrl-D: let the rank go on as pdb's "c" would
-                        connection.sendall(b"c\n")
-                        return 0
-                    connection.sendall(line.encode())
+                    if line:
+                        connection.sendall(line.encode())
+                        continue
+                    # Ctrl-D: the end of our input. The rank's pdb runs what was sent before
+                    # it, then reads the end and goes on (``RemotePdb.do_EOF``); its output
+                    # until then is still shown, and its closing the connection ends this.
+                    connection.shutdown(socket.SHUT_WR)
+                    selector.unregister(sys.stdin)
 
 
 def main(argv: list[str] | None = None) -> int:

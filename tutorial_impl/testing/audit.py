@@ -4,14 +4,18 @@ A warm world promises that a test passes warm if and only if it passes fresh, fo
 the harness can see (``warm_rank``, ``reuse``). What it cannot see (``docs/harness.md``
 lists it) is where a CI job that wants proof turns this on: each call of a warm test runs in
 its warm world and then on fresh ranks, and the two verdicts (passed, skipped, xfailed, or
-failed with which rank and which exception) must agree. It costs a fresh run per call
-(``python -m tutorial_impl bench harness`` measures it).
+failed with how every rank ended) must agree. Which failing rank's report arrived first is
+not compared: that is a race, and the same test fresh twice may differ in it. It costs a
+fresh run per call (``python -m tutorial_impl bench harness`` measures it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
+from tutorial_impl.testing import echo
+from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.errors import (
     RankCrashed,
@@ -29,20 +33,34 @@ class WarmAuditError(RankError):
 
 
 def verdict_of(error: BaseException | None) -> tuple[object, ...]:
-    """What must agree between the two runs: the kind of verdict, and a failure's cause."""
+    """What must agree between the two runs: the kind of verdict, and for a failure how
+    every rank ended (``ending``), not which rank's report happened to arrive first."""
     if error is None:
         return ("passed",)
     if isinstance(error, RankSkipped):
         return ("skipped",)
     if isinstance(error, RankXFailed):
         return ("xfailed",)
+    if isinstance(error, RankError) and error.outcomes:
+        return ("failed", *(f"rank {r} {ending(o)}" for r, o in sorted(error.outcomes.items())))
     if isinstance(error, RankFailed):
         return ("failed", f"rank {error.rank} raised {error.exc_type}")
     if isinstance(error, RankCrashed):
         return ("failed", f"rank {error.rank} died")
-    if isinstance(error, RankError):
-        return ("failed", type(error).__name__)
     return ("failed", type(error).__name__)
+
+
+def ending(result: _o.Outcome) -> str:
+    """How one rank ended, as the audit compares it: its own exception's type and message,
+    or how it died; a peer's lost connection (``echo``) and a rank stopped for another's
+    failure are both the consequence of that failure, which of the two a matter of timing."""
+    if echo.is_echo(result) or isinstance(result, _o.Stopped):
+        return "ended by another rank's failure"
+    if isinstance(result, _o.Raised):  # an object's address differs from run to run
+        return "raised " + re.sub(r"0x[0-9a-fA-F]+", "0x...", result.summary)
+    if isinstance(result, _o.Died):
+        return result.how
+    return type(result).__name__.lower()
 
 
 def _run(runner: Runner, call: Call) -> tuple[RankResults | None, BaseException | None]:

@@ -12,12 +12,13 @@ Nothing here imports torch at import time (the pytest plugin imports this module
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import pickle
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,6 +36,7 @@ from tutorial_impl.testing.config import (
 from tutorial_impl.testing.debugging import check_rank
 from tutorial_impl.testing.lookup import FunctionRef, function_ref
 from tutorial_impl.testing.rendezvous import INIT_METHODS
+from tutorial_impl.testing.timing import SECONDS, usable_seconds
 
 # The options of run_ranks, beside the function and its positional arguments, and their
 # defaults (run_ranks's own signature says the same, for help() and editors).
@@ -106,15 +108,17 @@ def build(
         raise ValueError(
             f"unknown init method {o['init_method']!r}; expected one of {INIT_METHODS}"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be positive: a number of seconds, got {timeout!r}")
+    if not usable_seconds(timeout):
+        raise ValueError(f"timeout must be {SECONDS}, got {timeout!r}")
     backends.check(backend)
     refusal = backends.mpi_refusal(backend, world_size)
     if refusal:
         raise ValueError(refusal)
-    _check_env(o["env"])
+    env = check_env(o["env"])
     check_rank(o["debug_rank"], world_size)
-    _check_gpus(backend, world_size, o["env"])
+    _check_gpus(backend, world_size, env)
+    _check_stream(o["stream"])
+    _check_callable(fn)
     ref = function_ref(fn)
     shape = _shape.decide(fn, args, _check_kwargs(o["fn_kwargs"]))
     return Call(
@@ -125,7 +129,7 @@ def build(
         backend=backend,
         init_method=o["init_method"],
         deadline=float(timeout),
-        env=dict(o["env"] or {}),
+        env=env,
         may_exit=_check_ranks(o["may_exit"], world_size),
         debug_rank=o["debug_rank"],
         log_dir=Path(o["log_dir"]) if o["log_dir"] is not None else None,
@@ -181,13 +185,49 @@ def unknown_options(options: Collection[str]) -> list[str]:
     return sorted(set(options) - set(OPTIONS))
 
 
-def _check_env(env: Any) -> None:
+def check_env(env: Any) -> dict[str, str]:
+    """``env=`` as a dict: a mapping of str to str (None: nothing), else a TypeError."""
     if env is None:
-        return
-    if not isinstance(env, dict) or not all(
+        return {}
+    if not isinstance(env, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
-        raise TypeError(f"env must be a dict of str to str, got {env!r}")
+        raise TypeError(f"env must be a mapping of str to str, got {env!r}")
+    return dict(env)
+
+
+def _check_stream(stream: Any) -> None:
+    """``stream=``: None, or a text stream the ranks' lines are written and flushed to."""
+    if stream is None:
+        return
+    if isinstance(stream, (str, bytes, os.PathLike)) or not all(
+        callable(getattr(stream, method, None)) for method in ("write", "flush")
+    ):
+        raise TypeError(
+            f"stream must be a text stream with write() and flush() (sys.stdout, a file "
+            f"opened for writing) or None, got {stream!r}"
+        )
+
+
+# What a rank function must not be: calling one only makes an object, and its work never
+# runs (the rank would have nothing it could send back). Each: the test, what it is, the fix.
+NOT_A_RANK_FUNCTION = (
+    (inspect.iscoroutinefunction, "an async def function", "returns asyncio.run(...) of it"),
+    (inspect.isasyncgenfunction, "an async generator function", "drives it in asyncio.run"),
+    (inspect.isgeneratorfunction, "a generator function", "returns list(...) of it"),
+)
+
+
+def _check_callable(fn: Any) -> None:
+    """The rank function (``fn``, a partial of one included): a plain function."""
+    for test, kind, fix in NOT_A_RANK_FUNCTION:
+        if test(fn):
+            name = getattr(getattr(fn, "func", fn), "__qualname__", None) or repr(fn)
+            raise TypeError(
+                f"fn (the rank function {name}) is {kind}: calling it in a rank would only "
+                f"make an object, and its body would never run; give a plain function that "
+                f"{fix}"
+            )
 
 
 def _check_ranks(may_exit: Collection[int], world_size: int) -> frozenset[int]:

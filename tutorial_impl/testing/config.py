@@ -31,12 +31,16 @@ deprecation warning.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from tutorial_impl.testing import backends, matrix
-from tutorial_impl.testing.timing import BACKSTOP_MARGIN, DEFAULT_DEADLINE
+from tutorial_impl.testing.timing import (
+    BACKSTOP_MARGIN,
+    DEFAULT_DEADLINE,
+    SECONDS,
+    usable_seconds,
+)
 
 # The defaults, the only place they are written (the CLI and the plugin read them here; the
 # deadline and every other clock live in ``timing``).
@@ -151,15 +155,6 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _positive_seconds(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
-
-
 def _marker(item: Any, name: str, uses_harness: bool) -> Any:
     """The closest ``name`` marker, or its deprecated alias on a harness test."""
     marker = item.get_closest_marker(name)
@@ -241,8 +236,8 @@ def deadline_option(value: Any, source: str) -> float | None:
         seconds = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {value!r} is not a number of seconds") from None
-    if not _positive_seconds(seconds):
-        raise ConfigError(f"{source}: {value!r}; accepted: a positive number of seconds")
+    if not usable_seconds(seconds):
+        raise ConfigError(f"{source}: {value!r}; accepted: {SECONDS}")
     return seconds
 
 
@@ -300,10 +295,8 @@ def read(
     marker = item.get_closest_marker("rank_timeout")
     if marker is not None:
         deadline = _one(marker, "seconds", "rank_timeout(seconds) with a positive number")
-        if not _positive_seconds(deadline):
-            raise ConfigError(
-                f"{_call(marker)}: {deadline!r}; accepted: a positive number of seconds"
-            )
+        if not usable_seconds(deadline):
+            raise ConfigError(f"{_call(marker)}: {deadline!r}; accepted: {SECONDS}")
     marker = item.get_closest_marker("check_collectives")
     if marker is not None and (marker.args or marker.kwargs):
         raise ConfigError(

@@ -23,14 +23,17 @@ and debug as usual (``p``, ``n``, ``s``, ``bt``...). Meanwhile nothing kills the
 ranks are held where they wait (their process group's own timeout is lifted for the run), and
 the harness deadline is paused for as long as the debugged rank has a debugger (the
 ``rank<N>.debugging`` file exists: see ``Deadline``). ``c`` lets the rank go on and the run end
-as it would have; ``q`` ends the rank with ``bdb.BdbQuit``, which fails the test, and the
-harness kills every rank as always. Limits: one rank per run; the deadline stays paused until
-that rank ends once its debugger has started (so a rank that hangs *after* ``c`` waits for
-pytest-timeout, if any, or Ctrl-C); pytest-timeout keeps counting (run with ``--timeout 0``).
+as it would have, and so does Ctrl-D in ``attach`` (after whatever commands were typed
+before it: a later stop of that rank waits for a new ``attach``); ``q`` ends the rank with
+``bdb.BdbQuit``, which fails the test, and the harness kills every rank as always. Limits:
+one rank per run; the deadline stays paused until that rank ends once its debugger has
+started (so a rank that hangs *after* ``c`` waits for pytest-timeout, if any, or Ctrl-C);
+pytest-timeout keeps counting (run with ``--timeout 0``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pdb
 import socket
@@ -83,6 +86,18 @@ class RemotePdb(pdb.Pdb):
         super().__init__(stdin=self._io, stdout=self._io)
         self.use_rawinput = False  # read commands from the socket, not from input()
         self.prompt = f"(rank {rank} Pdb) "
+        self.rank = rank
+        self.detached = False  # attach closed its end (Ctrl-D): a later stop waits anew
+
+    def do_EOF(self, arg: str) -> bool | None:
+        """Attach's end closed (Ctrl-D, or the terminal went away): the rank goes on, as
+        ``c`` would, rather than pdb's quit (``bdb.BdbQuit`` would fail the test)."""
+        self.message(f"the debugger detached: rank {self.rank} goes on")
+        self.detached = True
+        with contextlib.suppress(OSError):
+            self._io.close()
+            self._connection.close()  # attach, draining our output, then sees the end
+        return self.do_continue(arg)
 
 
 def _announce(message: str) -> None:
@@ -109,7 +124,7 @@ class Debugging:
         sys.breakpointhook = self.breakpoint if self.active else self.no_terminal
 
     def _debugger(self) -> RemotePdb:
-        if self._pdb is None:
+        if self._pdb is None or self._pdb.detached:
             self._pdb = RemotePdb(self.rank, self.marker, self.attach_within)
         return self._pdb
 

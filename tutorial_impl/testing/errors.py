@@ -66,6 +66,7 @@ class RankError(Exception):
         self.failed_ranks: list[int] = []  # every rank that failed (raised or died)
         self.thread_errors: dict[int, tuple[str, ...]] = {}  # exceptions in rank threads
         self.caught: dict[int, _o.Caught] = {}  # the ranks' warnings (``caught``)
+        self.outcomes: dict[int, _o.Outcome] = {}  # how every rank ended (``verdict``)
 
     @property
     def headline(self) -> str:
@@ -285,12 +286,9 @@ def unformed_group(pending: list[int], where: dict[int, Place], ended: dict[int,
     calls = ", ".join(sorted({str(where[r].joining) for r in joining}))
     absent = sorted([*ended, *(r for r in pending if where.get(r) and r not in joining)])
     if absent:
-        return f": the group did not form in {calls}: rank(s) {_names(absent)} never joined"
+        names = ", ".join(map(str, absent))
+        return f": the group did not form in {calls}: rank(s) {names} never joined"
     return f": the group did not form in {calls}: {NEVER_MET}"
-
-
-def _names(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
 
 
 def timeout_error(
@@ -315,8 +313,12 @@ def timeout_error(
 
 def add_to_headline(error: RankError, text: str) -> None:
     """Append ``text`` to the first line of ``error``'s report."""
-    head, sep, rest = error.message.partition("\n")
-    error.message = head + text + sep + rest
+    set_headline(error, error.headline + text)
+
+
+def set_headline(error: RankError, headline: str) -> None:
+    """Make ``headline`` the first line of ``error``'s report."""
+    error.message = headline + error.message[len(error.headline) :]
     error.args = (error.message,)
 
 
@@ -356,9 +358,8 @@ def error_for(
     also: dict[int, _o.Outcome] | None = None,
     named: list[int] | None = None,
 ) -> RankError:
-    """The exception for one rank's bad outcome; the one place they are built.
-
-    The failing rank comes first (the cause in one line, then its traceback or how it died),
+    """The exception for one rank's bad outcome; the one place they are built. The failing
+    rank comes first (the cause in one line, then its traceback or how it died),
     then every other rank that failed too (``also``: named on the first line as well), then
     ``stacks``: where each other running rank was at that moment, then what every rank
     printed.

@@ -17,6 +17,8 @@ import functools
 import itertools
 import re
 import sys
+import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,7 +31,7 @@ from tutorial_impl.testing import config as _config
 from tutorial_impl.testing import matrix
 from tutorial_impl.testing import shadowing as _shadowing
 from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
-from tutorial_impl.testing.forked import FORKED, IN_TEST
+from tutorial_impl.testing.forked import FORKED, IN_TEST, RUNNING
 from tutorial_impl.testing.runner import Runner
 from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.warm import WarmPool
@@ -135,22 +137,35 @@ class RunRanksOfTest:
         self.session = request.config.stash[SESSION]
         self.settings = _settings_of(self.item, self.session)
         self.next_dir, self.world_size = call_dirs(request, tmp_path_factory), world_size
+        self._one_at_a_time = threading.Lock()
         problem = _shadowing.size_refusal(self.item, __name__, world_size, self.settings.world_size)
         if problem is not None:
             pytest.fail(f"harness configuration: {problem}", pytrace=False)
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
         __tracebackhide__ = True
-        runner, call = self.prepare(fn, args, options)
-        return _outcome(runner, call, self.session)
+        return self._run(fn, args, options, as_pytest=True)
 
     def from_helper(self, fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
         """The same run, raising what ``run_ranks`` raises outside a test (``RankSkipped``
         included) for a helper to catch; what leaves the test is reported as the fixture's
         (``in_test``)."""
         __tracebackhide__ = True
+        return self._run(fn, args, options, as_pytest=False)
+
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        options: dict[str, Any],
+        as_pytest: bool,
+    ) -> RankResults:
+        __tracebackhide__ = True
         runner, call = self.prepare(fn, args, options)
-        return _outcome(runner, call, self.session, as_pytest=False)
+        # Fresh ranks may run side by side for threads of one test; a warm world or the
+        # torchrun job is one set of ranks, which the calls of its threads take in turn.
+        with self._one_at_a_time if runner is not FORKED else contextlib.nullcontext():
+            return _outcome(runner, call, self.session, as_pytest=as_pytest)
 
     def prepare(
         self, fn: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]
@@ -181,12 +196,14 @@ class RunRanksOfTest:
 @contextlib.contextmanager
 def in_test(item: pytest.Item) -> Iterator[None]:
     """While ``item``'s body runs (the plugin's ``pytest_runtest_call``): the public
-    ``run_ranks`` is this test's (``forked.IN_TEST``, in this thread's context), and a
+    ``run_ranks`` is this test's (``forked.IN_TEST``, in this thread's context; in the
+    threads it starts, ``forked.RUNNING``: the innermost test running), and a
     ``RankError`` that leaves the body is reported as the fixture reports one."""
     helper = functools.partial(_from_helper, item) if isinstance(item, pytest.Function) else None
     token = IN_TEST.set(helper)
     try:
-        yield
+        with RUNNING.during(item.nodeid, helper) if helper else contextlib.nullcontext():
+            yield
     except RankError as error:
         reported(error)
     finally:
@@ -201,9 +218,14 @@ def _from_helper(item: pytest.Function, fn: Callable[..., Any], *args: Any, **op
     if problem is not None:
         pytest.fail(f"harness configuration: {problem}", pytrace=False)
     # The item's own request (pytest's, private but long-lived): the fixture as the test
-    # would have received it, set up once per test and torn down with it.
-    runs: RunRanksOfTest = item._request.getfixturevalue("run_ranks")
+    # would have received it, set up once per test and torn down with it; once, whatever
+    # threads of the test ask at the same time.
+    with _FIXTURE_LOCK:
+        runs: RunRanksOfTest = item._request.getfixturevalue("run_ranks")
     return runs.from_helper(fn, *args, **options)
+
+
+_FIXTURE_LOCK = threading.Lock()
 
 
 def refuse_shadowed(item: pytest.Item) -> None:
@@ -281,12 +303,11 @@ def _build(
         "timeout": settings.deadline,
         **options,
     }
-    env = dict(options.get("env") or {})
-    if session.check_collectives or settings.check_collectives:  # the caller's env= wins
-        fields["env"] = {**CHECK_COLLECTIVES, **env}
     if session.debug_rank is not None and "debug_rank" not in options:
         fields["debug_rank"] = session.debug_rank
     try:
+        if session.check_collectives or settings.check_collectives:  # the caller's env= wins
+            fields["env"] = {**CHECK_COLLECTIVES, **_call.check_env(options.get("env"))}
         return _call.build(fn, args, given=given, **fields)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"run_ranks: {exc}") from None

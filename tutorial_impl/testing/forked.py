@@ -5,15 +5,18 @@ joins a process group on a store the parent owns (``rendezvous``), runs ``fn`` t
 one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` decides, and a
 ``finally`` kills every rank's process group whatever happened, Ctrl-C included. During a
 pytest test's body, ``run_ranks`` hands the call to that test's own (``IN_TEST``, set by the
-plugin: ``fixtures.in_test``), so a helper that calls it runs with the test's settings.
+plugin: ``fixtures.in_test``; ``RUNNING`` for a thread the test started), so a helper that
+calls it runs with the test's settings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Collection
+import threading
+from collections.abc import Callable, Collection, Iterator
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ParamSpec, TextIO
@@ -93,6 +96,47 @@ FORKED = Forked()
 IN_TEST: ContextVar[Callable[..., RankResults] | None] = ContextVar("in_test", default=None)
 
 
+class Running:
+    """The run_ranks of every test whose body runs in this process now, for a thread the
+    test started (a ``ThreadPoolExecutor``'s): a new thread does not inherit ``IN_TEST``.
+    Tests entered from one thread are nested (a pytester run inside a test's body: the outer
+    waits for the inner), so the innermost is the one running; tests running side by side
+    in several threads cannot be told apart: a call from another thread is then refused,
+    never given a default world in silence."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tests: list[tuple[str, int, Callable[..., RankResults]]] = []
+
+    @contextlib.contextmanager
+    def during(self, name: str, helper: Callable[..., RankResults]) -> Iterator[None]:
+        entry = (name, threading.get_ident(), helper)
+        with self._lock:
+            self._tests.append(entry)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._tests.remove(entry)
+
+    def current(self) -> Callable[..., RankResults] | None:
+        """The running test's run_ranks (the innermost); None if no test's body runs."""
+        with self._lock:
+            tests = list(self._tests)
+        if len({thread for _, thread, _ in tests}) > 1:
+            names = ", ".join(name for name, _, _ in tests)
+            raise RuntimeError(
+                f"run_ranks was called from a thread of its own while {len(tests)} tests run "
+                f"side by side in this process ({names}), so which test's markers, deadline "
+                "and report apply cannot be told; call it from the test's thread, or run the "
+                "thread's function in the test's context (contextvars.copy_context().run)"
+            )
+        return tests[-1][2] if tests else None
+
+
+RUNNING = Running()
+
+
 def _in_a_test_its_own(outside: Callable[P, RankResults]) -> Callable[P, RankResults]:
     """``outside`` (the standalone ``run_ranks``), except during a test's body, where the
     test's own ``run_ranks`` takes the call: the options it was given, the rest the test's."""
@@ -100,7 +144,7 @@ def _in_a_test_its_own(outside: Callable[P, RankResults]) -> Callable[P, RankRes
     @functools.wraps(outside)
     def run_ranks(*args: P.args, **options: P.kwargs) -> RankResults:
         __tracebackhide__ = True
-        in_test = IN_TEST.get()
+        in_test = IN_TEST.get() or RUNNING.current()  # a thread the test started: RUNNING
         return (in_test or outside)(*args, **options)
 
     return run_ranks

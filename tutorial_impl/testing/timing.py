@@ -17,6 +17,7 @@ and the plugin keep the third.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 # --- the deadline -----------------------------------------------------------------------
@@ -26,6 +27,24 @@ DEFAULT_DEADLINE = 60.0  # seconds a run_ranks call may take before stacks are t
 GROUP_GRACE = 10.0
 # pytest-timeout must fire only after the harness has reported: kept this far above it.
 BACKSTOP_MARGIN = 30.0
+
+# The longest deadline a run may have: the parent's waits poll in milliseconds held in a C
+# int (24.8 days; 1e9 s raised OverflowError there), and the process group's and the
+# store's timeouts are this plus a grace. A week is far above any test, far below those.
+MAX_DEADLINE = 7 * 24 * 3600.0
+SECONDS = f"a positive number of seconds, at most {MAX_DEADLINE:.0f} (a week)"
+
+
+def usable_seconds(value: object) -> bool:
+    """Whether ``value`` is a deadline the harness can wait for (``SECONDS``): a finite
+    number, not a bool, above 0 and at most ``MAX_DEADLINE``."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= MAX_DEADLINE
+    )
+
 
 # --- the parent's waits -----------------------------------------------------------------
 # A rank that died is the cause of its peers' "Connection closed" errors, and the news of a

@@ -6,9 +6,11 @@ test's verdict is. The rule, in order:
 
 1. **A failure anywhere is the verdict.** A rank that raised or died fails the run, whatever
    the other ranks did: a skip or an xfail on another rank never hides it. The cause named
-   first is a rank that *died*, if one did (its peers' "Connection closed" errors follow
-   from it), else the first rank whose failure arrived; every other rank that failed is
-   named on the same first line.
+   first is a rank that *died*, if one did, else a rank that raised an error of its own,
+   else the first to arrive: never a peer's "Connection closed by peer", the echo of that
+   rank's end, whatever the order of arrival (``echo``). Every other rank that failed of its
+   own accord is named on the same first line; an echo whose peers had all *returned* says
+   so, in place of gloo's "typically caused by a remote worker crashing".
 2. **Then a rank still running.** At the deadline, the ranks not yet ended are a hang: the
    first line says where each was, and how the others had ended. A skip that the other
    ranks outlived (still running ``SKIP_GRACE`` s later) is a failure that says so: they
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tutorial_impl.testing import desync
+from tutorial_impl.testing import desync, echo
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.caught import Caught
 from tutorial_impl.testing.errors import (
@@ -30,6 +32,7 @@ from tutorial_impl.testing.errors import (
     RankResults,
     add_to_headline,
     error_for,
+    set_headline,
     skip_outlived_error,
     timeout_error,
 )
@@ -68,9 +71,8 @@ class Finished:
 
 def cause(outcomes: dict[int, _o.Outcome], order: list[int]) -> int | None:
     """The rank whose failure is the cause (rule 1), or None if no rank failed."""
-    failures = [r for r in order if isinstance(outcomes[r], _o.Failure)]
-    deaths = [r for r in failures if isinstance(outcomes[r], _o.Died)]
-    return (deaths or failures or [None])[0]
+    ranked = echo.causes(outcomes, order)
+    return ranked[0] if ranked else None
 
 
 def decide(run: Finished) -> RankResults:
@@ -83,8 +85,11 @@ def decide(run: Finished) -> RankResults:
         also = {r: o for r, o in outcomes.items() if r != first and isinstance(o, _o.Failure)}
         stacks = {r: text for r, text in run.stacks.items() if r not in also and r != first}
         fatal = run.fatal.get(first, "")
-        named = [r for r in also if not _consequence(run, first, r)]
+        named = [r for r in also if not echo.consequence(outcomes, run.order, first, r)]
         error = error_for(first, outcomes[first], fatal, run.outputs, stacks, also, named)
+        returned = echo.returned_peers(outcomes, first)
+        if returned:
+            set_headline(error, echo.returned_headline(error.headline, outcomes[first], returned))
     else:
         error = _unfinished_error(run, outcomes)
     skips = sorted(r for r, o in outcomes.items() if isinstance(o, (_o.Skipped, _o.XFailed)))
@@ -92,6 +97,8 @@ def decide(run: Finished) -> RankResults:
         error = error_for(skips[0], outcomes[skips[0]], "", run.outputs)
     if error is not None:
         error.thread_errors, error.caught = run.thread_errors, run.caught
+        if isinstance(error, RankError):
+            error.outcomes = outcomes
         if first is not None:
             _explain_failure(run, error)
         raise error
@@ -99,23 +106,6 @@ def decide(run: Finished) -> RankResults:
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
     results.thread_errors, results.caught = run.thread_errors, run.caught
     return results
-
-
-# What a rank's collective raises when a peer process is gone (gloo's words).
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _consequence(run: Finished, cause: int, rank: int) -> bool:
-    """Whether ``rank``'s failure followed from ``cause``'s death: an exception that came
-    after the news of the death, or one that says a peer is gone (its news can arrive before
-    the death's: the parent learns of a rank's exit through the forkserver)."""
-    outcomes = run.outcomes
-    failure = outcomes[rank]
-    if not isinstance(outcomes[cause], _o.Died) or not isinstance(failure, _o.Raised):
-        return False
-    if run.order.index(rank) > run.order.index(cause):
-        return True
-    return any(words in failure.message for words in PEER_GONE)
 
 
 def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Exception | None:
