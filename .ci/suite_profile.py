@@ -133,7 +133,9 @@ def run_suite(pytest_args: list[str]) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, **{ENV_OUT: out, ENV_COUNTER: counter})
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / ".ci"), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(ROOT / ".ci"), env.get("PYTHONPATH")])
+        )
         cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "suite_profile", "-q"]
         cmd += ["-p", "no:randomly", "-p", "no:cacheprovider", *pytest_args]
         wall0 = time.monotonic()
@@ -195,7 +197,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--json", help="write every test's and module's figures here")
     parser.add_argument("--budget", help="a JSON of module -> CPU seconds to compare with")
-    parser.add_argument("--update", action="store_true", help="write this run's figures to --budget")
+    parser.add_argument(
+        "--update", action="store_true", help="write this run's figures to --budget"
+    )
     parser.add_argument("--grow", type=float, default=0.25)
     parser.add_argument("--slack", type=float, default=1.0)
     parser.add_argument("--strict", action="store_true", help="exit 1 when a module is flagged")
@@ -203,7 +207,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     rows, total = run_suite(args.pytest_args)
     mods = by_module(rows)
-    print(table(f"The {args.top} dearest tests (serial run)", [(r["test"], r) for r in rows], args.top))
+    print(
+        table(
+            f"The {args.top} dearest tests (serial run)", [(r["test"], r) for r in rows], args.top
+        )
+    )
     print()
     print(table(f"The {args.top} dearest modules", list(mods.items()), args.top))
     print()
@@ -213,17 +221,24 @@ def main(argv: list[str]) -> int:
         f"{total['last_line']}"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"total": total, "tests": rows, "modules": mods}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"total": total, "tests": rows, "modules": mods}, indent=1)
+        )
     flagged: list[str] = []
     if args.budget:
         path = Path(args.budget)
         if args.update:
-            path.write_text(json.dumps({k: round(v["cpu"], 2) for k, v in sorted(mods.items())}, indent=1) + "\n")
+            path.write_text(
+                json.dumps({k: round(v["cpu"], 2) for k, v in sorted(mods.items())}, indent=1)
+                + "\n"
+            )
             print(f"suite_profile: wrote {len(mods)} modules' CPU to {path}")
         else:
             flagged = budget_report(mods, json.loads(path.read_text()), args.grow, args.slack)
             verdict = "\n  ".join(flagged) if flagged else "none"
-            print(f"suite_profile: modules over budget (+{args.grow:.0%} + {args.slack} s): {verdict}")
+            print(
+                f"suite_profile: modules over budget (+{args.grow:.0%} + {args.slack} s): {verdict}"
+            )
     return 1 if (args.strict and flagged) else 0
 
 
