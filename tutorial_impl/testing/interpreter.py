@@ -30,15 +30,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-# torch.backends flags, set as attributes (those this build lacks are left out).
+# torch.backends flags, set as attributes (those this build lacks are left out). TF32: the
+# ``fp32_precision`` ones (roots before leaves, as each is compared after the one before was
+# set back); the legacy ``allow_tf32`` flags are views of the same state, which torch refuses
+# to read once the two APIs were mixed: read only on a torch without the new ones.
 BACKENDS = (
-    "cudnn.enabled cudnn.benchmark cudnn.deterministic cudnn.allow_tf32 cuda.matmul.allow_tf32 "
+    "cudnn.enabled cudnn.benchmark cudnn.deterministic "
     "cuda.matmul.allow_fp16_reduced_precision_reduction "
     "cuda.matmul.allow_bf16_reduced_precision_reduction mkldnn.enabled mkldnn.deterministic "
     "opt_einsum.enabled opt_einsum.strategy fp32_precision cuda.matmul.fp32_precision "
-    "cudnn.fp32_precision cudnn.conv.fp32_precision mkldnn.fp32_precision "
-    "mkldnn.matmul.fp32_precision"
+    "cudnn.fp32_precision cudnn.conv.fp32_precision cudnn.rnn.fp32_precision "
+    "mkldnn.fp32_precision mkldnn.matmul.fp32_precision mkldnn.conv.fp32_precision "
+    "mkldnn.rnn.fp32_precision"
 ).split()
+LEGACY_TF32 = ("cudnn.allow_tf32", "cuda.matmul.allow_tf32")
 # torch.backends.cuda's scaled-dot-product kernels: NAME_enabled() and enable_NAME(bool).
 SDP = ("flash_sdp", "mem_efficient_sdp", "math_sdp", "cudnn_sdp")
 
@@ -135,14 +140,9 @@ def torch_settings(t: Any) -> list[Setting]:
         ),
         Setting("torch autocast cache", t.is_autocast_cache_enabled, t.set_autocast_cache_enabled),
         Setting(
-            "torch.backends.mha fastpath",
+            "torch mha fastpath",
             t.backends.mha.get_fastpath_enabled,
             t.backends.mha.set_fastpath_enabled,
-        ),
-        Setting(
-            "torch preferred linalg library",
-            t.backends.cuda.preferred_linalg_library,
-            t.backends.cuda.preferred_linalg_library,
         ),
         Setting(
             "torch.distributed debug level",
@@ -151,6 +151,9 @@ def torch_settings(t: Any) -> list[Setting]:
         ),
     ]
     cuda = t.backends.cuda
+    if cuda.is_built():  # a CPU build has one linalg library: nothing to set
+        library = cuda.preferred_linalg_library
+        found.append(Setting("torch preferred linalg library", library, library))
     found += [
         Setting(
             f"torch.backends.cuda {name}",
@@ -160,7 +163,8 @@ def torch_settings(t: Any) -> list[Setting]:
         for name in SDP
         if hasattr(cuda, f"enable_{name}")
     ]
-    for flag in BACKENDS:
+    legacy = () if hasattr(t.backends, "fp32_precision") else LEGACY_TF32
+    for flag in (*legacy, *BACKENDS):
         owner, _, name = flag.rpartition(".")
         try:
             obj = operator.attrgetter(owner)(t.backends) if owner else t.backends
