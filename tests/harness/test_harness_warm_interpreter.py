@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch  # noqa: F401 - before any in-process pytester run (test_harness_warm says why)
 
 from tutorial_impl.testing import reuse, warm_promise
@@ -175,7 +174,7 @@ def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
     assert written == warm_promise.describe(torch), (
         "docs/harness.md is out of date: paste warm_promise.describe(torch) between its markers "
         "(python -c 'import torch; from tutorial_impl.testing import warm_promise; "
-        "print(warm_promise.describe(torch), end=\"\")')"
+        'print(warm_promise.describe(torch), end="")\')'
     )
     # Every setting a warm rank resets is on the page, by its label (a backends flag by name).
     labels = [s.label for s in reuse._settings(torch)]
@@ -187,3 +186,35 @@ def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
         if label.removeprefix("torch.backends.").removeprefix("cuda ") not in words
     ]
     assert missing == []
+
+
+def test_xdist_workers_counts_are_summed_in_the_controllers_line():
+    """Each xdist worker has its own pool: the controller writes the sum of their counts."""
+    from types import SimpleNamespace
+
+    from tutorial_impl.testing.warm_report import FAILED, WarmStats, WarmSummary
+
+    outputs = []
+    for started, reuses, why in ((2, 5, FAILED), (1, 3, "rank 1: a thread was left")):
+        stats = WarmStats(started=started, reuses=reuses)
+        stats.retire(why, "test_a.py::test_x")
+        worker = SimpleNamespace(workerinput={}, workeroutput={})
+        summary = WarmSummary(stats, asked=True, config=worker)
+        summary.pytest_sessionfinish(SimpleNamespace(config=worker))
+        written = []
+        summary.pytest_terminal_summary(SimpleNamespace(write_line=written.append))
+        assert written == []  # a worker writes nothing: its output is the controller's
+        outputs.append(worker.workeroutput)
+    controller = WarmSummary(WarmStats(), asked=False, config=SimpleNamespace())
+    for output in outputs:
+        controller.pytest_testnodedown(SimpleNamespace(workeroutput=output), None)
+    controller.pytest_testnodedown(SimpleNamespace(), None)  # a worker that crashed
+    written = []
+    controller.pytest_terminal_summary(SimpleNamespace(write_line=written.append))
+    assert written == [
+        "warm worlds: 3 started, 8 reuses, 2 retired (1 a test failed; 1 a thread was left, "
+        "after test_a.py::test_x)"
+    ]
+    idle = WarmSummary(WarmStats(), asked=False, config=SimpleNamespace())
+    idle.pytest_terminal_summary(SimpleNamespace(write_line=written.append))
+    assert len(written) == 1  # nothing ran warm, nothing asked: no line

@@ -121,7 +121,8 @@ class Baseline:
     def reset(self) -> None:
         """Give back what a fresh rank has (never raises). A warm rank calls it, with
         ``snapshot``, right after a task's check: between tasks, off the next test's path."""
-        for step in (self._reset_rng, self._reset_settings, self._reset_python):
+        # The generators last: a setting put back must not draw from them (nor its import).
+        for step in (self._reset_settings, self._reset_python, self._reset_rng):
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - reported by after_task

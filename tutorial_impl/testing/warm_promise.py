@@ -44,8 +44,7 @@ DETECTED = (
     "CUDA initialised by the test",
 )
 NOT_SEEN = (
-    "C/C++ state (gloo's, torch's caches such as DTensor's sharding-propagation cache, "
-    "allocators)",
+    "C/C++ state (gloo's, torch's caches such as DTensor's sharding-propagation cache, allocators)",
     "third-party modules and torch modules outside the watched list (`torch.compile`'s "
     "configuration and caches among them)",
     "anything nested deeper than one level (a dict in a module-level dict, a model held in a "
