@@ -14,6 +14,7 @@ launcher, so they are only read.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -108,6 +109,23 @@ def two_shared_stores(rank: int, world_size: int) -> list[bool]:
     return [*seen, not second.check([f"rank-{rank}"])]  # the second store is another, empty
 
 
+def stores_after_an_uneven_test(rank: int, world_size: int) -> list[bool]:
+    """Under torchrun one session serves every test: a test whose ranks asked for stores
+    unevenly (it then failed) must not shift the next test's stores."""
+    import torch.distributed as dist
+
+    from tutorial_impl.testing import shared_store
+
+    os.environ["PYTEST_CURRENT_TEST"] = "test_x.py::test_uneven (call)"
+    for _ in range(1 + (rank == 0)):
+        shared_store()
+    os.environ["PYTEST_CURRENT_TEST"] = "test_x.py::test_next (call)"
+    store = shared_store()
+    store.set(f"rank-{rank}", "here")
+    dist.barrier()
+    return [store.check([f"rank-{r}"]) for r in range(world_size)]
+
+
 def no_group(rank: int, world_size: int) -> None:
     from tutorial_impl.testing import shared_store
 
@@ -119,5 +137,6 @@ def test_shared_store_is_one_store_per_call_and_ask_on_every_rank(run_ranks) -> 
     call sees; a second store of the same call is another; without the harness's group, the
     reason, before any group is waited for."""
     assert run_ranks(two_shared_stores) == [[True, True, True]] * 2
+    assert run_ranks(stores_after_an_uneven_test) == [[True, True]] * 2
     with pytest.raises(Exception, match=r"shared_store\(\) shares the store of the harness's"):
         run_ranks(no_group, backend=None)
