@@ -303,3 +303,104 @@ def test_a_dicts_table_is_the_same_only_while_every_binding_is():
     assert fingerprint.table(names) != first
     names["name29"] = names.pop("renamed")
     assert fingerprint.table(names) != first  # the same bindings, but one deleted and re-added
+
+
+# A value other than the current one, for every ``interpreter`` setting that is not a bool
+# (a bool is flipped); a setting added without one here fails the test below.
+OTHER = {
+    "gc thresholds": lambda v: (1, 1, 1),
+    "gc debug flags": lambda v: __import__("gc").DEBUG_SAVEALL,
+    "gc callbacks": lambda v: [*v, lambda phase, info: None],
+    "switch interval": lambda v: 0.5 if v != 0.5 else 0.25,  # binary fractions: read back exact
+    "recursion limit": lambda v: v + 500,
+    "int max str digits": lambda v: 640,
+    "decimal context": lambda v: v.replace("prec=28", "prec=3"),
+    "decimal DefaultContext": lambda v: v.replace("ROUND_HALF_EVEN", "ROUND_DOWN"),
+    "locale": lambda v: "C",
+    "umask": lambda v: 0o077 if v != 0o077 else 0o022,
+    "signal mask": lambda v: {*v, signal.SIGWINCH},
+    "socket default timeout": lambda v: 3.0,
+    "logging.disable": lambda v: logging.CRITICAL,
+    "torch default dtype": lambda v: torch.float64,
+    "torch intra-op threads": lambda v: v + 1,
+    "torch float32 matmul precision": lambda v: "medium",
+    "torch deterministic algorithms": lambda v: (not v[0], v[1]),
+    "torch anomaly detection": lambda v: (True, not v[1]),
+    "torch default device": lambda v: types.SimpleNamespace(device="meta"),
+    "torch print options": lambda v: {**v, "precision": 1},
+    "torch autograd fallback mode": lambda v: "nothing",
+    "torch CPU autocast": lambda v: (True, torch.float16),
+    "torch preferred linalg library": lambda v: "cusolver",
+    "torch.distributed debug level": lambda v: type(v).DETAIL,
+    "torch.backends.opt_einsum.strategy": lambda v: "greedy",
+    "numpy seterr": lambda v: dict.fromkeys(v, "raise"),
+    "numpy print options": lambda v: {**v, "precision": 2},
+    **{
+        f"torch.backends.{name}fp32_precision": lambda v: "ieee" if v != "ieee" else "tf32"
+        for name in ("", "cuda.matmul.", "cudnn.", "mkldnn.")
+        for name in (name, f"{name}conv.", f"{name}rnn.", f"{name}matmul.")
+    },
+}
+
+
+# Settings whose getter reads back another object than the one given (the context entered).
+NOT_AS_GIVEN = {"torch default device"}
+
+
+def every_setting_reset(rank: int, world_size: int) -> dict[str, list[str]]:
+    """Change each setting (one test each), then check after_task and the reset."""
+    import logging as log
+
+    stranger = log.getLogger("stranger")
+    task, found = reuse.Baseline(), {"unchanged": [], "not reset": [], "problem": [], "no": []}
+    for setting, value in task.settings:
+        other = OTHER.get(setting.label, (lambda v: not v) if isinstance(value, bool) else None)
+        if other is None:
+            found["no"].append(setting.label)
+            continue
+        task.before_task()
+        new = other(value)
+        try:
+            setting.set(new)
+        except Exception as exc:  # noqa: BLE001 - named below
+            found["unchanged"].append(f"{setting.label}: {exc!r}")
+        now = [setting.get(), setting.get()]  # a getter changes nothing (umask's sets it)
+        if now[0] == value or (now != [new, new] and setting.label not in NOT_AS_GIVEN):
+            found["unchanged"].append(f"{setting.label}: {now}")
+        problem = task.after_task()
+        task.reset()
+        if problem is not None:
+            found["problem"].append(f"{setting.label}: {problem}")
+        if setting.get() != value:
+            found["not reset"].append(setting.label)
+    # Loggers, one made after the baseline too: level, handlers, filters, propagate, disabled.
+    task.before_task()
+    later = log.getLogger("made.later")
+    task.refresh()
+    for logger in (log.root, stranger, later):
+        logger.setLevel(log.DEBUG)
+        logger.addHandler(log.NullHandler())
+        logger.addFilter(log.Filter("x"))
+        logger.propagate, logger.disabled = False, True
+        logger.disabled = False
+        logger.isEnabledFor(log.DEBUG)  # cached: the reset must clear that cache too
+        logger.disabled = True
+    problem = task.after_task()
+    task.reset()
+    found["problem"] += [f"loggers: {problem}"] if problem else []
+    for logger in (log.root, stranger, later):
+        if logger.isEnabledFor(log.DEBUG):
+            found["not reset"].append(f"{logger.name}: DEBUG enabled (a stale cache)")
+        state = (logger.handlers, logger.filters, logger.propagate, logger.disabled)
+        if logger.level != (log.WARNING if logger is log.root else log.NOTSET):
+            found["not reset"].append(f"{logger.name}: level {logger.level}")
+        if state != ([], [], True, False) and logger is not log.root:
+            found["not reset"].append(f"{logger.name}: {state}")
+        if logger is log.root and len(logger.handlers) != len(task.loggers.known[log.root][3]):
+            found["not reset"].append("root: handlers")
+    return found
+
+
+def test_every_interpreter_setting_is_reset_and_retires_nothing(run_ranks):
+    [found] = run_ranks(every_setting_reset, world_size=1, backend=None)
+    assert found == {"unchanged": [], "not reset": [], "problem": [], "no": []}

@@ -21,11 +21,11 @@ What pytest calls, in the order it calls it:
 ``pytest_cmdline_main``
     under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
-    registers the markers (so ``--strict-markers`` accepts them and ``pytest --markers``
-    lists them) and sets up what ranks preload (``preload``; in an xdist worker: which
-    forkserver they come from); under torchrun (``--launcher``), joins the job and
-    registers ``torchrun_session.LaunchedSession``, whose hooks keep the ranks in lockstep
-    and let rank 0 report for all.
+    registers the markers (for ``--strict-markers`` and ``pytest --markers``) and sets up
+    what ranks preload (``preload``; in an xdist worker: which forkserver they come from)
+    and the warm worlds' summary line (``warm_report``); under torchrun (``--launcher``),
+    joins the job and registers ``torchrun_session.LaunchedSession`` instead, whose hooks
+    keep the ranks in lockstep and let rank 0 report for all.
 ``pytest_configure_node``
     xdist's hook, in the controller: starts one rank forkserver for all its workers.
 ``pytest_generate_tests``
@@ -75,6 +75,7 @@ from tutorial_impl.testing.fixtures import (
 )
 from tutorial_impl.testing.rendezvous import INIT_METHODS
 from tutorial_impl.testing.warm import WarmPool
+from tutorial_impl.testing.warm_report import register as warm_summary
 
 __all__ = ["_run_ranks", "_world_size_matrix", "world_size"]  # the fixtures pytest finds here
 
@@ -126,11 +127,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists (launched ranks quiet it)
 def pytest_configure(config: pytest.Config) -> None:
     """Register the markers; check the options; tell the forkserver what to preload; under
-    torchrun, join the job and register its session hooks (``torchrun_session``).
-
-    A bad option or ini value raises ``pytest.UsageError``: pytest prints the message and
-    exits with status 4 before collecting anything, as for its own options.
-    """
+    torchrun, join the job and register its session hooks (``torchrun_session``). A bad
+    option or ini value raises ``pytest.UsageError``: pytest prints the message and exits
+    with status 4 before collecting anything, as for its own options."""
     for name, help_text in _config.MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
     try:
@@ -155,6 +154,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if launch is not None:
         _join_the_job(config, session, launch)
         return
+    warm_summary(config, session.pool.stats, asked=session.warm_worlds)
     preload.configure(config, PYTEST_PRELOAD)  # and what the test files import (``preload``)
     shared = getattr(config, "workerinput", {}).get(forkserver.WORKERINPUT_KEY)
     if shared is not None:  # an xdist worker: its ranks come from the controller's server

@@ -6,30 +6,25 @@ fresh rank is forked from the forkserver, so a warm rank's state when its world 
 what can be reset and snapshots what can only be compared; ``after_task`` answers None or
 the first problem found, and then the world is replaced.
 
-**Reset before each task**, to the state at ``Baseline``: the generators of ``random``,
-numpy's legacy global ``RandomState`` (reseeded from entropy if numpy was imported later, as a
-fresh import is), torch's CPU generator, CUDA's if initialised at ``Baseline``; torch's grad
-mode, default dtype and device, deterministic algorithms (warn_only), anomaly detection
-(check_nan), intra-op threads, warn_always, float32 matmul precision, ``torch.backends``
-flags (``BACKENDS``), print options, global ``nn.Module`` hooks; numpy's ``seterr`` and print
-options; the ``warnings`` filters, ``defaultaction`` and once-registry (every module's registry
-of warnings shown is invalidated, so a warning shows again); the handler of every signal
-Python can restore, the blocked-signal mask, ``alarm`` / ``setitimer`` timers (cancelled
-after the task too, or one could kill the idle rank); the root logger's level and handlers,
-``logging.disable``; the recursion limit, ``socket.setdefaulttimeout``. (The harness sets the
-environment and the working directory for each task.)
+**Reset before each task**, to the state at ``Baseline``: every setting of ``interpreter``
+(the garbage collector, switch interval, recursion limit, ``decimal``, locale, umask, torch's
+process-wide flags, ...) and every logger's configuration (``interpreter.Loggers``); the
+generators of ``random``, numpy's legacy global ``RandomState`` (reseeded from entropy if numpy
+was imported later, as a fresh import is), torch's CPU generator, CUDA's if initialised at
+``Baseline``; global ``nn.Module`` hooks; the ``warnings`` filters, ``defaultaction`` and
+once-registry (every module's registry of warnings shown is invalidated, so a warning shows
+again); the handler of every signal Python can restore, ``alarm`` / ``setitimer`` timers
+(cancelled after the task too, or one could kill the idle rank). (The harness sets the
+environment, the working directory and ``sys.path`` for each task.)
 
 **Detected after each task**, against ``before_task``'s snapshot:
 
 * threads the task started (Python's, daemon or not) still alive 50 ms after it;
 * globals of the user's modules (files outside the standard library, ``site-packages`` /
   ``dist-packages`` and the harness): rebound, added (but a submodule imported), removed, or
-  changed one level inside: the items of a dict, list or set (by identity; the size only
-  beyond 10,000), a bytearray's bytes, a tensor's version, ``.grad`` and ``requires_grad``,
-  an ``nn.Module``'s parameters, buffers (version, ``.grad``) and train/eval modes, a numpy
-  array's bytes (up to 1 MB), a ``random.Random``'s, ``torch.Generator``'s or numpy
-  ``Generator``'s state, any other object's ``__dict__`` (a class's or function's: if
-  defined in that module);
+  changed one level inside (``fingerprint``: a container's items, a tensor's version and
+  ``.grad``, an ``nn.Module``'s parameters, buffers and the modes of all its submodules, an
+  array's bytes, a generator's state, an object's ``__dict__``);
 * attributes replaced, added or deleted in the ``WATCHED`` modules (monkeypatching), but a
   submodule imported meanwhile, a wrapper of the old value in a task that imported modules
   (torch._dynamo's import wraps ``torch.manual_seed``), what torch rebinds itself (``OWN``);
@@ -38,35 +33,26 @@ environment and the working directory for each task.)
 * a torch function or dispatch mode left entered, inference mode or a profiler left on, CUDA
   initialised by the task (its generators' fresh state is lost).
 
-**Not seen**: C/C++ state (gloo's, caches, allocators); third-party modules, torch's outside
-``WATCHED``, loggers but the root; anything deeper than one level (a dict in a module-level
-dict, an optimizer's state, a mutable default argument, an ``lru_cache``); objects with
-``__slots__`` and no ``__dict__``; files, the store, sockets, the umask; a module first imported
-inside a task and changed by that same task (snapshotted at the next ``before_task``); seeds
-``torch.manual_seed`` queues for CUDA's first use; interop threads.
+What it cannot see, and these lists as the docs show them: ``warm_promise``.
 """
 
 from __future__ import annotations
 
 import _signal  # getsignal without signal's enum conversion: 64 calls each task
 import copy
-import logging
 import operator
 import random
 import signal
-import socket
 import sys
 import sysconfig
 import threading
 import time
 import types
 import warnings
-from collections.abc import Callable
-from functools import partial
 from os import path, sep
 from typing import Any
 
-from tutorial_impl.testing import fingerprint
+from tutorial_impl.testing import fingerprint, interpreter
 from tutorial_impl.testing.fingerprint import held
 
 WATCHED = (  # the modules whose attributes tests commonly monkeypatch
@@ -78,8 +64,6 @@ WATCHED = (  # the modules whose attributes tests commonly monkeypatch
 # which is reset), and Python's registry of warnings shown.
 OWN = {"_group_count", "_init_counter", "rendezvous_iterator", "Storage", "__warningregistry__"}
 OWN.add("breakpointhook")  # the harness's own, set for every task (``debugging``)
-BACKENDS = "cudnn.enabled cudnn.benchmark cudnn.deterministic cudnn.allow_tf32 "
-BACKENDS += "cuda.matmul.allow_tf32 mkldnn.enabled"
 GRACE = 0.05  # seconds the threads a task started have to finish
 TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 # Signals faulthandler handles in C (SIGUSR1: the deadline's stack dumps, see ``rank``).
@@ -89,7 +73,6 @@ _NOT_USER = (  # the standard library, installed packages, the harness
     path.join(path.dirname(path.abspath(__file__)), ""),
 )
 _GONE = object()
-_blocked = partial(signal.pthread_sigmask, signal.SIG_BLOCK, [])  # the blocked-signal mask
 _is = operator.is_
 
 
@@ -111,10 +94,11 @@ class Baseline:
         import torch
 
         self.torch = torch
-        self.settings = [(get, set_, get()) for get, set_ in _settings(torch)]
+        self.settings = [(s, s.get()) for s in _settings(torch)]
+        self.loggers = interpreter.Loggers()
         self.rng = random.getstate(), torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.device, self.modes = _device(torch), _modes(torch)
+        self.device, self.modes = interpreter.device_context(torch), _modes(torch)
         hooks = vars(torch.nn.modules.module).items()  # global nn.Module hooks
         self.hooks = [(k, v, copy.copy(v)) for k, v in hooks if k.startswith("_global_")]
         np = sys.modules.get("numpy")
@@ -137,7 +121,8 @@ class Baseline:
     def reset(self) -> None:
         """Give back what a fresh rank has (never raises). A warm rank calls it, with
         ``snapshot``, right after a task's check: between tasks, off the next test's path."""
-        for step in (self._reset_rng, self._reset_settings, self._reset_python):
+        # The generators last: a setting put back must not draw from them (nor its import).
+        for step in (self._reset_settings, self._reset_python, self._reset_rng):
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - reported by after_task
@@ -153,9 +138,11 @@ class Baseline:
         self.refresh()
 
     def refresh(self) -> None:
-        """Right before the function: the threads, and the modules imported since the
-        snapshot (the test module, on its first test), whose state is then the reference."""
+        """Right before the function: the threads, and the modules imported (loggers made)
+        since the snapshot (the test module, on its first test), whose state is then the
+        reference."""
         try:
+            self.loggers.take()
             self.threads = set(threading.enumerate())
             self.imported = len(sys.modules)
             have = {name for name, *_ in self.attrs}
@@ -171,8 +158,11 @@ class Baseline:
             self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
 
     def after_task(self) -> str | None:
-        """None if the world is as good as new, else the first problem found (never raises)."""
-        checks = (_cancel_timers, lambda: self.problem, self._threads, self._globals)
+        """None if the world is as good as new, else the first problem found (never raises).
+        Loggers are put back first: a module's ``LOG = logging.getLogger(...)`` is one of its
+        globals, and a reset setting must not retire the world."""
+        checks = (_cancel_timers, self.loggers.reset, lambda: self.problem, self._threads)
+        checks += (self._globals,)
         for check in (*checks, self._attrs, self._signals, self._torch):
             try:
                 problem = check()
@@ -192,9 +182,16 @@ class Baseline:
             np.random.set_state(self.numpy) if self.numpy is not None else np.random.seed()
 
     def _reset_settings(self) -> None:
-        for get, set_, value in self.settings:
-            if get() != value:
-                set_(value)
+        problems = []
+        for setting, value in self.settings:
+            try:
+                if setting.get() != value:
+                    setting.set(value)
+            except Exception as exc:  # noqa: BLE001 - the others are still reset
+                problems.append(f"{setting.label}: {exc!r}")
+        self.loggers.reset()
+        if problems:
+            raise RuntimeError("; ".join(problems))
         for name, value, items in self.hooks:
             setattr(self.torch.nn.modules.module, name, value)
             if isinstance(value, dict) and not _same_dict(value, items):
@@ -265,7 +262,7 @@ class Baseline:
 
     def _torch(self) -> str | None:
         torch, (function, dispatch) = self.torch, _modes(self.torch)
-        if self.device is None and _device(torch) is not None:
+        if self.device is None and interpreter.device_context(torch) is not None:
             function -= 1  # set_default_device's mode, reset before the next task
         if (function, dispatch) != self.modes:
             return "a torch function or dispatch mode was left entered (a `with` never exited)"
@@ -301,46 +298,11 @@ def _legacy_state(np: Any) -> tuple[Any, ...]:
     return (name, key.tolist(), *rest)
 
 
-def _settings(t: Any) -> list[tuple[Callable[[], Any], Callable[[Any], Any]]]:
-    """(getter, setter) of each global setting a test may change and forget."""
-    root, np, options = logging.getLogger(), sys.modules.get("numpy"), t._tensor_str.PRINT_OPTS
-    det = t.are_deterministic_algorithms_enabled, t.is_deterministic_algorithms_warn_only_enabled
-    anomaly = t.is_anomaly_enabled, t.is_anomaly_check_nan_enabled
-    found = [
-        (t.is_grad_enabled, t.set_grad_enabled),
-        (t.get_default_dtype, t.set_default_dtype),
-        (t.get_num_threads, t.set_num_threads),
-        (t.is_warn_always_enabled, t.set_warn_always),
-        (t.get_float32_matmul_precision, t.set_float32_matmul_precision),
-        (_both(det), lambda v: t.use_deterministic_algorithms(v[0], warn_only=v[1])),
-        (_both(anomaly), lambda v: t.set_anomaly_enabled(*v)),
-        (partial(_device, t), lambda v: t.set_default_device(v and v.device)),
-        (lambda: dict(vars(options)), vars(options).update),
-        (_blocked, partial(signal.pthread_sigmask, signal.SIG_SETMASK)),
-        (lambda: root.level, root.setLevel),
-        (lambda: list(root.handlers), lambda v: root.handlers.__setitem__(slice(None), v)),
-        (lambda: root.manager.disable, logging.disable),
-        (sys.getrecursionlimit, sys.setrecursionlimit),
-        (socket.getdefaulttimeout, socket.setdefaulttimeout),
-    ]
-    if np is not None:
-        found += [(np.geterr, lambda v: np.seterr(**v))]
-        found += [(np.get_printoptions, lambda v: np.set_printoptions(**v))]
-    for flag in BACKENDS.split():
-        owner, _, name = flag.rpartition(".")
-        obj = operator.attrgetter(owner)(t.backends)
-        if hasattr(obj, name):
-            found.append((partial(getattr, obj, name), partial(setattr, obj, name)))
-    return found
-
-
-def _both(getters: tuple[Callable[[], Any], ...]) -> Callable[[], tuple[Any, ...]]:
-    return lambda: tuple(get() for get in getters)
-
-
-def _device(torch: Any) -> Any:
-    """The context ``torch.set_default_device`` entered, or None."""
-    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+def _settings(torch: Any) -> list[interpreter.Setting]:
+    """Every process-wide setting ``reset`` puts back (``interpreter``)."""
+    np = sys.modules.get("numpy")
+    numpy = interpreter.numpy_settings(np) if np is not None else []
+    return [*interpreter.python_settings(), *interpreter.torch_settings(torch), *numpy]
 
 
 def _modes(torch: Any) -> tuple[int, int]:

@@ -48,6 +48,7 @@ from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.runner import refused_fields
 from tutorial_impl.testing.timing import CHECK_DEADLINE
 from tutorial_impl.testing.verdict import decide
+from tutorial_impl.testing.warm_report import FAILED, WarmStats
 
 MAX_WORLDS = 4  # warm worlds one pool keeps; the least recently used goes first
 MARKER = "warm_world"
@@ -69,6 +70,7 @@ class World:
     work: Path  # the world's own directory (file:// rendezvous, start-up logs)
     rank_env: list[dict[str, str]]
     tasks: int = 0  # tests served so far
+    last_test: str | None = None  # the pytest id of the last test served, if known
     unchecked: bool = False  # the ranks' answers to the check after the last task are unread
     problem: str | None = field(default=None)  # why it was retired, if it was
 
@@ -105,7 +107,7 @@ class WarmPool:
     def __init__(self) -> None:
         self.worlds: OrderedDict[tuple[Any, ...], World] = OrderedDict()
         self.served: list[World] = []  # worlds used by the test now running
-        self.replaced: list[str] = []  # why each retired world was retired
+        self.stats = WarmStats()  # for the session's summary (``warm_report``)
 
     def refusal(self, call: Call) -> str | None:
         used = {
@@ -123,6 +125,7 @@ class WarmPool:
             specs = [_call.rank_spec(call, r, work, {}) for r in range(call.world_size)]
             world = self._world_for(call, specs)
             self.served.append(world)
+            world.last_test = _current_test()
             for p, spec in zip(world.procs, specs, strict=True):
                 spec.env = {**world.rank_env[p.rank], **spec.env}
                 p.log_path, p.stack_path = Path(spec.log_path), Path(spec.stack_path)
@@ -136,8 +139,8 @@ class WarmPool:
                     world.procs, deadline, call.deadline, since_ns=since_ns
                 )
                 results = decide(finished)
-            except BaseException as exc:
-                self.retire(world, f"the test failed: {type(exc).__name__}")
+            except BaseException:
+                self.retire(world, FAILED)
                 raise
             world.unchecked = True  # the ranks check themselves now; read before next task
             return results
@@ -154,11 +157,13 @@ class WarmPool:
                 world = None
         if world is not None:
             self.worlds.move_to_end(key)
+            self.stats.reuses += 1
             return world
         while len(self.worlds) >= MAX_WORLDS:
             _, oldest = self.worlds.popitem(last=False)
             oldest.close()
         world = self.worlds[key] = start_world(call, key, specs)
+        self.stats.started += 1
         return world
 
     def retire(self, world: World, why: str) -> None:
@@ -167,7 +172,7 @@ class WarmPool:
             del self.worlds[world.key]
         if world.problem is None:
             world.problem = why
-            self.replaced.append(why)
+            self.stats.retire(why, world.last_test)
         world.close()
 
     def test_ended(self, failed: bool) -> None:
@@ -175,7 +180,7 @@ class WarmPool:
         served, self.served = self.served, []
         if failed:
             for world in served:
-                self.retire(world, "its test failed")
+                self.retire(world, FAILED)
 
     def close_all(self) -> None:
         """Kill every warm world of this pool (a module that used them ended; session end)."""
@@ -216,6 +221,12 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
         shutil.rmtree(home, ignore_errors=True)
         raise
     return World(key, started, store, home, rank_env)
+
+
+def _current_test() -> str | None:
+    """The id of the pytest test now running (pytest sets it for every phase), if any."""
+    running = os.environ.get("PYTEST_CURRENT_TEST")
+    return running.rsplit(" (", 1)[0] if running else None
 
 
 def checked(world: World) -> str | None:

@@ -1,0 +1,220 @@
+"""A warm rank gives every test the interpreter a fresh rank has (``reuse``, ``interpreter``).
+
+A stranger's project (only the installed package, no conftest) changes, in one test, a
+process-wide setting (the garbage collector, the switch interval, the ``decimal`` context, a
+submodule's train mode, ...), and checks, in the next, that its ranks see what the pytest
+process itself sees at import: what a rank forked fresh from the forkserver has. Run forked,
+those checks pass; they must pass as well with ``--warm-worlds``, where the second test runs in
+the first one's ranks unless the world was retired, and the summary line must count the worlds
+started, reused and retired, with each reason, as the ranks' own pids show them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch  # noqa: F401 - before any in-process pytester run (test_harness_warm says why)
+
+from tutorial_impl.testing import reuse, warm_promise
+
+pytest_plugins = ["pytester"]
+
+CARRY = """
+import decimal, gc, locale, logging, logging.config, os, sys
+import pytest
+import torch
+import torch.distributed as dist
+
+MODEL = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+LOG = logging.getLogger("stranger")
+
+
+def umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+STATE = {
+    "gc": gc.isenabled,
+    "gc_threshold": gc.get_threshold,
+    "switch": sys.getswitchinterval,
+    "decimal": lambda: decimal.getcontext().prec,
+    "decimal_default": lambda: decimal.DefaultContext.rounding,
+    "submodule": lambda: MODEL[1].training,
+    "umask": umask,
+    "locale": lambda: locale.setlocale(locale.LC_CTYPE),
+    "logger": lambda: LOG.level,
+    "dict_config": lambda: LOG.disabled,
+    "cwd": os.getcwd,
+    "path": lambda: sys.path[0],
+    "recursion": sys.getrecursionlimit,
+    "autocast": lambda: torch.is_autocast_enabled("cpu"),
+    "multithreading": torch.autograd.is_multithreading_enabled,
+    "group": dist.is_initialized,
+}
+CHANGE = {
+    "gc": gc.disable,
+    "gc_threshold": lambda: gc.set_threshold(1, 1, 1),
+    "switch": lambda: sys.setswitchinterval(0.5),
+    "decimal": lambda: setattr(decimal.getcontext(), "prec", 3),
+    "decimal_default": lambda: setattr(decimal.DefaultContext, "rounding", decimal.ROUND_DOWN),
+    "submodule": lambda: MODEL[1].eval(),  # dropout off: the next test would not train
+    "umask": lambda: os.umask(0o077 if umask() != 0o077 else 0o022),
+    "locale": lambda: locale.setlocale(
+        locale.LC_CTYPE, "C" if locale.setlocale(locale.LC_CTYPE) != "C" else "C.UTF-8"),
+    "logger": lambda: LOG.setLevel(logging.DEBUG),
+    "dict_config": lambda: logging.config.dictConfig({"version": 1}),  # disables LOG
+    "cwd": lambda: os.chdir("/"),
+    "path": lambda: sys.path.insert(0, "/nowhere"),
+    "recursion": lambda: sys.setrecursionlimit(5000),
+    "autocast": lambda: torch.set_autocast_enabled("cpu", True),
+    "multithreading": lambda: torch.autograd.set_multithreading_enabled(False),
+    "group": dist.destroy_process_group,
+}
+FRESH = {how: read() for how, read in STATE.items()}  # this process's, as a fresh rank's
+FRESH["group"] = True
+
+
+def note(rank, name):
+    with open(os.path.join(os.environ["CARRY_PIDS"], f"{name}.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def leave(rank, world_size, how):
+    note(rank, f"leave-{how}")
+    CHANGE[how]()
+    assert STATE[how]() != FRESH[how], f"{how} did not change"
+
+
+def find(rank, world_size, how, name=None):
+    note(rank, name or f"find-{how}")
+    assert STATE[how]() == FRESH[how], f"{how}: {STATE[how]()!r}, fresh {FRESH[how]!r}"
+
+
+def fails(rank, world_size):
+    note(rank, "fails")
+    raise ValueError("a failing test")
+
+
+@pytest.mark.parametrize("how", list(CHANGE))
+def test_a_leaves(run_ranks, how):
+    run_ranks(leave, how)
+
+
+@pytest.mark.parametrize("how", list(CHANGE))
+def test_b_finds(run_ranks, how):
+    run_ranks(find, how)
+
+
+def test_c_fails(run_ranks):
+    run_ranks(fails)
+
+
+def test_d_after(run_ranks):
+    run_ranks(find, "gc", "after")
+"""
+HOW = re.findall(r'^    "(\w+)": ', CARRY.split("CHANGE = {")[1].split("}\n")[0], re.MULTILINE)
+# What a warm rank cannot reset and detects instead, retiring its world (the next test then
+# runs in fresh ranks); the reason each gives in the summary.
+RETIRES = {
+    "submodule": "the test changed module globals of test_carry: MODEL (its contents)",
+    "group": "the default process group was destroyed or replaced",
+}
+
+
+def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(pytester, tmp_path):
+    pytester.makepyfile(test_carry=CARRY)
+    order = []
+    for how in HOW:
+        order += [f"test_carry.py::test_a_leaves[{how}]", f"test_carry.py::test_b_finds[{how}]"]
+    order += ["test_carry.py::test_c_fails", "test_carry.py::test_d_after"]
+    args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist", *order]
+    verdicts = {}
+    for mode, extra in (("forked", []), ("warm", ["--warm-worlds"])):
+        pids = tmp_path / mode
+        pids.mkdir()
+        pytester._monkeypatch.setenv("CARRY_PIDS", str(pids))
+        result = pytester.runpytest_inprocess(*args, *extra)
+        out = result.stdout.str()
+        # Every change took, and the next test saw a fresh rank's value; one test fails.
+        result.assert_outcomes(passed=2 * len(HOW) + 1, failed=1)
+        verdicts[mode] = {pid.name: int(pid.read_text()) for pid in pids.iterdir()}
+        lines = [line for line in out.splitlines() if line.startswith("warm worlds:")]
+        if mode == "forked":
+            assert lines == [], out  # nothing ran warm, nothing was asked
+            continue
+        # The ranks' pids: which tests one world served (rank 0's pid is its world's).
+        order_0 = [f"{kind}-{how}.0" for how in HOW for kind in ("leave", "find")]
+        worlds = [verdicts[mode][name] for name in [*order_0, "fails.0", "after.0"]]
+        started = len(set(worlds))
+        for how in HOW:  # a reset setting: its next test ran in the same world
+            same = verdicts[mode][f"leave-{how}.0"] == verdicts[mode][f"find-{how}.0"]
+            assert same == (how not in RETIRES), how
+        retired = [
+            f"1 {RETIRES[how]}, after test_carry.py::test_a_leaves[{how}]" for how in RETIRES
+        ]
+        expected = (
+            f"warm worlds: {started} started, {2 * len(HOW) + 2 - started} reuses, "
+            f"{len(RETIRES) + 1} retired ({'; '.join(['1 a test failed', *sorted(retired)])})"
+        )
+        assert lines == [expected], out
+        assert started == len(RETIRES) + 2  # the first, one after each retired, one after c
+    assert set(verdicts["forked"]) == set(verdicts["warm"])
+
+
+def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
+    """docs/harness.md's lists are the code's (``warm_promise.describe``), word for word."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "harness.md").read_text()
+    begin, end = "<!-- warm_promise.describe() -->\n", "<!-- end of warm_promise.describe() -->"
+    assert begin in page and end in page, "the generated lists are gone from docs/harness.md"
+    written = page.split(begin, 1)[1].split(end, 1)[0]
+    assert written == warm_promise.describe(torch), (
+        "docs/harness.md is out of date: paste warm_promise.describe(torch) between its markers "
+        "(python -c 'import torch; from tutorial_impl.testing import warm_promise; "
+        'print(warm_promise.describe(torch), end="")\')'
+    )
+    # Every setting a warm rank resets is on the page, by its label (a backends flag by name).
+    labels = [s.label for s in reuse._settings(torch)]
+    assert len(labels) == len(set(labels)) and len(labels) > 40
+    words = " ".join(written.split())
+    missing = [
+        label
+        for label in labels
+        if label.removeprefix("torch.backends.").removeprefix("cuda ") not in words
+    ]
+    assert missing == []
+
+
+def test_xdist_workers_counts_are_summed_in_the_controllers_line():
+    """Each xdist worker has its own pool: the controller writes the sum of their counts."""
+    from types import SimpleNamespace
+
+    from tutorial_impl.testing.warm_report import FAILED, WarmStats, WarmSummary
+
+    outputs = []
+    for started, reuses, why in ((2, 5, FAILED), (1, 3, "rank 1: a thread was left")):
+        stats = WarmStats(started=started, reuses=reuses)
+        stats.retire(why, "test_a.py::test_x")
+        worker = SimpleNamespace(workerinput={}, workeroutput={})
+        summary = WarmSummary(stats, asked=True, config=worker)
+        summary.pytest_sessionfinish(SimpleNamespace(config=worker))
+        written = []
+        summary.pytest_terminal_summary(SimpleNamespace(write_line=written.append))
+        assert written == []  # a worker writes nothing: its output is the controller's
+        outputs.append(worker.workeroutput)
+    controller = WarmSummary(WarmStats(), asked=False, config=SimpleNamespace())
+    for output in outputs:
+        controller.pytest_testnodedown(SimpleNamespace(workeroutput=output), None)
+    controller.pytest_testnodedown(SimpleNamespace(), None)  # a worker that crashed
+    written = []
+    controller.pytest_terminal_summary(SimpleNamespace(write_line=written.append))
+    assert written == [
+        "warm worlds: 3 started, 8 reuses, 2 retired (1 a test failed; 1 a thread was left, "
+        "after test_a.py::test_x)"
+    ]
+    idle = WarmSummary(WarmStats(), asked=False, config=SimpleNamespace())
+    idle.pytest_terminal_summary(SimpleNamespace(write_line=written.append))
+    assert len(written) == 1  # nothing ran warm, nothing asked: no line
