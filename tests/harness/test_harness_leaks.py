@@ -8,6 +8,7 @@ run can end, a rank's own child process, and the pytest run itself being interru
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -284,6 +285,33 @@ def test_an_environment_mark_finds_a_process_that_left_its_session():
             os.kill(grandchild, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _only_in_proc(pid: str, listdir, path):
+    return [pid] if path == "/proc" else listdir(path)
+
+
+def test_an_environment_mark_finds_a_process_still_in_its_execve(monkeypatch):
+    """The cause of the test above's one miss (at load ~15): ``Popen`` returns once the
+    child's close-on-exec pipe is closed, in the middle of its ``execve``, before the kernel
+    has published the new environment, which reads empty until then. Here the scan reads the
+    child first, right after ``Popen`` returned (an empty read 3 times in 4 on an idle
+    machine); ``marked`` waits out the execve and finds it every time."""
+    listdir = os.listdir
+    for attempt in range(5):
+        mark = f"x{os.getpid()}-{attempt}-{time.monotonic_ns()}"
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], env={"LEAK_MARK": mark}
+        )
+        try:
+            only_child = functools.partial(_only_in_proc, str(child.pid), listdir)
+            monkeypatch.setattr(os, "listdir", only_child)  # no time for its exec to end
+            found = proctable.marked("LEAK_MARK", mark)
+            monkeypatch.setattr(os, "listdir", listdir)
+            assert [pid for pid, _ in found] == [child.pid], attempt
+        finally:
+            child.kill()
+            child.wait()
 
 
 # A stranger's project (no conftest) run with two xdist workers. Each worker's test records
