@@ -26,6 +26,7 @@ from tutorial_impl.testing.errors import (
 from tutorial_impl.testing.fault_plan import Close, Delay, Exit, Fault, Hang, Kill, Raise
 from tutorial_impl.testing.faults import InjectedFault, fault_point
 from tutorial_impl.testing.forked import run_ranks
+from tutorial_impl.testing.leftovers import LeftoverProcessWarning
 
 __all__ = [
     "Close",
@@ -35,6 +36,7 @@ __all__ = [
     "Hang",
     "InjectedFault",
     "Kill",
+    "LeftoverProcessWarning",
     "Raise",
     "RankCrashed",
     "RankError",

@@ -12,6 +12,7 @@ Nothing here imports torch at import time (the pytest plugin imports this module
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -236,6 +237,10 @@ class RankSpec:
     # The rendezvous of the harness's own group, set only while it joins (``rendezvous``).
     harness_env: dict[str, str] = field(default_factory=dict)
     faults: fault_plan.Plan = ()  # armed in the rank before its group is made
+    # The forkserver that forked the rank (``forkserver.RankServer.address``): a nested
+    # ``run_ranks`` in the rank takes its ranks from it too, as an xdist worker does.
+    forkserver: dict[str, Any] | None = None
+    start_method: str | None = None  # multiprocessing's default in the parent (None: unset)
 
     @property
     def records_path(self) -> str:
@@ -280,4 +285,5 @@ def rank_spec(
         owner_pid=os.getpid(),
         harness_env=dict(harness_env or {}),
         faults=call.faults,
+        start_method=multiprocessing.get_start_method(allow_none=True),
     )

@@ -65,6 +65,7 @@ class RankError(Exception):
         self.in_message = True  # stacks and outputs in str(error)
         self.failed_ranks: list[int] = []  # every rank that failed (raised or died)
         self.thread_errors: dict[int, tuple[str, ...]] = {}  # exceptions in rank threads
+        self.killed: dict[int, tuple[_o.Leftover, ...]] = {}  # what ranks left running
 
     @property
     def headline(self) -> str:
@@ -184,11 +185,11 @@ class RankExited:
 
 
 class RankResults(list):  # type: ignore[type-arg]
-    """The ranks' return values in rank order, plus what each rank printed (``outputs``)
-    and the exceptions raised in each rank's own threads (``thread_errors``)."""
+    """The ranks' return values in rank order; ``outputs``, ``thread_errors``, ``killed``."""
 
     outputs: list[str]
     thread_errors: dict[int, tuple[str, ...]] = {}  # noqa: RUF012 - replaced per instance
+    killed: dict[int, tuple[_o.Leftover, ...]] = {}  # noqa: RUF012 - replaced per instance
 
 
 def prefixed(rank: int, text: str, limit: int = OUTPUT_TAIL_LINES) -> str:

@@ -25,7 +25,7 @@ import pytest
 
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import config as _config
-from tutorial_impl.testing import matrix
+from tutorial_impl.testing import leftovers, matrix
 from tutorial_impl.testing import shadowing as _shadowing
 from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
 from tutorial_impl.testing.forked import FORKED, IN_TEST
@@ -308,6 +308,7 @@ def _outcome(
             reported(error)
         raise
     _warn_thread_errors(results.thread_errors)
+    leftovers.warn(results.killed)
     # Under torchrun each rank's own capture has the output; with stream= it was relayed live.
     if session.launched is None and call.stream is None:
         for rank, text in enumerate(results.outputs):
@@ -334,6 +335,7 @@ def reported(error: RankError) -> NoReturn:
         raise error
     error.in_message = False  # stacks and outputs go to report sections instead
     _warn_thread_errors(error.thread_errors)
+    leftovers.warn(error.killed)
     if isinstance(error, RankSkipped):  # reported at the test's location, not the harness's
         raise pytest.skip.Exception(f"rank {error.rank}: {error.reason}", _use_item_location=True)
     if isinstance(error, RankXFailed):

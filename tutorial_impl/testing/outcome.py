@@ -126,15 +126,29 @@ FORKED_CHILD = "tutorial_impl.testing.ForkedChildReturned"  # Raised.exc_type of
 
 
 @dataclass(frozen=True)
+class Leftover:
+    """A process a rank left running, which the harness killed (``leftovers``): its pid and
+    command line when it was found."""
+
+    pid: int
+    command: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.command})"
+
+
+@dataclass(frozen=True)
 class Report:
-    """One rank's answer: its outcome, the process that gave it, when, and the exceptions
-    its own threads raised meanwhile (formatted; the plugin turns them into warnings)."""
+    """One rank's answer: its outcome, the process that gave it, when, the exceptions its
+    own threads raised meanwhile (formatted; the plugin turns them into warnings), and the
+    processes it left running, which it killed before answering (``leftovers``)."""
 
     outcome: Outcome
     pid: int
     at: float  # time.time() when the function ended
     thread_errors: tuple[str, ...] = ()
     forked: bool = False  # the function forked this process (os.fork, a fork-started Process)
+    killed: tuple[Leftover, ...] = ()
 
 
 class _Forks:

@@ -108,17 +108,52 @@ def own_children() -> list[int]:
         os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
         return []
+    return [pid for pid in _children_of(os.getpid()) if running(pid)]
+
+
+def _children_of(parent: int) -> list[int]:
+    """The children of ``parent`` (zombies too), from its tasks' ``children`` lists, or, on a
+    kernel without them, a scan of every process (live ones only)."""
     found, listed = [], False
-    for task in os.listdir("/proc/self/task"):
+    try:
+        tasks = os.listdir(f"/proc/{parent}/task")
+    except OSError:
+        return []  # gone
+    for task in tasks:
         try:
-            with open(f"/proc/self/task/{task}/children") as f:
+            with open(f"/proc/{parent}/task/{task}/children") as f:
                 found += [int(pid) for pid in f.read().split()]
             listed = True
         except OSError:
             pass
-    if not listed:
-        return children(os.getpid())
-    return [pid for pid in found if running(pid)]
+    return found if listed else children(parent)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, parents before their children: what it started,
+    whatever session or process group each moved to (an exited process's own children have
+    been handed to a subreaper or init already)."""
+    found, todo = [], [pid]
+    while todo:
+        for child in _children_of(todo.pop(0)):
+            if running(child):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def command(pid: int, limit: int = 200) -> str:
+    """Process ``pid``'s command line as one string (cut at ``limit`` characters), or its name
+    in brackets when it has none to show (a process in the middle of an ``execve``)."""
+    line = (_cmdline(pid) or b"").replace(b"\0", b" ").decode(errors="replace").strip()
+    if not line:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                text = f.read()
+            line = "[" + text[text.index("(") + 1 : text.rindex(")")] + "]"
+        except (OSError, ValueError):
+            line = "[gone]"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _cmdline(pid: int) -> bytes | None:

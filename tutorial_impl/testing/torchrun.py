@@ -30,6 +30,7 @@ process group. What makes that safe:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -41,7 +42,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tutorial_impl.testing import faults, faulty_group, forensics, proctable, recorder, records
+from tutorial_impl.testing import (
+    faults,
+    faulty_group,
+    forensics,
+    leftovers,
+    proctable,
+    recorder,
+    records,
+)
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.errors import RankResults
@@ -273,6 +282,8 @@ def run_here(
         box.setdefault("report", _o.Report(_o.Lost(code), worker, time.time()))
         done.set()
 
+    leftovers.become_subreaper()  # what the function starts stays within reach
+    before = frozenset(proctable.own_children())  # not the function's: spared
     tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
     sys.stdout, sys.stderr = tee_out, tee_err
     thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=True)
@@ -296,6 +307,7 @@ def run_here(
     report = box["report"]
     if child is not None and not isinstance(report.outcome, _o.Failure):
         report = child
+    report = dataclasses.replace(report, killed=leftovers.kill_leftovers(keep=before))
     announce(job, key, report)
     return Answer(report, output)
 

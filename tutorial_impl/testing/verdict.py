@@ -51,6 +51,8 @@ class Finished:
     skip_wait: float = 0.0  # how long the others were given after the first skip
     records: dict[int, list[Record]] = field(default_factory=dict)  # at the end, if asked
     fired: dict[int, list[Fired]] = field(default_factory=dict)  # faults injected on purpose
+    # What the parent killed under ranks it stopped (their own kill never came: ``leftovers``).
+    swept: dict[int, tuple[_o.Leftover, ...]] = field(default_factory=dict)
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:
@@ -59,6 +61,12 @@ class Finished:
     @property
     def thread_errors(self) -> dict[int, tuple[str, ...]]:
         return {r: rep.thread_errors for r, rep in self.reports.items() if rep.thread_errors}
+
+    @property
+    def killed(self) -> dict[int, tuple[_o.Leftover, ...]]:
+        """Every process the harness killed under each rank: by the rank, or by the parent."""
+        every = {r: rep.killed + self.swept.get(r, ()) for r, rep in self.reports.items()}
+        return {r: killed for r, killed in every.items() if killed}
 
 
 def cause(outcomes: dict[int, _o.Outcome], order: list[int]) -> int | None:
@@ -86,13 +94,13 @@ def decide(run: Finished) -> RankResults:
     if error is None and skips:
         error = error_for(skips[0], outcomes[skips[0]], "", run.outputs)
     if error is not None:
-        error.thread_errors = run.thread_errors
+        error.thread_errors, error.killed = run.thread_errors, run.killed
         if first is not None:
             _explain_failure(run, error)
         raise error
     results = RankResults(outcomes[r].value for r in range(run.world_size))  # type: ignore[union-attr]
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
-    results.thread_errors = run.thread_errors
+    results.thread_errors, results.killed = run.thread_errors, run.killed
     return results
 
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tutorial_impl.testing import faults, proctable, reuse, torchenv
+from tutorial_impl.testing import faults, leftovers, proctable, reuse, torchenv
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing import rank as _rank
 from tutorial_impl.testing.call import RankSpec
@@ -62,7 +62,7 @@ class WorldCheck:
             return f"{len(extra)} process group(s) left behind (destroy_process_group)"
         if _rpc_agent_running():
             return "an RPC agent left running (rpc.shutdown)"
-        children = proctable.own_children()
+        children = sorted(set(proctable.own_children()) - leftovers.helpers())
         if children:
             return f"child process(es) left running: {children}"
         pending = [w for w in self.works if not w.is_completed()]
