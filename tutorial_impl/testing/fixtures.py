@@ -304,6 +304,7 @@ def _outcome(
         else:
             results = runner.run(call)
     except RankError as error:
+        leftovers.warn(error.killed)  # here, not in ``reported``: a caught error names them too
         if as_pytest:
             reported(error)
         raise
@@ -335,7 +336,6 @@ def reported(error: RankError) -> NoReturn:
         raise error
     error.in_message = False  # stacks and outputs go to report sections instead
     _warn_thread_errors(error.thread_errors)
-    leftovers.warn(error.killed)
     if isinstance(error, RankSkipped):  # reported at the test's location, not the harness's
         raise pytest.skip.Exception(f"rank {error.rank}: {error.reason}", _use_item_location=True)
     if isinstance(error, RankXFailed):

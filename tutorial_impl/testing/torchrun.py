@@ -298,16 +298,17 @@ def run_here(
     if ended is None and box["report"].forked:
         proctable.wait_for_forked_copies(FORK_GRACE)
     child = _child_report(child_r, child_w)
+    killed = leftovers.kill_leftovers(keep=before)  # an abandoned function's children too
     if ended is not None:  # still running: where?
         job.abandoned.append(thread)
         frames = forensics.frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
         title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
-        report = _o.Report(ended(forensics.place(frames)), worker, time.time())
+        report = _o.Report(ended(forensics.place(frames)), worker, time.time(), killed=killed)
         return Answer(child or report, output, forensics.format_frames(title, frames))
     report = box["report"]
     if child is not None and not isinstance(report.outcome, _o.Failure):
         report = child
-    report = dataclasses.replace(report, killed=leftovers.kill_leftovers(keep=before))
+    report = dataclasses.replace(report, killed=killed)
     announce(job, key, report)
     return Answer(report, output)
 
