@@ -113,20 +113,32 @@ def own_children() -> list[int]:
 
 def _children_of(parent: int) -> list[int]:
     """The children of ``parent`` (zombies too), from its tasks' ``children`` lists, or, on a
-    kernel without them, a scan of every process (live ones only)."""
-    found, listed = [], False
+    kernel without them, a scan of every process (live ones only).
+
+    A child belongs to the thread that started it; when that thread exits, the kernel hands
+    its children to another thread of the process. Read while that happens, a child can
+    be in neither list (the thread read first got it later, the one read later is gone):
+    so the lists are read again until the threads were the same before and after."""
     try:
         tasks = os.listdir(f"/proc/{parent}/task")
     except OSError:
         return []  # gone
-    for task in tasks:
+    while True:
+        found, listed = set(), False
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    found.update(int(pid) for pid in f.read().split())
+                listed = True
+            except OSError:
+                pass
         try:
-            with open(f"/proc/{parent}/task/{task}/children") as f:
-                found += [int(pid) for pid in f.read().split()]
-            listed = True
+            after = os.listdir(f"/proc/{parent}/task")
         except OSError:
-            pass
-    return found if listed else children(parent)
+            return []
+        if after == tasks:
+            return sorted(found) if listed else children(parent)
+        tasks = after
 
 
 def descendants(pid: int) -> list[int]:
