@@ -241,8 +241,9 @@ def run_task(
     join_group: bool,
     send: Callable[[bytes], None],
     baseline: Any = None,
-) -> None:
-    """Run ``spec``'s function in this rank and ``send`` its pickled ``outcome.Report``.
+) -> _outcome.Report:
+    """Run ``spec``'s function in this rank and ``send`` its pickled ``outcome.Report``;
+    return it.
 
     ``join_group``: join the process group first (a fresh rank; a warm one is in its
     world's group already). A child the function forked that comes back here sends its
@@ -280,6 +281,7 @@ def run_task(
     sys.stdout.flush()
     sys.stderr.flush()
     send(message)
+    return report
 
 
 def _set_up_and_call(
