@@ -27,6 +27,7 @@ from tutorial_impl.testing.errors import (
 from tutorial_impl.testing.fault_plan import Close, Delay, Exit, Fault, Hang, Kill, Raise
 from tutorial_impl.testing.faults import InjectedFault, fault_point
 from tutorial_impl.testing.forked import run_ranks
+from tutorial_impl.testing.leftovers import LeftoverProcessWarning
 from tutorial_impl.testing.stores import shared_store
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "Hang",
     "InjectedFault",
     "Kill",
+    "LeftoverProcessWarning",
     "Raise",
     "RankCrashed",
     "RankError",

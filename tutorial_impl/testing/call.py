@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -280,6 +281,10 @@ class RankSpec:
     harness_env: dict[str, str] = field(default_factory=dict)
     faults: fault_plan.Plan = ()  # armed in the rank before its group is made
     warning_filters: Filters | None = None  # see Call.warning_filters
+    # The forkserver that forked the rank (``forkserver.RankServer.address``): a nested
+    # ``run_ranks`` in the rank takes its ranks from it too, as an xdist worker does.
+    forkserver: dict[str, Any] | None = None
+    start_method: str | None = None  # multiprocessing's default in the parent (None: unset)
 
     @property
     def records_path(self) -> str:
@@ -325,4 +330,5 @@ def rank_spec(
         harness_env=dict(harness_env or {}),
         faults=call.faults,
         warning_filters=call.warning_filters,
+        start_method=multiprocessing.get_start_method(allow_none=True),
     )

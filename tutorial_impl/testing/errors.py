@@ -67,6 +67,7 @@ class RankError(Exception):
         self.thread_errors: dict[int, tuple[str, ...]] = {}  # exceptions in rank threads
         self.caught: dict[int, _o.Caught] = {}  # the ranks' warnings (``caught``)
         self.outcomes: dict[int, _o.Outcome] = {}  # how every rank ended (``verdict``)
+        self.killed: dict[int, tuple[_o.Leftover, ...]] = {}  # what ranks left running
 
     @property
     def headline(self) -> str:
@@ -186,11 +187,13 @@ class RankExited:
 
 
 class RankResults(list):  # type: ignore[type-arg]
-    """The ranks' return values in rank order; what each printed, raised in threads, warned."""
+    """The ranks' return values in rank order; what each printed, raised in threads, warned,
+    and left running (``killed``)."""
 
     outputs: list[str]
     thread_errors: dict[int, tuple[str, ...]] = {}  # noqa: RUF012 - replaced per instance
     caught: dict[int, _o.Caught] = {}  # noqa: RUF012 - replaced per instance
+    killed: dict[int, tuple[_o.Leftover, ...]] = {}  # noqa: RUF012 - replaced per instance
 
 
 def prefixed(rank: int, text: str, limit: int = OUTPUT_TAIL_LINES) -> str:

@@ -18,7 +18,6 @@ import itertools
 import re
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -26,9 +25,8 @@ from typing import Any, NoReturn
 import pytest
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing import caught
+from tutorial_impl.testing import caught, leftovers, matrix
 from tutorial_impl.testing import config as _config
-from tutorial_impl.testing import matrix
 from tutorial_impl.testing import shadowing as _shadowing
 from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
 from tutorial_impl.testing.forked import FORKED, IN_TEST, RUNNING
@@ -327,10 +325,12 @@ def _outcome(
         else:
             results = runner.run(call)
     except RankError as error:
+        leftovers.warn(error.killed)  # here, not in ``reported``: a caught error names them too
         if as_pytest:
             reported(error)
         raise
     caught.emit(results.thread_errors, results.caught)
+    leftovers.warn(results.killed)
     # Under torchrun each rank's own capture has the output; with stream= it was relayed live.
     if session.launched is None and call.stream is None:
         for rank, text in enumerate(results.outputs):

@@ -23,7 +23,7 @@ from typing import Any, ParamSpec, TextIO
 
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import debugging as _debugging
-from tutorial_impl.testing import forkserver, rank, supervise
+from tutorial_impl.testing import forkserver, leftovers, rank, supervise
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.config import (
     DEFAULT_BACKEND,
@@ -31,7 +31,7 @@ from tutorial_impl.testing.config import (
     DEFAULT_INIT_METHOD,
     DEFAULT_WORLD_SIZE,
 )
-from tutorial_impl.testing.errors import RankResults
+from tutorial_impl.testing.errors import RankError, RankResults
 from tutorial_impl.testing.fault_plan import Fault
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.verdict import decide
@@ -81,6 +81,7 @@ def _to_stderr(text: str) -> None:
 def start(spec: _call.RankSpec) -> supervise.Proc:
     """Fork one fresh rank for ``spec`` from the forkserver."""
     ctx = forkserver.context()
+    spec.forkserver = forkserver.SERVER.address()  # for a nested run_ranks in the rank
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(target=rank.rank_main, args=(spec, writer), daemon=True)
     process.start()
@@ -187,6 +188,10 @@ def run_ranks(
     ``RankTimeout``, ``RankSkipped`` or ``RankXFailed`` (``verdict`` says which wins).
     ``stream`` relays the ranks' output while they run.
 
+    ``fn`` may start processes (``DataLoader`` workers, a ``multiprocessing`` pool, a
+    subprocess, a nested ``run_ranks``); any still running when it ends are killed, and
+    named in a ``LeftoverProcessWarning`` (``leftovers``).
+
     ``may_exit`` names ranks whose death is part of the test (a server that fails on
     purpose): such a rank may end without reporting, by ``os._exit`` or a signal, and the
     run goes on; its entry in the results is then a ``RankExited``. A rank outside
@@ -202,4 +207,10 @@ def run_ranks(
     """
     __tracebackhide__ = True
     options = {name: value for name, value in locals().items() if name in _call.OPTIONS}
-    return FORKED.run(_call.build(fn, args, **options))
+    try:
+        results = FORKED.run(_call.build(fn, args, **options))
+    except RankError as error:
+        leftovers.warn(error.killed)  # what the ranks left running, named (``leftovers``)
+        raise
+    leftovers.warn(results.killed)
+    return results

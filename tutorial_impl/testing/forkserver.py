@@ -158,6 +158,12 @@ class RankServer:
         controller keeps the server's "alive" fd: the server exits when the controller is
         gone. Address, pid and authkey (3.14+) are plain values: they travel in workerinput.
         """
+        return self.address()
+
+    def address(self) -> dict[str, Any]:
+        """What another process needs to take ranks from the server this process uses,
+        started if it was not: an xdist worker (``start_shared``), a rank's nested
+        ``run_ranks`` (``RankSpec.forkserver``)."""
         self.context()
         self.server.ensure_running()
         return {

@@ -132,10 +132,23 @@ FORKED_CHILD = "tutorial_impl.testing.ForkedChildReturned"  # Raised.exc_type of
 
 
 @dataclass(frozen=True)
+class Leftover:
+    """A process a rank left running, which the harness killed (``leftovers``): its pid and
+    command line when it was found."""
+
+    pid: int
+    command: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.command})"
+
+
+@dataclass(frozen=True)
 class Report:
     """One rank's answer: its outcome, the process that gave it, when, the exceptions its
-    own threads raised meanwhile (formatted), and what else pytest would have caught around
-    it (``caught``); the parent hands those two to pytest as warnings (``caught.emit``)."""
+    own threads raised meanwhile (formatted), what else pytest would have caught around
+    it (``caught``; the parent hands those two to pytest as warnings, ``caught.emit``), and
+    the processes it left running, which it killed before answering (``leftovers``)."""
 
     outcome: Outcome
     pid: int
@@ -143,6 +156,7 @@ class Report:
     thread_errors: tuple[str, ...] = ()
     forked: bool = False  # the function forked this process (os.fork, a fork-started Process)
     caught: Caught = Caught()  # its warnings, unraisable exceptions, threads left running
+    killed: tuple[Leftover, ...] = ()
 
 
 class _Forks:

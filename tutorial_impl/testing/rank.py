@@ -28,7 +28,8 @@ from typing import Any
 from tutorial_impl.testing import coverage as _coverage
 from tutorial_impl.testing import debugging as _debugging
 from tutorial_impl.testing import faults as _faults
-from tutorial_impl.testing import faulty_group, records
+from tutorial_impl.testing import faulty_group, leftovers, records
+from tutorial_impl.testing import forkserver as _forkserver
 from tutorial_impl.testing import outcome as _outcome
 from tutorial_impl.testing import proctable as _proctable
 from tutorial_impl.testing import torchenv as _torchenv
@@ -182,6 +183,10 @@ def enter_rank(spec: RankSpec) -> dict[str, str]:
     os.setpgid(0, 0)  # own process group: the parent can kill the rank *and* its children
     release_forkserver()
     die_with_parent(parent)
+    leftovers.allow_children(spec.start_method)  # DataLoader workers, pools: ``leftovers``
+    leftovers.become_subreaper()
+    if spec.forkserver is not None:  # a nested run_ranks takes its ranks from the same server
+        _forkserver.SERVER.use_shared(spec.forkserver)
     records.serve()  # before any other thread: see ``records``
     _die_with_owner(spec.owner_pid)
     imported_with = dict(os.environ)  # the forkserver's: what torch saw at import
@@ -237,8 +242,9 @@ def run_task(
     join_group: bool,
     send: Callable[[bytes], None],
     baseline: Any = None,
-) -> None:
-    """Run ``spec``'s function in this rank and ``send`` its pickled ``outcome.Report``.
+) -> _outcome.Report:
+    """Run ``spec``'s function in this rank and ``send`` its pickled ``outcome.Report``;
+    return it.
 
     ``join_group``: join the process group first (a fresh rank; a warm one is in its
     world's group already). A child the function forked that comes back here sends its
@@ -269,17 +275,17 @@ def run_task(
         os._exit(1)
     if report.forked:  # their reports first, if they come back
         _proctable.wait_for_forked_copies(FORK_GRACE)
+    report = dataclasses.replace(report, killed=leftovers.kill_leftovers())
     try:
         message = dumps_on_cpu(report)
     except Exception as exc:  # noqa: BLE001
         failure = _outcome.unpicklable("returned a value that cannot be pickled", exc)
-        message = pickle.dumps(
-            dataclasses.replace(report, outcome=failure, forked=False)
-        )
+        message = pickle.dumps(dataclasses.replace(report, outcome=failure, forked=False))
     _coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
     sys.stdout.flush()
     sys.stderr.flush()
     send(message)
+    return report
 
 
 def _set_up_and_call(

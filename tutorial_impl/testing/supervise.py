@@ -17,8 +17,9 @@ The waiting is where multi-rank tests usually go wrong, so here are the rules it
 * **Only the rank answers for its rank.** A report sent by a child a rank forked is that
   rank's failure, also when it arrives after the rank's own report.
 * **Nothing outlives the call.** The runners kill every rank's process group in a
-  ``finally``; ``kill_all`` at exit is the last resort (``forkserver_init`` covers a
-  killed parent).
+  ``finally``, after everything under the rank in other groups or sessions; ``kill_all`` at
+  exit is the last resort (``forkserver_init`` covers a killed parent). What a rank the wait
+  stopped had started is killed before the verdict, and named (``leftovers``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TextIO
 
-from tutorial_impl.testing import faults, forensics, records
+from tutorial_impl.testing import faults, forensics, leftovers, records
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.debugging import Deadline
 from tutorial_impl.testing.errors import RankExited, prefixed
@@ -112,7 +113,9 @@ atexit.register(LIVE.kill_all)
 def kill_group(pid: int) -> None:
     """SIGKILL the process group a rank leads (the rank and anything it started). Even a
     rank that has exited may have left children in its group, so the group is always
-    killed; its id cannot have been reused while the group lives."""
+    killed; its id cannot have been reused while the group lives. First everything under
+    the rank, whatever group or session it moved to (``leftovers.kill_tree``)."""
+    leftovers.kill_tree(pid)
     for kill, target in ((os.killpg, pid), (os.kill, pid)):
         try:
             kill(target, signal.SIGKILL)
@@ -142,6 +145,9 @@ def supervise(
     for r, report in watch.reports.items():  # a warm rank's own check after its report
         if r in found and not isinstance(report.outcome, _o.Unfinished):
             found[r] = [rec for rec in found[r] if rec.created_ns <= report.at * 1e9]
+    # A rank stopped here never killed what it started (``leftovers``): the parent does.
+    stopped = [p for p in procs if isinstance(watch.reports[p.rank].outcome, _o.Unfinished)]
+    swept = {p.rank: leftovers.kill_tree(p.pid) for p in stopped if p.pid is not None}
     return Finished(
         world_size=len(procs),
         reports=watch.reports,
@@ -153,6 +159,7 @@ def supervise(
         skip_wait=watch.skip_wait,
         records=found,
         fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.fault_path))},
+        swept={rank: killed for rank, killed in swept.items() if killed},
     )
 
 

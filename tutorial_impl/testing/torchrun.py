@@ -30,6 +30,7 @@ process group. What makes that safe:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -41,7 +42,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tutorial_impl.testing import faults, faulty_group, forensics, proctable, recorder, records
+from tutorial_impl.testing import (
+    faults,
+    faulty_group,
+    forensics,
+    leftovers,
+    proctable,
+    recorder,
+    records,
+)
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.caught import Catcher, current_filters
@@ -275,6 +284,8 @@ def run_here(
         box.setdefault("report", _o.Report(_o.Lost(code), worker, time.time()))
         done.set()
 
+    leftovers.become_subreaper()  # what the function starts stays within reach
+    before = frozenset(proctable.own_children())  # not the function's: spared
     tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
     sys.stdout, sys.stderr = tee_out, tee_err
     # Not a daemon, as a forked rank's main thread is not: the threads the function starts
@@ -295,15 +306,17 @@ def run_here(
     if ended is None and box["report"].forked:
         proctable.wait_for_forked_copies(FORK_GRACE)
     child = _child_report(child_r, child_w)
+    killed = leftovers.kill_leftovers(keep=before)  # an abandoned function's children too
     if ended is not None:  # still running: where?
         job.abandoned.append(thread)
         frames = forensics.frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
         title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
-        report = _o.Report(ended(forensics.place(frames)), worker, time.time())
+        report = _o.Report(ended(forensics.place(frames)), worker, time.time(), killed=killed)
         return Answer(child or report, output, forensics.format_frames(title, frames))
     report = box["report"]
     if child is not None and not isinstance(report.outcome, _o.Failure):
         report = child
+    report = dataclasses.replace(report, killed=killed)
     announce(job, key, report)
     return Answer(report, output)
 

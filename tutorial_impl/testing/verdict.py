@@ -55,6 +55,8 @@ class Finished:
     skip_wait: float = 0.0  # how long the others were given after the first skip
     records: dict[int, list[Record]] = field(default_factory=dict)  # at the end, if asked
     fired: dict[int, list[Fired]] = field(default_factory=dict)  # faults injected on purpose
+    # What the parent killed under ranks it stopped (their own kill never came: ``leftovers``).
+    swept: dict[int, tuple[_o.Leftover, ...]] = field(default_factory=dict)
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:
@@ -67,6 +69,12 @@ class Finished:
     @property
     def caught(self) -> dict[int, Caught]:
         return {r: rep.caught for r, rep in self.reports.items() if rep.caught}
+
+    @property
+    def killed(self) -> dict[int, tuple[_o.Leftover, ...]]:
+        """Every process the harness killed under each rank: by the rank, or by the parent."""
+        every = {r: rep.killed + self.swept.get(r, ()) for r, rep in self.reports.items()}
+        return {r: killed for r, killed in every.items() if killed}
 
 
 def cause(outcomes: dict[int, _o.Outcome], order: list[int]) -> int | None:
@@ -97,6 +105,7 @@ def decide(run: Finished) -> RankResults:
         error = error_for(skips[0], outcomes[skips[0]], "", run.outputs)
     if error is not None:
         error.thread_errors, error.caught = run.thread_errors, run.caught
+        error.killed = run.killed
         if isinstance(error, RankError):
             error.outcomes = outcomes
         if first is not None:
@@ -105,6 +114,7 @@ def decide(run: Finished) -> RankResults:
     results = RankResults(outcomes[r].value for r in range(run.world_size))  # type: ignore[union-attr]
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
     results.thread_errors, results.caught = run.thread_errors, run.caught
+    results.killed = run.killed
     return results
 
 

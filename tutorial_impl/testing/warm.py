@@ -207,6 +207,7 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
                 call, spec.rank, home, rank_env[spec.rank], harness_env=store.harness_env()
             )
             first.log_path, first.stack_path, first.payload = spec.log_path, spec.stack_path, b""
+            first.forkserver = forkserver.SERVER.address()  # for a nested run_ranks
             parent_end, rank_end = ctx.Pipe(duplex=True)
             process = ctx.Process(
                 target=warm_rank.warm_rank_main, args=(first, spec, rank_end), daemon=True

@@ -22,7 +22,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tutorial_impl.testing import faults, proctable, reuse, torchenv
+from tutorial_impl.testing import faults, leftovers, proctable, reuse, torchenv
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing import rank as _rank
 from tutorial_impl.testing.call import RankSpec
@@ -47,10 +47,15 @@ class WorldCheck:
         """A new test: no point-to-point work of its own yet."""
         self.works.clear()
 
-    def leftovers(self, meanwhile: Callable[[], str | None] = lambda: None) -> str | None:
+    def leftovers(
+        self, meanwhile: Callable[[], str | None] = lambda: None, killed: tuple[Any, ...] = ()
+    ) -> str | None:
         """What the last test left behind that a fresh world would not have, or None; else
         ``meanwhile``'s answer (the rank's other checks), run while the world's barrier is
-        under way: a rank that waits for its peers there checks itself meanwhile."""
+        under way: a rank that waits for its peers there checks itself meanwhile.
+        ``killed``: the processes the test left running, which the rank killed before it
+        reported (``leftovers``): the world is retired all the same, as a fresh one would
+        have been with them (what else such a test left, nobody has looked at)."""
         import torch.distributed as dist
 
         c10d = dist.distributed_c10d
@@ -62,7 +67,8 @@ class WorldCheck:
             return f"{len(extra)} process group(s) left behind (destroy_process_group)"
         if _rpc_agent_running():
             return "an RPC agent left running (rpc.shutdown)"
-        children = proctable.own_children()
+        children = [p.pid for p in killed]
+        children += sorted(set(proctable.own_children()) - leftovers.helpers())
         if children:
             return f"child process(es) left running: {children}"
         pending = [w for w in self.works if not w.is_completed()]
@@ -148,12 +154,12 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             task.env = {**start.env, **task.env}
             _rank.take_task(task)
             world.begin()
-            _rank.run_task(
+            report = _rank.run_task(
                 task, imported_with, join_group=False, send=conn.send_bytes, baseline=baseline
             )
             # The test has been answered: the check and the next test's reset run while the
             # parent reports it and moves on (it reads the answer before the next task).
-            problem = _fault_fired() or world.leftovers(meanwhile=baseline.after_task)
+            problem = _fault_fired() or world.leftovers(baseline.after_task, report.killed)
             conn.send_bytes(pickle.dumps(problem))
             if problem is None:  # as good as new: its snapshot still holds, only reset
                 baseline.reset()

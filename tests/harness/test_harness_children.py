@@ -1,0 +1,281 @@
+"""Ranks start processes as any training program does, and none outlives its test.
+
+``STRANGER`` is a stranger's test file (a pytester project: no conftest, only the installed
+package), run three ways: forked and warm in this process, and as the two workers of a
+torchrun job. Its tests, each with its own checks inside:
+
+* a data-parallel training step (gradients all-reduced) whose batches come from
+  ``DataLoader(num_workers=2)``, equal to the same step taken in one process without
+  workers, the batches loaded by two other processes;
+* a ``multiprocessing.Pool``, a ``multiprocessing.Process`` and a nested ``run_ranks``;
+* nothing of those is left running, so nothing is named (``LeftoverProcessWarning`` is an
+  error around them);
+* a child in a session of its own, left running: killed when its function ends, named (rank,
+  pid) in a ``LeftoverProcessWarning``; once caught with ``pytest.warns``, once left to
+  pytest's warnings summary;
+* the same child, its rank then hanging: killed at the deadline, named.
+
+Every process the file starts records itself (``proctable``): after each run none is alive,
+and the warm run really was warm (a rank served several tests).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.pool  # noqa: F401 - see below
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch.utils.data  # noqa: F401 - see below
+from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
+
+from tutorial_impl.testing import proctable
+from tutorial_impl.testing.rendezvous import agents_store
+
+# pytester's in-process runs drop the modules they imported, and some cannot be loaded twice
+# in one process (they register torch operators): what the stranger's file imports, here.
+pytest_plugins = ["pytester"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODULE = "test_children"
+STRANGER = """\
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from tutorial_impl.testing import LeftoverProcessWarning, RankTimeout, proctable
+from tutorial_impl.testing import run_ranks as public_run_ranks
+
+pytestmark = []  # the warm run puts pytest.mark.warm_world here
+PIDS = os.environ["CHILDREN_PIDS"]
+SAMPLES, FEATURES = 16, 4
+
+
+def note(what):  # this process ran for this test: the suite checks it is gone
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split()[0].rpartition("::")[2]
+    proctable.record_self(PIDS, f"{what}-{test}@{os.getpid()}")
+
+
+class Samples(Dataset):
+    def __init__(self, rows):
+        self.rows = list(rows)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None:  # a worker, not the test itself
+            note("loader")
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(self.rows[i]))
+        return x, x.sum(0, keepdim=True) * 0.5 + 1.0, os.getpid()
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(FEATURES, 1)
+
+
+def squared_error(net, x, y):
+    return ((net(x) - y) ** 2).sum()
+
+
+def sgd_step(net, lr=0.1):  # torch.optim would import torch._dynamo: seconds, in a rank
+    with torch.no_grad():
+        for p in net.parameters():
+            p -= lr * p.grad
+
+
+def data_parallel_step(rank, world_size):
+    note("rank")
+    share = SAMPLES // world_size
+    rows = Samples(range(rank * share, (rank + 1) * share))
+    loader = DataLoader(rows, batch_size=4, num_workers=2)
+    net = model()
+    loaders = set()
+    for x, y, pids in loader:
+        (squared_error(net, x, y) / SAMPLES).backward()
+        loaders |= set(pids.tolist())
+    # DDP's gradient sum by hand (DDP itself would import torch._dynamo in each fresh rank:
+    # 800 modules, 8 s here); the sum over ranks is the mean over every sample.
+    for p in net.parameters():
+        dist.all_reduce(p.grad)
+    sgd_step(net)
+    return [p.detach().clone() for p in net.parameters()], sorted(loaders), os.getpid()
+
+
+def test_a_dataloader_training_step(run_ranks):
+    net = model()  # the reference: one process, every sample, no workers
+    x, y, _ = next(iter(DataLoader(Samples(range(SAMPLES)), batch_size=SAMPLES)))
+    (squared_error(net, x, y) / SAMPLES).backward()
+    sgd_step(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LeftoverProcessWarning)
+        results = run_ranks(data_parallel_step)
+    for params, loaders, rank_pid in results:
+        for got, want in zip(params, net.parameters()):
+            # (torch.testing.assert_close would import 500 modules, DTensor's among them)
+            assert torch.allclose(got, want.detach(), rtol=1e-5, atol=1e-6), (got, want)
+        assert len(loaders) == 2 and rank_pid not in loaders  # two workers loaded the batches
+    assert params[0].ne(model().weight).any()  # the step changed the weights
+
+
+def square(x):
+    return x * x
+
+
+def pools_processes_and_ranks(rank, world_size):
+    note("rank")
+    with mp.Pool(2, initializer=note, initargs=("pool",)) as pool:
+        squares = pool.map(square, range(4))
+    process = mp.Process(target=note, args=("process",))
+    process.start()
+    process.join(30)
+    return squares, process.exitcode, public_run_ranks(sum_of_ranks)
+
+
+def sum_of_ranks(rank, world_size):
+    note("inner")
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_a_pool_a_process_and_a_nested_run_ranks(run_ranks):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LeftoverProcessWarning)
+        results = run_ranks(pools_processes_and_ranks)
+    assert results == [([0, 1, 4, 9], 0, [1.0, 1.0])] * 2
+
+
+def leave_a_child(rank, world_size, then_hang=False):
+    note("rank")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                               start_new_session=True)
+    proctable.record(PIDS, f"sleeper-{rank}-{then_hang}@{sleeper.pid}", sleeper.pid)
+    while then_hang:
+        time.sleep(0.05)
+    return sleeper.pid
+
+
+def sleepers(then_hang):
+    found = {}
+    for name, (pid, _) in proctable.recorded(PIDS).items():
+        if name.startswith("sleeper-") and name.split("@")[0].endswith(f"-{then_hang}"):
+            found[int(name.split("-")[1])] = pid
+    return found
+
+
+def named(caught, children):
+    text = " ".join(str(w.message) for w in caught)
+    return all(f"rank {r} left 1 process" in text and f"pid {pid} (" in text
+               for r, pid in children.items())
+
+
+def test_a_child_left_running_is_killed_and_named(run_ranks):
+    with pytest.warns(LeftoverProcessWarning) as caught:
+        children = dict(enumerate(run_ranks(leave_a_child)))
+    assert named(caught, children), [str(w.message) for w in caught]
+    assert [pid for pid in children.values() if proctable.running(pid)] == []
+
+
+def test_a_child_left_running_in_the_warnings_summary(run_ranks):
+    run_ranks(leave_a_child)
+
+
+@pytest.mark.rank_timeout(1)
+def test_a_child_of_a_rank_that_hangs(run_ranks):
+    with pytest.warns(LeftoverProcessWarning) as caught:
+        with pytest.raises(RankTimeout):
+            run_ranks(leave_a_child, True)
+    children = sleepers(True)
+    assert sorted(children) == [0, 1] and named(caught, children)
+    assert [pid for pid in children.values() if proctable.running(pid)] == []
+"""
+WARM = STRANGER.replace("pytestmark = []", "pytestmark = [pytest.mark.warm_world]", 1)
+assert WARM != STRANGER
+ARGS = ["-p", "no:cacheprovider", "-p", "no:randomly", "-rA", "--rank-timeout=60"]
+SUMMARY_CASE = "test_a_child_left_running_in_the_warnings_summary"
+
+
+def verdicts(junit: Path) -> dict[str, str]:
+    """Each test case's verdict in a junit XML file."""
+    found = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        found[case.get("name", "")] = " + ".join(kinds) or "passed"
+    return found
+
+
+def problems_of(how: str, project: Path, output: str) -> list[str]:
+    """Every way a run of the file went wrong: a test that did not pass, the leftover of
+    ``SUMMARY_CASE`` not named in the warnings summary, a process alive after the run."""
+    problems = []
+    junit = project / f"{how}.xml"
+    got = verdicts(junit) if junit.exists() else {}
+    tests = re.findall(r"^def (test_\w+)\(", STRANGER, re.M)
+    if got != dict.fromkeys(tests, "passed"):
+        problems.append(f"[{how}] verdicts {got}, expected every test passed")
+    summary = output.partition("warnings summary")[2]
+    for rank in (0, 1):
+        pattern = rf"{SUMMARY_CASE}\n.*LeftoverProcessWarning: rank {rank} left 1 process.*pid \d+"
+        if not re.search(pattern, summary):
+            problems.append(f"[{how}] no LeftoverProcessWarning of rank {rank} in the summary")
+    left = proctable.wait_until_gone(project / "pids")
+    if left:
+        problems.append(f"[{how}] processes outlived the run: {left}")
+    kinds = {name.partition("-")[0] for name in proctable.recorded(project / "pids")}
+    if not {"rank", "loader", "pool", "process", "inner", "sleeper"} <= kinds:
+        problems.append(f"[{how}] not every kind of process recorded itself: {sorted(kinds)}")
+    return problems
+
+
+def _in_process(pytester: pytest.Pytester, monkeypatch, how: str, source: str) -> list[str]:
+    (pytester.path / "pids").mkdir()
+    monkeypatch.setenv("CHILDREN_PIDS", str(pytester.path / "pids"))
+    (pytester.path / f"{MODULE}.py").write_text(source)
+    result = pytester.runpytest(*ARGS, f"--junitxml={how}.xml", f"{MODULE}.py")
+    output = result.stdout.str() + result.stderr.str()
+    problems = problems_of(how, pytester.path, output)
+    return [*problems, output] if problems else []
+
+
+def test_forked(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _in_process(pytester, monkeypatch, "forked", STRANGER) == []
+
+
+def test_warm(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    problems = _in_process(pytester, monkeypatch, "warm", WARM)
+    ranks: dict[int, set[str]] = {}
+    for name, (pid, _) in proctable.recorded(pytester.path / "pids").items():
+        if name.startswith("rank-"):
+            ranks.setdefault(pid, set()).add(name.partition("@")[0])
+    if not any(len(tests) > 1 for tests in ranks.values()):
+        problems.append(f"[warm] no rank served two tests: not warm ({ranks})")
+    assert problems == []
+
+
+def test_torchrun(pytester: pytest.Pytester, run_ranks) -> None:
+    """The file's session on each worker of a two-worker job (``torchrun_worker``: the
+    workers are harness ranks, the job's store hosted here as its agent hosts it)."""
+    (pytester.path / "pids").mkdir()
+    (pytester.path / f"{MODULE}.py").write_text(STRANGER)
+    store = agents_store(120)
+    job = {**job_environment(store, 2), "CHILDREN_PIDS": str(pytester.path / "pids")}
+    args = [*ARGS, "--junitxml=torchrun.xml", f"{MODULE}.py"]
+    workers = run_ranks(
+        pytest_as_a_torchrun_worker, job, str(pytester.path), args,
+        world_size=2, backend=None, may_exit={0, 1}, timeout=120,
+    )  # fmt: skip
+    problems = problems_of("torchrun", pytester.path, workers.outputs[0])
+    if [w.exitcode for w in workers] != [0, 0]:
+        problems.append(f"[torchrun] workers exited {[w.exitcode for w in workers]}")
+    assert problems == [], workers.outputs[0][-4000:]
