@@ -295,7 +295,9 @@ def _set_up_and_call(
         init_process_group(spec)
     if baseline is not None:
         baseline.refresh()
-    return fn(*args, **kwargs)
+    value = fn(*args, **kwargs)
+    _faults.report_unfired()  # returned: a planned fault never reached fails the test
+    return value
 
 
 def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:

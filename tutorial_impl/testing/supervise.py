@@ -153,6 +153,7 @@ def supervise(
         skip_wait=watch.skip_wait,
         records=found,
         fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.fault_path))},
+        unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.fault_path))},
     )
 
 

@@ -27,12 +27,14 @@ from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.errors import (
     RankError,
     RankResults,
+    RankSkipped,
+    RankXFailed,
     add_to_headline,
     error_for,
     skip_outlived_error,
     timeout_error,
 )
-from tutorial_impl.testing.faults import Fired
+from tutorial_impl.testing.faults import FaultNotFired, Fired, Unfired
 from tutorial_impl.testing.forensics import Place
 from tutorial_impl.testing.recorder import Record
 
@@ -51,6 +53,7 @@ class Finished:
     skip_wait: float = 0.0  # how long the others were given after the first skip
     records: dict[int, list[Record]] = field(default_factory=dict)  # at the end, if asked
     fired: dict[int, list[Fired]] = field(default_factory=dict)  # faults injected on purpose
+    unfired: dict[int, list[Unfired]] = field(default_factory=dict)  # faults never reached
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:
@@ -89,11 +92,32 @@ def decide(run: Finished) -> RankResults:
         error.thread_errors = run.thread_errors
         if first is not None:
             _explain_failure(run, error)
+    _strict(run, error)
+    if error is not None:
         raise error
     results = RankResults(outcomes[r].value for r in range(run.world_size))  # type: ignore[union-attr]
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
     results.thread_errors = run.thread_errors
+    results.fired = {r: tuple(run.fired.get(r, ())) for r in range(run.world_size)}
     return results
+
+
+def _strict(run: Finished, error: Exception | None) -> None:
+    """A planned fault that a rank which returned never reached fails the test
+    (``FaultNotFired``, the run's own error as its cause), whatever the verdict but a skip:
+    a test meant to show what the fault does would otherwise pass, having shown nothing."""
+    __tracebackhide__ = True
+    if isinstance(error, (RankSkipped, RankXFailed)):
+        return
+    outcomes = run.outcomes
+    missed = [
+        u
+        for r, found in sorted(run.unfired.items())
+        if isinstance(outcomes.get(r), _o.Returned)
+        for u in found
+    ]
+    if missed:
+        raise FaultNotFired(missed) from error
 
 
 # What a rank's collective raises when a peer process is gone (gloo's words).
