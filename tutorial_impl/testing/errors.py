@@ -15,13 +15,11 @@ constructor style, and survives pickling (a test may pass it between processes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.faults import Fired
 from tutorial_impl.testing.forensics import Place
-
-if TYPE_CHECKING:
-    from tutorial_impl.testing.faults import Fired
 
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
 # The advice a hang between different collectives gets (``--check-collectives`` is the option
@@ -187,14 +185,12 @@ class RankExited:
 
 
 class RankResults(list):  # type: ignore[type-arg]
-    """The ranks' return values in rank order, plus what each rank printed (``outputs``),
-    the exceptions raised in each rank's own threads (``thread_errors``) and the faults
-    injected in each rank (``fired``: every rank of the world, each a tuple of
-    ``faults.Fired``, oldest first: which fault, at which point, called where, and when)."""
+    """The ranks' return values in rank order; what each rank printed (``outputs``), the
+    exceptions its own threads raised (``thread_errors``), the faults fired in it (``fired``)."""
 
     outputs: list[str]
     thread_errors: dict[int, tuple[str, ...]] = {}  # noqa: RUF012 - replaced per instance
-    fired: dict[int, tuple[Fired, ...]] = {}  # noqa: RUF012 - replaced per instance
+    fired: dict[int, tuple[Fired, ...]] = {}  # noqa: RUF012 - every rank's, oldest first
 
 
 def prefixed(rank: int, text: str, limit: int = OUTPUT_TAIL_LINES) -> str:
