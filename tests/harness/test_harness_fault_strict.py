@@ -63,7 +63,9 @@ def test_an_unfired_fault_says_what_its_rank_did_instead(monkeypatch):
 
 
 LINE_OF_BROADCAST = next(  # the line of ``injector.reached(Point("broadcast", 5, ...))``
-    n for n, line in enumerate(open(__file__), 1) if 'Point("broadcast", 5,' in line  # noqa: SIM115
+    n
+    for n, line in enumerate(open(__file__), 1)
+    if 'Point("broadcast", 5,' in line  # noqa: SIM115
 )
 
 
@@ -148,18 +150,18 @@ def test_the_records_of_a_group_made_anew_count_from_its_making():
     anew = records.this_test([*old, _rec(1, 30), _rec(2, 31, done=False)], since_ns=20)
     assert [r.seq for r in anew] == [1, 2]
     line = desync.explain({0: anew, 1: [_rec(1, 30)]})
-    assert line == "rank 0 waits in all_reduce #2; rank 1 never reached #2 (its last: all_reduce #1)"
+    assert line == (
+        "rank 0 waits in all_reduce #2; rank 1 never reached #2 (its last: all_reduce #1)"
+    )
 
 
 def test_the_default_group_is_read_before_any_other():
     """Where the default group and a subgroup both part, the default group's parting is
     named (the subgroup's follows from it), whatever the groups' names."""
     default, sub = ("2", "default_pg"), ("1", "mysub")
-    records_ = {
-        r: [_rec(1, 1, sub, done=r == 1), _rec(1, 1, default, done=r == 1)] for r in (0, 1)
-    }
-    records_[1] = [_rec(1, 1, sub), _rec(1, 1, default)]
-    records_[1].extend([_rec(2, 2, sub, done=False), _rec(2, 2, default, done=False)])
-    assert desync.explain(records_) == (
+    behind = [_rec(1, 1, sub, done=False), _rec(1, 1, default, done=False)]
+    ahead = [_rec(1, 1, sub), _rec(1, 1, default)]
+    ahead += [_rec(2, 2, sub, done=False), _rec(2, 2, default, done=False)]
+    assert desync.explain({0: behind, 1: ahead}) == (
         "rank 1 waits in all_reduce #2; rank 0 never reached #2 (its last: all_reduce #1)"
     )

@@ -167,7 +167,12 @@ def test_the_forkserver_imports_what_is_safe_and_names_what_it_will_not(tmp_path
     assert set(report["failed"]) == {"missing_module"}  # a test file's: said only here
     dropped = report["dropped"]
     assert set(dropped) == {
-        "named_but_missing", "threader", "raiser", "exiter", "sleeper", "spawner"
+        "named_but_missing",
+        "threader",
+        "raiser",
+        "exiter",
+        "sleeper",
+        "spawner",
     }
     assert dropped["spawner"] == "started a process at import"
     assert dropped["named_but_missing"].startswith("ModuleNotFoundError")

@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tutorial_impl.testing.forensics import frames_of, place
 from tutorial_impl.testing.fault_plan import (
     ENV,
     Close,
@@ -40,6 +39,7 @@ from tutorial_impl.testing.fault_plan import (
     check_plan,
     decode,
 )
+from tutorial_impl.testing.forensics import frames_of, place
 
 HISTORY = 10_000  # points a rank remembers (``Injector.history``)
 
@@ -125,9 +125,16 @@ class Injector:
         with what the rank did instead (for ``FaultNotFired``)."""
         with self.lock:
             return [
-                Unfired(self.rank or 0, str(fault), fault.op, fault.step, count,
-                        dict(self.ops), dict(self.steps))
-                for fault, count in zip(self.plan, self.counts)
+                Unfired(
+                    self.rank or 0,
+                    str(fault),
+                    fault.op,
+                    fault.step,
+                    count,
+                    dict(self.ops),
+                    dict(self.steps),
+                )
+                for fault, count in zip(self.plan, self.counts, strict=True)
                 if self.rank in fault.ranks and count < fault.at and not fault.optional
             ]
 
