@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from tutorial_impl.testing import RankFailed, desync, faults, records, verdict
+from tutorial_impl.testing import RankFailed, desync, faults, faulty_group, records, verdict
 from tutorial_impl.testing import outcome as _o
-from tutorial_impl.testing.fault_plan import Delay, Fault, Raise, decode, encode
+from tutorial_impl.testing.fault_plan import ENV, Delay, Fault, Raise, decode, encode
 from tutorial_impl.testing.faults import FaultNotFired, Point
 from tutorial_impl.testing.recorder import Record
 
@@ -165,3 +165,47 @@ def test_the_default_group_is_read_before_any_other():
     assert desync.explain({0: behind, 1: ahead}) == (
         "rank 1 waits in all_reduce #2; rank 0 never reached #2 (its last: all_reduce #1)"
     )
+
+
+def test_what_fired_and_what_never_did_reach_the_parent(tmp_path, monkeypatch):
+    """A forked or warm rank writes both to its fault file (``RankSpec.fault_path``): each
+    fired fault before its action, the unfired ones once its function has returned."""
+    monkeypatch.setattr(faults, "delay", lambda seconds: None)
+    injector = faults.Injector()
+    monkeypatch.setattr(faults, "INJECTOR", injector)
+    path = tmp_path / "rank1.fault"
+    plan = (Fault(1, Delay(1), op="broadcast"), Fault(1, Delay(1), at=3))
+    injector.arm(plan, rank=1, report_to=str(path))
+    injector.reached(Point("broadcast", 1, *DEFAULT))
+    assert faults.report_unfired() == injector.unfired() != []
+    with open(path, "a") as out:
+        out.write('["Fired", {"rank": 1, "act')  # a line cut short by the kill it announced
+    assert faults.read_fired(path) == injector.reports != []
+    assert faults.read_unfired(path) == injector.unfired()
+    assert faults.read_fired(tmp_path / "none") == faults.read_unfired(tmp_path / "none") == []
+
+
+def test_the_documented_helper_keeps_the_plan_a_harness_rank_armed(monkeypatch):
+    """``faulty_group.init_process_group(rank, world_size)`` in a rank the harness armed keeps
+    that plan (a harness rank has no ``TUTORIAL_IMPL_FAULTS``); a process never armed reads
+    the variable, as ``fault_launch``'s worker."""
+    import torch.distributed as dist
+
+    joined: list[str] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(backend))
+    injector = faults.Injector()
+    monkeypatch.setattr(faults, "INJECTOR", injector)
+    monkeypatch.setattr(faults, "arm", injector.arm)  # the module's, bound to its INJECTOR
+    monkeypatch.delenv(ENV, raising=False)
+    harness_plan = (Fault(1, Delay(1), at=2),)
+    injector.arm(harness_plan, rank=1)
+    injector.reached(Point("all_reduce", 1, *DEFAULT))
+    faulty_group.init_process_group(1, 2)
+    assert (injector.plan, injector.counts, joined) == (harness_plan, [1], ["faulty"])
+    injector.arm((), rank=1)
+    monkeypatch.setenv(ENV, encode(harness_plan))
+    faulty_group.init_process_group(1, 2)
+    assert injector.plan == harness_plan
+    given = (Fault(0, Raise()),)
+    faulty_group.init_process_group(0, 2, given)
+    assert injector.plan == given
