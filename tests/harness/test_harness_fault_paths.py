@@ -179,11 +179,15 @@ def every_collective(rank: int, world_size: int) -> dict[str, tuple[list[str], l
             continue
         ops = {p.op for p in list(faults.INJECTOR.history)[before:]}
         seen[name] = (sorted(ops), sorted(set(reached)))
+    # The groups a user makes by the documented means, on a faulty default group.
+    made = [dist.new_group([0, 1]), dist.new_subgroups(2)[0], dist.new_group(backend="faulty")]
+    seen["groups made"] = ([dist.get_backend(group) for group in made], [])
     return seen
 
 
 def test_every_collective_lands_on_the_op_its_user_names(run_ranks):
     seen = run_ranks(every_collective, backend=None, timeout=60)[0]
+    assert seen.pop("groups made") == (["faulty"] * 3, [])
     expected = {**COLLECTIVES, "recv from any source": {"recv"}}
     wrong = {n: (ops, expected[n]) for n, (ops, _) in seen.items() if set(ops) != expected[n]}
     assert not wrong, f"counted as (ops, expected): {wrong}"
