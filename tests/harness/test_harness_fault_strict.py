@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import pytest
 
-from tutorial_impl.testing import RankFailed, desync, faults, faulty_group, records, verdict
+from tutorial_impl.testing import (
+    RankFailed,
+    RankSkipped,
+    desync,
+    faults,
+    faulty_group,
+    records,
+    verdict,
+)
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.fault_plan import ENV, Delay, Fault, Raise, decode, encode
 from tutorial_impl.testing.faults import FaultNotFired, Point
@@ -130,6 +138,9 @@ def test_the_verdict_fails_a_rank_that_returned_with_a_fault_unfired():
     # ... but only a rank that returned did all it would have done.
     with pytest.raises(RankFailed):
         verdict.decide(_finished([_o.Returned(1), raised], {1: [missed]}))
+    # A skip is no run of the test: it stays the verdict.
+    with pytest.raises(RankSkipped):
+        verdict.decide(_finished([_o.Returned(1), _o.Skipped("no data")], {0: [missed]}))
     fired = faults.Fired(1, "delay", "all_reduce #1")
     results = verdict.decide(_finished([_o.Returned(1), _o.Returned(2)], fired={1: [fired]}))
     assert results == [1, 2] and results.fired == {0: (), 1: (fired,)}
@@ -191,8 +202,10 @@ def test_the_documented_helper_keeps_the_plan_a_harness_rank_armed(monkeypatch):
     the variable, as ``fault_launch``'s worker."""
     import torch.distributed as dist
 
-    joined: list[str] = []
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(backend))
+    joined: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda b, **kw: joined.append((b, kw["init_method"]))
+    )
     injector = faults.Injector()
     monkeypatch.setattr(faults, "INJECTOR", injector)
     monkeypatch.setattr(faults, "arm", injector.arm)  # the module's, bound to its INJECTOR
@@ -201,7 +214,8 @@ def test_the_documented_helper_keeps_the_plan_a_harness_rank_armed(monkeypatch):
     injector.arm(harness_plan, rank=1)
     injector.reached(Point("all_reduce", 1, *DEFAULT))
     faulty_group.init_process_group(1, 2)
-    assert (injector.plan, injector.counts, joined) == (harness_plan, [1], ["faulty"])
+    assert (injector.plan, injector.counts) == (harness_plan, [1])
+    assert joined == [("faulty", "env://")]  # what ``run_ranks(..., backend=None)`` gives
     injector.arm((), rank=1)
     monkeypatch.setenv(ENV, encode(harness_plan))
     faulty_group.init_process_group(1, 2)
