@@ -63,6 +63,8 @@ def test_an_unfired_fault_says_what_its_rank_did_instead(monkeypatch):
         "0",
         "broadcast #5",
     )
+    assert report.counted == "1st broadcast"  # the plan's count, where the number differs
+    assert str(report) == "injected delay at broadcast #5, the 1st broadcast"
     assert report.where == f"test_harness_fault_strict.py:{LINE_OF_BROADCAST}"
     assert report.elapsed >= 0 and report.time > 0
     # A rank that reached no faulty collective is told why that may be.
