@@ -24,7 +24,7 @@ from tutorial_impl.testing.errors import (
     RankTimeout,
 )
 from tutorial_impl.testing.fault_plan import Close, Delay, Exit, Fault, Hang, Kill, Raise
-from tutorial_impl.testing.faults import InjectedFault, fault_point
+from tutorial_impl.testing.faults import FaultNotFired, InjectedFault, fault_point
 from tutorial_impl.testing.forked import run_ranks
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "Delay",
     "Exit",
     "Fault",
+    "FaultNotFired",
     "Hang",
     "InjectedFault",
     "Kill",
