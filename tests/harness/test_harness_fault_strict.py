@@ -223,5 +223,9 @@ def test_the_documented_helper_keeps_the_plan_a_harness_rank_armed(monkeypatch):
     faulty_group.init_process_group(1, 2)
     assert injector.plan == harness_plan
     given = (Fault(0, Raise()),)
-    faulty_group.init_process_group(0, 2, given)
+    faulty_group.init_process_group(1, 2, given)
     assert injector.plan == given
+    # The rank's code armed the harness's plan away: the parent still hears of its fault.
+    (lost,) = injector.unfired(harness_plan)
+    assert lost.fault.endswith(faults.ARMED_AWAY) and lost.counted == 0
+    assert injector.unfired(given) == []  # the plan the rank has: nothing lost

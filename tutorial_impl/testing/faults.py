@@ -120,21 +120,25 @@ class Injector:
         for fault, report in due:
             self._perform(fault, point, report)
 
-    def unfired(self) -> list[Unfired]:
+    def unfired(self, planned: Plan | None = None) -> list[Unfired]:
         """The faults of this rank's plan that it never reached, but optional ones, each
-        with what the rank did instead (for ``FaultNotFired``)."""
+        with what the rank did instead (for ``FaultNotFired``). ``planned``: the plan the
+        harness armed for the call; a fault of it the rank's code armed away (another plan
+        armed since) is unfired too, whatever the new plan did."""
         with self.lock:
+            counted = [(f, n, "") for f, n in zip(self.plan, self.counts, strict=True)]
+            counted += [(f, 0, ARMED_AWAY) for f in planned or () if f not in self.plan]
             return [
                 Unfired(
                     self.rank or 0,
-                    str(fault),
+                    str(fault) + note,
                     fault.op,
                     fault.step,
                     count,
                     dict(self.ops),
                     dict(self.steps),
                 )
-                for fault, count in zip(self.plan, self.counts, strict=True)
+                for fault, count, note in counted
                 if self.rank in fault.ranks and count < fault.at and not fault.optional
             ]
 
@@ -239,6 +243,9 @@ class Unfired:
         )
 
 
+# A harness plan's fault the rank's own code armed away (``faulty_group.init_process_group``
+# with a plan, ``faults.arm``): the parent still expects it.
+ARMED_AWAY = " (another plan was armed in the rank since: this fault was not in it)"
 NO_COLLECTIVE = (
     "none on a faulty group (a group made on plain gloo is not counted: make it with "
     "faulty_group.init_process_group or init_process_group('faulty'), docs/faults.md)"
@@ -276,10 +283,11 @@ def _append(path: str, entry: Fired | Unfired) -> None:
         out.write(json.dumps([type(entry).__name__, dataclasses.asdict(entry)]) + "\n")
 
 
-def report_unfired(path: str | None = None) -> list[Unfired]:
-    """After the rank's function returned: write what never fired for the parent (to
-    ``path``, default the armed ``report_to``); returns it."""
-    missed = INJECTOR.unfired()
+def report_unfired(planned: Plan | None = None, path: str | None = None) -> list[Unfired]:
+    """After the rank's function returned: write what never fired of the armed plan and of
+    ``planned`` (``Injector.unfired``) for the parent (to ``path``, default the armed
+    ``report_to``); returns it."""
+    missed = INJECTOR.unfired(planned)
     path = path or INJECTOR.report_to
     for entry in missed if path else ():
         _append(path, entry)

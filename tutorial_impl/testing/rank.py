@@ -296,7 +296,7 @@ def _set_up_and_call(
     if baseline is not None:
         baseline.refresh()
     value = fn(*args, **kwargs)
-    _faults.report_unfired()  # returned: a planned fault never reached fails the test
+    _faults.report_unfired(spec.faults)  # returned: a fault never reached fails the test
     return value
 
 

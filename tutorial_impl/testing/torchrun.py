@@ -131,7 +131,7 @@ class Launched:
             faults.arm(call.faults, rank, before_death=self._leave)
             mine = run_here(job, key, resolve(call.function), args, kwargs, call.deadline)
             mine.records, mine.fired = _my_records(rank, since_ns), _my_fired()
-            mine.unfired = faults.INJECTOR.unfired()  # read only if the function returned
+            mine.unfired = faults.INJECTOR.unfired(call.faults)  # read if it returned
             faults.arm((), rank)
             wait = call.deadline + ANSWER_GRACE
             answers = job.channel.gather(key, pickled(mine), wait, job.heartbeats)
