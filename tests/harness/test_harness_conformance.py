@@ -78,7 +78,8 @@ import torch
 import torch.distributed as dist
 
 import torch.distributed._functional_collectives as funcol
-from tutorial_impl.testing import Delay, Exit, Fault, Hang, Kill, Raise, fault_point
+from tutorial_impl.testing import Close, Delay, Exit, Fault, Hang, Kill, Raise, fault_point
+from tutorial_impl.testing import RankFailed, faulty_group
 from tutorial_impl.testing import assert_equal_across_ranks, proctable
 from tutorial_impl.testing import run_ranks as public_run_ranks
 
@@ -451,7 +452,7 @@ def step_sums(rank, world_size):
     note()
     total = torch.zeros(1)
     for _ in range(4):
-        fault_point("step")
+        fault_point("step")  # c29b's step
         one = torch.ones(1)
         dist.all_reduce(one)
         total += one
@@ -641,6 +642,75 @@ def test_c34d_a_peer_that_returned_is_said_to_have_returned(run_ranks):
     run_ranks(rank_0_returns_early, backend=None)
 
 
+STEP_LINE = next(n for n, line in enumerate(open(__file__), 1) if "# c29b's step" in line)
+
+
+def test_c29a_an_unfired_fault_fails_naming_it(run_ranks):
+    run_ranks(sum_of_ranks, faults=Fault(1, Delay(30), at=5, op="all_reduce"))
+
+
+def test_c29b_the_results_say_which_faults_fired(run_ranks):
+    quiet = Fault(0, Delay(30), at=99, optional=True)  # never reached: optional, no failure
+    assert run_ranks(step_sums, faults=quiet).fired == {0: (), 1: ()}
+    # The same world (warm) or group (torchrun): its steps are counted from 1 again.
+    results = run_ranks(step_sums, faults=[Fault(1, Delay(0.01), step="step", at=2), quiet])
+    assert results == [8.0, 8.0] and results.fired[0] == ()
+    (fired,) = results.fired[1]
+    assert (fired.point, fired.action, fired.step, fired.where) == (
+        "fault_point('step') #2", "delay", "step", f"test_stranger.py:{STEP_LINE}"
+    )
+    assert 0 <= fired.elapsed < 60 and fired.time > 0
+
+
+def helper_sums(rank, world_size):
+    note()
+    faulty_group.init_process_group(rank, world_size)  # docs/faults.md's helper: no plan given
+    total = torch.zeros(1)
+    for _ in range(2):
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        total += one
+    return total.item()
+
+
+def test_c29c_the_documented_helper_keeps_the_plan(run_ranks):
+    results = run_ranks(helper_sums, backend=None, faults=Fault(1, Delay(0.01), at=2))
+    assert results == [4.0, 4.0]
+    assert [f.point for f in results.fired[1]] == ["all_reduce #2"]
+
+
+def gather_into_tensor(rank, world_size):
+    note()
+    out = torch.zeros(world_size)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
+    return out.tolist()
+
+
+def test_c29d_a_fault_on_all_gather_into_tensor_fires(run_ranks):
+    plan = Fault(0, Delay(0.01), op="all_gather_into_tensor")
+    results = run_ranks(gather_into_tensor, faults=plan)
+    assert results == [[0.0, 1.0], [0.0, 1.0]]
+    assert [(f.op, f.seq) for f in results.fired[0]] == [("all_gather_into_tensor", 1)]
+
+
+def closed_and_caught(rank, world_size):
+    note()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_c29e_a_close_the_ranks_survive(run_ranks):
+    said = run_ranks(closed_and_caught, faults=Fault(0, Close()))  # every rank returns
+    assert all("peer" in s or "pipe" in s for s in said), said
+
+
+def test_c29f_a_faulty_test_after_a_fired_close_passes(run_ranks):
+    assert run_ranks(step_sums, faults=Fault(1, Delay(0.01), step="step", at=1)) == [8.0, 8.0]
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -763,6 +833,11 @@ PLAIN = (
 ONE_PROCESS = (
     "under torchrun each rank is one pytest process for the whole session, so state a test "
     "leaves in a module carries over to the next test, as in any pytest process"
+)
+UNFIRED = (
+    "tutorial_impl.testing.faults.FaultNotFired: planned fault(s) did not fire (Fault(..., "
+    "optional=True) if that may be so): delay on rank(s) 1 at all_reduce #5 did not fire on rank "
+    "1: it made 1 all_reduce(s) that matched; its collectives: all_reduce 1; its steps: none"
 )
 CASES: dict[str, Case] = {
     "test_c01_all_reduce_passes": Case(Expect("passed")),
@@ -1004,6 +1079,12 @@ CASES: dict[str, Case] = {
         )
     ),
     "test_c27c_a_delay_is_survived": Case(Expect("passed")),
+    "test_c29a_an_unfired_fault_fails_naming_it": Case(Expect("failed", UNFIRED)),
+    "test_c29b_the_results_say_which_faults_fired": Case(Expect("passed")),
+    "test_c29c_the_documented_helper_keeps_the_plan": Case(Expect("passed")),
+    "test_c29d_a_fault_on_all_gather_into_tensor_fires": Case(Expect("passed")),
+    "test_c29e_a_close_the_ranks_survive": Case(Expect("passed")),
+    "test_c29f_a_faulty_test_after_a_fired_close_passes": Case(Expect("passed")),
     "test_c27d_raise_at_a_step": Case(
         Expect(
             "failed",

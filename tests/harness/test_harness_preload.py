@@ -125,6 +125,7 @@ THREADER = (
 RAISER = "raise RuntimeError('not in a forkserver')\n"
 EXITER = "import os\nos._exit(3)\n"
 SLEEPER = "import time\ntime.sleep(60)\n"
+SPAWNER = "import subprocess\nCHILD = subprocess.Popen(['sleep', '1'])\n"  # gone in 1 s
 SERVER_SIDE = """
 import json, os, sys, threading
 import tutorial_impl.testing.forkserver_preload  # what the forkserver imports: runs the plan
@@ -139,7 +140,7 @@ def test_the_forkserver_imports_what_is_safe_and_names_what_it_will_not(tmp_path
     """Run as the server runs it, in a fresh interpreter without torch: one module of each
     kind, imported by a test file, two more named in ``rank_preload``."""
     modules = {"good_module": GOOD, "threader": THREADER, "raiser": RAISER}
-    modules |= {"exiter": EXITER, "sleeper": SLEEPER}
+    modules |= {"exiter": EXITER, "sleeper": SLEEPER, "spawner": SPAWNER}
     write(tmp_path / "lib", {f"{name}.py": text for name, text in modules.items()})
     imports = "".join(f"import {name}\n" for name in modules) + "import missing_module\n"
     write(tmp_path, {"tests/test_lib.py": imports})
@@ -165,7 +166,15 @@ def test_the_forkserver_imports_what_is_safe_and_names_what_it_will_not(tmp_path
     assert report["unsafe"] == {}
     assert set(report["failed"]) == {"missing_module"}  # a test file's: said only here
     dropped = report["dropped"]
-    assert set(dropped) == {"named_but_missing", "threader", "raiser", "exiter", "sleeper"}
+    assert set(dropped) == {
+        "named_but_missing",
+        "threader",
+        "raiser",
+        "exiter",
+        "sleeper",
+        "spawner",
+    }
+    assert dropped["spawner"] == "started a process at import"
     assert dropped["named_but_missing"].startswith("ModuleNotFoundError")
     assert dropped["threader"].startswith("started a thread at import")
     assert dropped["raiser"] == "raised RuntimeError at import: not in a forkserver"

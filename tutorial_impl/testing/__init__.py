@@ -25,7 +25,7 @@ from tutorial_impl.testing.errors import (
     RankTimeout,
 )
 from tutorial_impl.testing.fault_plan import Close, Delay, Exit, Fault, Hang, Kill, Raise
-from tutorial_impl.testing.faults import InjectedFault, fault_point
+from tutorial_impl.testing.faults import FaultNotFired, InjectedFault, fault_point
 from tutorial_impl.testing.forked import run_ranks
 from tutorial_impl.testing.leftovers import LeftoverProcessWarning
 from tutorial_impl.testing.stores import shared_store
@@ -35,6 +35,7 @@ __all__ = [
     "Delay",
     "Exit",
     "Fault",
+    "FaultNotFired",
     "Hang",
     "InjectedFault",
     "Kill",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.faults import Fired
 from tutorial_impl.testing.forensics import Place
 
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
@@ -187,13 +188,15 @@ class RankExited:
 
 
 class RankResults(list):  # type: ignore[type-arg]
-    """The ranks' return values in rank order; what each printed, raised in threads, warned,
-    and left running (``killed``)."""
+    """The ranks' return values in rank order; what each rank printed (``outputs``), the
+    exceptions its own threads raised (``thread_errors``), what else it warned (``caught``),
+    the processes it left running (``killed``), the faults fired in it (``fired``)."""
 
     outputs: list[str]
     thread_errors: dict[int, tuple[str, ...]] = {}  # noqa: RUF012 - replaced per instance
     caught: dict[int, _o.Caught] = {}  # noqa: RUF012 - replaced per instance
     killed: dict[int, tuple[_o.Leftover, ...]] = {}  # noqa: RUF012 - replaced per instance
+    fired: dict[int, tuple[Fired, ...]] = {}  # noqa: RUF012 - every rank's, oldest first
 
 
 def prefixed(rank: int, text: str, limit: int = OUTPUT_TAIL_LINES) -> str:

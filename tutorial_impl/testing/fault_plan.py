@@ -30,6 +30,12 @@ OPS = frozenset(
     "barrier send recv".split()
 )
 P2P = frozenset({"send", "recv"})  # counted apart, as torch counts them (p2p_seq_id)
+# torch 2.13's newer public names of two collectives: a fault may name either, and counts
+# as the older name (what ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` now call).
+ALIASES = {
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+}
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -109,7 +115,10 @@ class Fault:
 
     A point is a collective (of ``op`` only, on ``group`` only: a group's name or its
     description, e.g. ``"0"`` or ``"default_pg"``), or, with ``step``, the ``at``-th call of
-    ``fault_point(step)``. Every field is checked here, naming the field."""
+    ``fault_point(step)``. Every field is checked here, naming the field.
+
+    Strict: a fault its rank never reached fails the test (``faults.FaultNotFired``: the
+    point was never reached, so the test proved nothing about it), unless ``optional``."""
 
     ranks: frozenset[int]
     action: Action
@@ -117,6 +126,7 @@ class Fault:
     op: str | None = None
     group: str | None = None
     step: str | None = None
+    optional: bool = False  # True: a rank that never reaches the point is no failure
 
     def __post_init__(self) -> None:
         ranks = self.ranks
@@ -133,6 +143,8 @@ class Fault:
             raise ValueError(f"Fault(action): one of {names}, got {self.action!r}")
         if type(self.at) is not int or self.at < 1:
             raise ValueError(f"Fault(at): the 1-based count of the point, >= 1, got {self.at!r}")
+        if self.op in ALIASES:
+            object.__setattr__(self, "op", ALIASES[self.op])
         if self.op is not None and self.op not in OPS:
             raise ValueError(f"Fault(op): one of {', '.join(sorted(OPS))}; got {self.op!r}")
         for name in ("group", "step"):
@@ -141,6 +153,8 @@ class Fault:
                 raise ValueError(f"Fault({name}): a non-empty str, got {value!r}")
         if self.step is not None and (self.op is not None or self.group is not None):
             raise ValueError("Fault(step): a fault at a step takes no op or group filter")
+        if type(self.optional) is not bool:
+            raise ValueError(f"Fault(optional): True or False, got {self.optional!r}")
 
     def matches(self, point: Point) -> bool:
         """Whether ``point`` is one this fault counts (its rank is checked by the caller)."""
@@ -157,7 +171,8 @@ class Fault:
         else:
             where = f"{self.op or 'collective'} #{self.at}"
             where += f" on group {self.group}" if self.group else ""
-        return f"{self.action.name} on rank(s) {ranks} at {where}"
+        optional = " (optional)" if self.optional else ""
+        return f"{self.action.name} on rank(s) {ranks} at {where}{optional}"
 
 
 Plan = tuple[Fault, ...]
@@ -183,7 +198,8 @@ def encode(plan: Plan) -> str:
     out = []
     for fault in plan:
         entry: dict[str, Any] = {"ranks": sorted(fault.ranks), "at": fault.at}
-        entry.update({k: getattr(fault, k) for k in ("op", "group", "step") if getattr(fault, k)})
+        keys = ("op", "group", "step", "optional")
+        entry.update({k: getattr(fault, k) for k in keys if getattr(fault, k)})
         entry["action"] = fault.action.name
         entry.update({f.name: getattr(fault.action, f.name) for f in fields(fault.action)})
         out.append(entry)
@@ -214,7 +230,7 @@ def _decode_fault(entry: dict[str, Any]) -> Fault:
         raise ValueError(f"unknown action {kind!r}; the actions are {', '.join(ACTIONS)}")
     cls = ACTIONS[kind]
     own = {f.name for f in fields(cls)}
-    known = own | {"ranks", "at", "op", "group", "step"}
+    known = own | {"ranks", "at", "op", "group", "step", "optional"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise ValueError(f"unknown field(s) {unknown} of a {kind} fault")

@@ -39,6 +39,7 @@ from tutorial_impl.testing.fault_plan import (
     check_plan,
     decode,
 )
+from tutorial_impl.testing.forensics import frames_of, place
 
 HISTORY = 10_000  # points a rank remembers (``Injector.history``)
 
@@ -55,6 +56,9 @@ class Injector:
     plan: Plan = ()
     counts: list[int] = field(default_factory=list)  # per fault of the plan
     fired: list[tuple[Fault, Point]] = field(default_factory=list)
+    reports: list[Fired] = field(default_factory=list)  # the same, as the results say them
+    ops: dict[str, int] = field(default_factory=dict)  # collectives seen since armed, per op
+    armed_at: float = 0.0  # ``time.monotonic()`` at the arming: a ``Fired``'s ``elapsed``
     history: deque[Point] = field(default_factory=lambda: deque(maxlen=HISTORY))
     sockets: list[tuple[int, str]] = field(default_factory=list)  # (fd, "socket:[inode]")
     steps: dict[str, int] = field(default_factory=dict)
@@ -87,7 +91,10 @@ class Injector:
             self.rank, self.plan = rank, plan
             self.counts = [0] * len(plan)
             self.fired.clear()
+            self.reports.clear()
             self.steps.clear()
+            self.ops.clear()
+            self.armed_at = time.monotonic()
             self.epoch += 1
             self.report_to = report_to
             self.before_death = before_death
@@ -97,29 +104,55 @@ class Injector:
     def reached(self, point: Point) -> None:
         """The rank is at ``point``: count it for every fault of this rank that matches, and
         act for the one whose count reaches its ``at`` (before the collective starts)."""
-        due: list[Fault] = []
+        due: list[tuple[Fault, Fired]] = []
         with self.lock:
             self.history.append(point)
+            if point.step is None:
+                self.ops[point.op or "?"] = self.ops.get(point.op or "?", 0) + 1
             for i, fault in enumerate(self.plan):
                 if self.rank in fault.ranks and fault.matches(point):
                     self.counts[i] += 1
                     if self.counts[i] == fault.at:
-                        due.append(fault)
+                        report = fired(self.rank or 0, fault, point, self.armed_at)
+                        due.append((fault, report))
                         self.fired.append((fault, point))
-        for fault in due:
-            self._perform(fault, point)
+                        self.reports.append(report)
+        for fault, report in due:
+            self._perform(fault, point, report)
+
+    def unfired(self, planned: Plan | None = None) -> list[Unfired]:
+        """The faults of this rank's plan that it never reached, but optional ones, each
+        with what the rank did instead (for ``FaultNotFired``). ``planned``: the plan the
+        harness armed for the call; a fault of it the rank's code armed away (another plan
+        armed since) is unfired too, whatever the new plan did."""
+        with self.lock:
+            counted = [(f, n, "") for f, n in zip(self.plan, self.counts, strict=True)]
+            counted += [(f, 0, ARMED_AWAY) for f in planned or () if f not in self.plan]
+            return [
+                Unfired(
+                    self.rank or 0,
+                    str(fault) + note,
+                    fault.op,
+                    fault.step,
+                    count,
+                    dict(self.ops),
+                    dict(self.steps),
+                )
+                for fault, count, note in counted
+                if self.rank in fault.ranks and count < fault.at and not fault.optional
+            ]
 
     def step(self, name: str) -> None:
         with self.lock:
             self.steps[name] = seq = self.steps.get(name, 0) + 1
         self.reached(Point(op=None, seq=seq, step=name))
 
-    def _perform(self, fault: Fault, point: Point) -> None:
+    def _perform(self, fault: Fault, point: Point, report: Fired) -> None:
         action = fault.action
         what = f"injected fault on rank {self.rank} at {point}"
         print(f"[faults] {what}: {action}", file=sys.stderr, flush=True)
         if self.report_to is not None:
-            _append_fired(self.report_to, fired(self.rank or 0, fault, point))
+            _append(self.report_to, report)
         if isinstance(action, Raise):
             raise InjectedFault(f"{what}: {action.message}")
         if isinstance(action, Delay):
@@ -143,21 +176,93 @@ class Injector:
 
 @dataclass(frozen=True)
 class Fired:
-    """A fault that fired: on which rank, what it did, where (``all_reduce #3``)."""
+    """A fault that fired: on which rank, what it did, where (``all_reduce #3``, called at
+    ``test_x.py:12``) and when. ``RankResults.fired`` holds these, per rank."""
 
     rank: int
     action: str  # the action's name: "kill", "raise", ...
     point: str  # as the group numbers it: ``all_reduce #8``
     counted: str = ""  # as the plan counted it, when that reads otherwise: ``3rd all_reduce``
+    fault: str = ""  # the planned ``Fault``, as it reads: ``kill on rank(s) 1 at all_reduce #3``
+    op: str | None = None  # the collective (None: a step)
+    seq: int = 0  # its number in its group (of a step: the call's count)
+    group: str = ""  # the group's name (``"0"``); a step: ""
+    step: str | None = None  # the ``fault_point`` name, for a fault at a step
+    where: str = ""  # the innermost line of the rank's own code: ``test_x.py:12``
+    time: float = 0.0  # when it fired: ``time.time()``
+    elapsed: float = 0.0  # seconds since the rank's plan was armed (its call's start)
 
     def __str__(self) -> str:
         counted = f", the {self.counted}" if self.counted else ""
         return f"injected {self.action} at {self.point}{counted}"
 
 
-def fired(rank: int, fault: Fault, point: Point) -> Fired:
-    """What the parent is told of ``fault`` firing at ``point`` on ``rank``."""
-    return Fired(rank, fault.action.name, str(point), _counted(fault, point))
+def fired(rank: int, fault: Fault, point: Point, armed_at: float | None = None) -> Fired:
+    """What the parent is told of ``fault`` firing at ``point`` on ``rank`` (called where it
+    fires: ``where`` is read from this thread's stack)."""
+    spot = place(frames_of(sys._getframe(1), stop=""))
+    return Fired(
+        rank,
+        fault.action.name,
+        str(point),
+        _counted(fault, point),
+        fault=str(fault),
+        op=point.op,
+        seq=point.seq,
+        group=point.group,
+        step=point.step,
+        where=f"{spot.file}:{spot.line}" if spot else "",
+        time=time.time(),
+        elapsed=time.monotonic() - armed_at if armed_at is not None else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class Unfired:
+    """A planned fault its rank never reached, and what the rank did instead."""
+
+    rank: int
+    fault: str  # the ``Fault`` as it reads
+    op: str | None  # its filter
+    step: str | None
+    counted: int  # the points that matched it (fewer than its ``at``)
+    ops: dict[str, int]  # the collectives the rank made on its faulty groups, per op
+    steps: dict[str, int]  # the ``fault_point`` names it reached, and how often
+
+    def __str__(self) -> str:
+        if self.step is not None:
+            did = f"it named fault_point({self.step!r}) {self.counted} time(s)"
+        else:
+            did = f"it made {self.counted} {self.op or 'collective'}(s) that matched"
+        made = ", ".join(f"{op} {n}" for op, n in sorted(self.ops.items()))
+        made = made or NO_COLLECTIVE
+        named = ", ".join(f"{name!r} {n}" for name, n in sorted(self.steps.items())) or "none"
+        return (
+            f"{self.fault} did not fire on rank {self.rank}: {did}; its collectives: {made}; "
+            f"its steps: {named}"
+        )
+
+
+# A harness plan's fault the rank's own code armed away (``faulty_group.init_process_group``
+# with a plan, ``faults.arm``): the parent still expects it.
+ARMED_AWAY = " (another plan was armed in the rank since: this fault was not in it)"
+NO_COLLECTIVE = (
+    "none on a faulty group (a group made on plain gloo is not counted: make it with "
+    "faulty_group.init_process_group or init_process_group('faulty'), docs/faults.md)"
+)
+
+
+class FaultNotFired(AssertionError):
+    """A planned fault did not fire on a rank that returned: the test proved nothing about
+    it. Not a ``RankError``: a ``pytest.raises(RankFailed)`` meant for the fault does not
+    catch it. ``unfired``: each fault, with what its rank did instead."""
+
+    def __init__(self, unfired: list[Unfired]) -> None:
+        self.unfired = unfired
+        super().__init__(
+            "planned fault(s) did not fire (Fault(..., optional=True) if that may be so): "
+            + "; ".join(map(str, unfired))
+        )
 
 
 def _counted(fault: Fault, point: Point) -> str:
@@ -171,14 +276,25 @@ def _counted(fault: Fault, point: Point) -> str:
     return f"{fault.at}{suffix} {fault.op or 'collective'}"
 
 
-def _append_fired(path: str, fired: Fired) -> None:
-    """One JSON line per fired fault, written and flushed before the action (a kill next)."""
+def _append(path: str, entry: Fired | Unfired) -> None:
+    """One JSON line per entry (its kind first), written and flushed at once: a fired fault
+    before its action (a kill next)."""
     with open(path, "a") as out:
-        out.write(json.dumps(dataclasses.asdict(fired)) + "\n")
+        out.write(json.dumps([type(entry).__name__, dataclasses.asdict(entry)]) + "\n")
 
 
-def read_fired(path: str | os.PathLike[str]) -> list[Fired]:
-    """The faults a rank reported firing (``Injector.report_to``), oldest first."""
+def report_unfired(planned: Plan | None = None, path: str | None = None) -> list[Unfired]:
+    """After the rank's function returned: write what never fired of the armed plan and of
+    ``planned`` (``Injector.unfired``) for the parent (to ``path``, default the armed
+    ``report_to``); returns it."""
+    missed = INJECTOR.unfired(planned)
+    path = path or INJECTOR.report_to
+    for entry in missed if path else ():
+        _append(path, entry)
+    return missed
+
+
+def _read(path: str | os.PathLike[str], kind: type) -> list:
     try:
         lines = open(path).read().splitlines()  # noqa: SIM115 - read whole, closed by GC
     except FileNotFoundError:
@@ -186,10 +302,22 @@ def read_fired(path: str | os.PathLike[str]) -> list[Fired]:
     found = []
     for line in lines:
         try:
-            found.append(Fired(**json.loads(line)))
+            name, entry = json.loads(line)
+            if name == kind.__name__:
+                found.append(kind(**entry))
         except (ValueError, TypeError):
             continue  # a line cut short by the kill it announced
     return found
+
+
+def read_fired(path: str | os.PathLike[str]) -> list[Fired]:
+    """The faults a rank reported firing (``Injector.report_to``), oldest first."""
+    return _read(path, Fired)
+
+
+def read_unfired(path: str | os.PathLike[str]) -> list[Unfired]:
+    """The faults a rank that returned never reached (``report_unfired``)."""
+    return _read(path, Unfired)
 
 
 # The actions' own steps, one function each (the tests stand in for them).

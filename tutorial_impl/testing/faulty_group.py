@@ -93,15 +93,18 @@ def register() -> None:
 def init_process_group(
     rank: int, world_size: int, plan: fault_plan.Plan | None = None, **kwargs: Any
 ) -> None:
-    """Arm ``plan`` (None: the one in ``TUTORIAL_IMPL_FAULTS``, checked against the world),
-    then join the default group on the faulty backend (``init_method`` default ``env://``:
-    what ``run_ranks(..., backend=None)`` gives a rank)."""
+    """Join the default group on the faulty backend (``init_method`` default ``env://``:
+    what ``run_ranks(..., backend=None)`` gives a rank), with ``plan`` armed first. None:
+    the plan this process has armed already (a harness rank's, or ``fault_launch``'s),
+    kept as it is, its counts too; where none is, the one in ``TUTORIAL_IMPL_FAULTS``
+    (checked against the world). A harness rank has no such variable: re-arming from it
+    there dropped the harness's plan."""
     import torch.distributed as dist
 
-    if plan is None:
-        faults.arm_from_env(rank, world_size)
-    else:
+    if plan is not None:
         faults.arm(plan, rank, world_size)
+    elif not faults.INJECTOR.plan:
+        faults.arm_from_env(rank, world_size)
     register()
     kwargs.setdefault("init_method", "env://")
     dist.init_process_group(BACKEND, rank=rank, world_size=world_size, **kwargs)

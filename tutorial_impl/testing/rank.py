@@ -309,7 +309,9 @@ def _set_up_and_call(
     if baseline is not None:
         baseline.refresh()
     with catcher.recording():
-        return fn(*args, **kwargs)
+        value = fn(*args, **kwargs)
+    _faults.report_unfired(spec.faults)  # returned: a fault never reached fails the test
+    return value
 
 
 def rank_main(spec: RankSpec, conn: multiprocessing.connection.Connection) -> None:

@@ -160,6 +160,7 @@ def supervise(
         records=found,
         fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.fault_path))},
         swept={rank: killed for rank, killed in swept.items() if killed},
+        unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.fault_path))},
     )
 
 

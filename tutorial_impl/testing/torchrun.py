@@ -93,6 +93,7 @@ class Answer:
     stacks: str = ""  # the function's thread, when it had not ended
     records: list[Record] | None = None  # this call's collectives (``records.this_test``)
     fired: list[faults.Fired] = field(default_factory=list)  # faults injected here
+    unfired: list[faults.Unfired] = field(default_factory=list)  # faults never reached
 
 
 class Launched:
@@ -140,6 +141,7 @@ class Launched:
             faults.arm(call.faults, rank, before_death=self._leave)
             mine = run_here(job, key, resolve(call.function), args, kwargs, call.deadline)
             mine.records, mine.fired = _my_records(rank, since_ns), _my_fired()
+            mine.unfired = faults.INJECTOR.unfired(call.faults)  # read if it returned
             faults.arm((), rank)
             wait = call.deadline + ANSWER_GRACE
             answers = job.channel.gather(key, pickled(mine), wait, job.heartbeats)
@@ -201,8 +203,7 @@ def _my_records(rank: int, since_ns: int) -> list[Record] | None:
 
 
 def _my_fired() -> list[faults.Fired]:
-    rank = faults.INJECTOR.rank or 0
-    return [faults.fired(rank, fault, point) for fault, point in faults.INJECTOR.fired]
+    return list(faults.INJECTOR.reports)
 
 
 def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
@@ -232,6 +233,7 @@ def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
         stacks=stacks,
         records={r: a.records for r, a in answers.items() if a.records is not None},
         fired=fired,
+        unfired={r: a.unfired for r, a in answers.items() if a.unfired},
     )
 
 

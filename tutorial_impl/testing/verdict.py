@@ -30,13 +30,15 @@ from tutorial_impl.testing.caught import Caught
 from tutorial_impl.testing.errors import (
     RankError,
     RankResults,
+    RankSkipped,
+    RankXFailed,
     add_to_headline,
     error_for,
     set_headline,
     skip_outlived_error,
     timeout_error,
 )
-from tutorial_impl.testing.faults import Fired
+from tutorial_impl.testing.faults import FaultNotFired, Fired, Unfired
 from tutorial_impl.testing.forensics import Place
 from tutorial_impl.testing.recorder import Record
 
@@ -57,6 +59,7 @@ class Finished:
     fired: dict[int, list[Fired]] = field(default_factory=dict)  # faults injected on purpose
     # What the parent killed under ranks it stopped (their own kill never came: ``leftovers``).
     swept: dict[int, tuple[_o.Leftover, ...]] = field(default_factory=dict)
+    unfired: dict[int, list[Unfired]] = field(default_factory=dict)  # faults never reached
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:
@@ -110,12 +113,33 @@ def decide(run: Finished) -> RankResults:
             error.outcomes = outcomes
         if first is not None:
             _explain_failure(run, error)
+    _strict(run, error)
+    if error is not None:
         raise error
     results = RankResults(outcomes[r].value for r in range(run.world_size))  # type: ignore[union-attr]
     results.outputs = [run.outputs.get(r, "") for r in range(run.world_size)]
     results.thread_errors, results.caught = run.thread_errors, run.caught
     results.killed = run.killed
+    results.fired = {r: tuple(run.fired.get(r, ())) for r in range(run.world_size)}
     return results
+
+
+def _strict(run: Finished, error: Exception | None) -> None:
+    """A planned fault that a rank which returned never reached fails the test
+    (``FaultNotFired``, the run's own error as its cause), whatever the verdict but a skip:
+    a test meant to show what the fault does would otherwise pass, having shown nothing."""
+    __tracebackhide__ = True
+    if isinstance(error, (RankSkipped, RankXFailed)):
+        return
+    outcomes = run.outcomes
+    missed = [
+        u
+        for r, found in sorted(run.unfired.items())
+        if isinstance(outcomes.get(r), _o.Returned)
+        for u in found
+    ]
+    if missed:
+        raise FaultNotFired(missed) from error
 
 
 def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Exception | None:
