@@ -2,11 +2,12 @@
 
 The claims: the ranks' shards are disjoint and cover the data; every epoch reshuffles, from
 a generator seeded with ``seed + epoch`` (so ``set_epoch`` changes the shards, without it
-every epoch repeats the first, and seed 1 at epoch 0 is seed 0 at epoch 1); when the data does not divide by the world
-size the sampler pads with repeats, so an epoch's average counts the repeated samples twice,
-and ``drop_last=True`` instead leaves samples out. Every expectation is computed here from
-the dataset's values and the indices the ranks report: a set union, a multiset, a numpy
-mean. Sums of powers of two are exact in float64, so means compare exactly.
+every epoch repeats the first, and seed 1 at epoch 0 is seed 0 at epoch 1); when the data
+does not divide by the world size the sampler pads with repeats, so an epoch's average
+counts the repeated samples twice, and ``drop_last=True`` instead leaves samples out. Every
+expectation is computed here from the dataset's values and the indices the ranks report: a
+set union, a multiset, a numpy mean. Sums of powers of two are exact in float64, so means
+compare exactly.
 
 One test, one world: ``every_case`` runs the lesson's ``epoch_shards`` for each case.
 """
