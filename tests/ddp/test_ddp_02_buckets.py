@@ -104,6 +104,7 @@ def test_the_default_caps_the_first_bucket_at_1_mib(run_ranks) -> None:
     other two layers; an explicit ``bucket_cap_mb=25`` takes all three in one bucket."""
     assert dist._DEFAULT_FIRST_BUCKET_BYTES == DEFAULT_FIRST_CAP  # the constant torch reads
     wide = toy.mlp(0, buckets.WIDE)
+    assert [tuple(p.shape) for p in wide.parameters()] == [(512, 512), (512,)] * 3
     by_default, explicit = expected_buckets(wide, None), expected_buckets(wide, DEFAULT_CAP_MB)
     assert by_default == [["4.bias", "4.weight"], ["2.bias", "2.weight", "0.bias", "0.weight"]]
     assert explicit == [[name for name, _ in reversed(list(wide.named_parameters()))]]

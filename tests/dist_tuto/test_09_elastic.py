@@ -130,9 +130,15 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     assert [len(found) for found in all_reduces] == [1] * STEPS, steps
     killed_at = all_reduces[KILLED_IN - 1][0]
 
-    # The faulted job, its agent in one rank of the harness's, ended by its deadline.
+    # The faulted job, its agent in one rank of the harness's, ended by its deadline. No GPU
+    # for it: on a CUDA machine DCP's file writer takes a CUDA stream, which a forked worker
+    # cannot ("Cannot re-initialize CUDA in forked subprocess"; torch 2.11, an H200). The
+    # lesson is a CPU one; a fresh worker, as your torchrun starts, has no such limit.
     (pids := tmp_path / "pids").mkdir()
-    [job] = run_ranks(faulted_job, str(tmp_path), world_size=1, backend=None, timeout=DEADLINE)
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+    [job] = run_ranks(
+        faulted_job, str(tmp_path), world_size=1, backend=None, timeout=DEADLINE, env=no_gpu
+    )
     assert job.returned == {0: 0, 1: 0}  # the last attempt's workers, both through main
     assert job.left == {}, "workers outlived their torchrun agent"
 
