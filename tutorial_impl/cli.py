@@ -32,6 +32,13 @@ BACKENDS = ("gloo", "nccl", "mpi")
 
 def check_backend(backend: str, world_size: int) -> None:
     """Refuse, with a clear message, a backend this machine cannot run."""
+    if backend == "xccl":  # a real backend (Intel GPUs), named, with why it does not run here
+        why = (
+            "the demos place tensors on the CPU or on CUDA GPUs only"
+            if dist.is_xccl_available()
+            else "this torch has no XCCL (dist.is_xccl_available() is False)"
+        )
+        raise ValueError(f"backend 'xccl' (Intel GPUs) is not one the demos run: {why}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "mpi" and not dist.is_mpi_available():

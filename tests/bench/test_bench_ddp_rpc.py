@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+from torch.distributed import rpc
 
 from tutorial_impl.bench import ddp_rpc, ddp_rpc_workers, report
 from tutorial_impl.rpc.hybrid_data import get_next_batch, trainer_generator
@@ -228,3 +229,35 @@ def test_the_process_start_is_read_from_the_kernel():
         child.wait()
     assert started is not None and before - 0.02 <= started <= after + 0.02
     assert report.process_start_time() < before  # this process is older than its child
+
+
+# The original script's constants (``benchmark_ddp_rpc.py``: NUM_TRAINERS, NUM_PS, NUM_EMBEDDINGS,
+# EMBEDDING_DIM, WARMUP_CYCLES, ``range(100 + WARMUP_CYCLES)``, ``range(10)`` batches of
+# ``randint(20, 50)`` indices in bags of ``randint(1, 10)``, TensorPipe's default options).
+UPSTREAM = {
+    "trainers": 8,
+    "parameter_servers": 8,
+    "num_embeddings": 300,
+    "embedding_dim": 64,
+    "warmup": 5,
+    "epochs": 100,
+    "iterations": 10,
+    "indices": (20, 50),
+    "bag_size": (1, 10),
+    "rpc_threads": 16,  # TensorPipeRpcBackendOptions().num_worker_threads
+    "rpc_timeout": 60.0,  # TensorPipeRpcBackendOptions().rpc_timeout
+}
+
+
+def test_the_defaults_are_the_originals_and_the_differences_are_named():
+    """With no options the benchmark is the original's 8 trainers, 8 parameter servers and a
+    master, each option at the original's value; what differs: the MLPs run on the CPU (the
+    original puts trainer r on ``cuda:r``), and the batches come from seed 0 (the original
+    draws from the unseeded global generator)."""
+    options = vars(ddp_rpc.build_parser().parse_args([]))
+    defaults = {name: tuple(v) if isinstance(v, list) else v for name, v in options.items()}
+    assert {name: defaults[name] for name in UPSTREAM} == UPSTREAM
+    tensorpipe = rpc.TensorPipeRpcBackendOptions()
+    assert (tensorpipe.num_worker_threads, tensorpipe.rpc_timeout) == (16, 60.0)
+    assert ddp_rpc_workers.BenchConfig().world_size == 8 + 8 + 1
+    assert (defaults["device"], defaults["seed"]) == ("cpu", 0)

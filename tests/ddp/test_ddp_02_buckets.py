@@ -7,15 +7,22 @@ while backward is still computing the others. The lesson's comm hook counts the 
 is the only thing that launches them); the expected buckets are computed here, from the
 parameters' sizes alone, by ``expected_buckets``: DDP's code is not consulted.
 
+The default is not "25 MiB for every bucket": with ``bucket_cap_mb=None`` the first bucket
+is capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), the rest at 25 MiB; an explicit
+cap applies to every bucket. The toy model is far too small to show it, so the last test
+trains three ``Linear(512, 512)``: 2 buckets by default, 1 with an explicit 25.
+
 Read in this order:
 
 1. ``expected_buckets`` and ``test_the_reference_rule_on_the_lessons_model``.
 2. ``test_all_reduce_count_follows_bucket_cap_mb_and_overlaps_backward``.
+3. ``test_the_default_caps_the_first_bucket_at_1_mib``.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from tutorial_impl.ddp import buckets, toy
 
@@ -26,12 +33,15 @@ MIB = 2**20
 # the default, 4 KiB, 656 bytes (exactly the last three gradients: a bucket closes when it
 # *reaches* its cap, so 656 is the value that tells ">=" from ">"), and one byte.
 CAPS = [None, 4096 / MIB, 656 / MIB, 1 / MIB]
-DEFAULT_CAP_MB = 25  # DDP's documented default
+DEFAULT_CAP_MB = 25  # DDP's documented default, for every bucket but the first
+DEFAULT_FIRST_CAP = MIB  # the default's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def expected_buckets(model, cap_mb: float | None) -> list[list[str]]:
     """The buckets from sizes alone: walk the parameters from last to first (the order
-    backward produces their gradients), close a bucket once it holds ``cap`` bytes."""
+    backward produces their gradients), close a bucket once it holds its cap in bytes: with
+    ``cap_mb=None``, 1 MiB for the first bucket and 25 MiB for the others, else ``cap_mb``
+    for each."""
     cap = int((DEFAULT_CAP_MB if cap_mb is None else cap_mb) * MIB)
     found: list[list[str]] = []
     current: list[str] = []
@@ -39,7 +49,7 @@ def expected_buckets(model, cap_mb: float | None) -> list[list[str]]:
     for name, p in reversed(list(model.named_parameters())):
         current.append(name)
         filled += p.numel() * p.element_size()
-        if filled >= cap:
+        if filled >= (DEFAULT_FIRST_CAP if cap_mb is None and not found else cap):
             found.append(current)
             current, filled = [], 0
     if current:
@@ -86,3 +96,18 @@ def test_all_reduce_count_follows_bucket_cap_mb_and_overlaps_backward(run_ranks)
             if len(expected) > 1:  # the overlap, said plainly
                 assert second[0].missing > 0, f"{where}: the first all-reduce waited for backward"
     assert results[0] == results[1]  # both ranks bucket alike, or their all-reduces mismatch
+
+
+def test_the_default_caps_the_first_bucket_at_1_mib(run_ranks) -> None:
+    """Three ``Linear(512, 512)``: each weight 1 MiB, each bias 2 KiB. The default closes
+    the first bucket at 1 MiB (the last layer: bias, then weight), then 25 MiB takes the
+    other two layers; an explicit ``bucket_cap_mb=25`` takes all three in one bucket."""
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == DEFAULT_FIRST_CAP  # the constant torch reads
+    wide = toy.mlp(0, buckets.WIDE)
+    assert [tuple(p.shape) for p in wide.parameters()] == [(512, 512), (512,)] * 3
+    by_default, explicit = expected_buckets(wide, None), expected_buckets(wide, DEFAULT_CAP_MB)
+    assert by_default == [["4.bias", "4.weight"], ["2.bias", "2.weight", "0.bias", "0.weight"]]
+    assert explicit == [[name for name, _ in reversed(list(wide.named_parameters()))]]
+    for by_cap in run_ranks(buckets.buckets_by_cap, [None, DEFAULT_CAP_MB], 2, buckets.WIDE):
+        assert [c.names for c in by_cap[None][1]] == by_default  # iteration 1: rebuilt
+        assert [c.names for c in by_cap[DEFAULT_CAP_MB][1]] == explicit

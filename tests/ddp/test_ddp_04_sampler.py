@@ -1,11 +1,13 @@
 """4. ``DistributedSampler``: shards, epochs, padding (``tutorial_impl/ddp/sampler.py``).
 
-The claims: the ranks' shards are disjoint and cover the data; ``set_epoch`` changes them
-(and without it every epoch repeats the first); when the data does not divide by the world
-size the sampler pads with repeats, so an epoch's average counts the repeated samples twice,
-and ``drop_last=True`` instead leaves samples out. Every expectation is computed here from
-the dataset's values and the indices the ranks report: a set union, a multiset, a numpy
-mean. Sums of powers of two are exact in float64, so means compare exactly.
+The claims: the ranks' shards are disjoint and cover the data; every epoch reshuffles, from
+a generator seeded with ``seed + epoch`` (so ``set_epoch`` changes the shards, without it
+every epoch repeats the first, and seed 1 at epoch 0 is seed 0 at epoch 1); when the data
+does not divide by the world size the sampler pads with repeats, so an epoch's average
+counts the repeated samples twice, and ``drop_last=True`` instead leaves samples out. Every
+expectation is computed here from the dataset's values and the indices the ranks report: a
+set union, a multiset, a numpy mean. Sums of powers of two are exact in float64, so means
+compare exactly.
 
 One test, one world: ``every_case`` runs the lesson's ``epoch_shards`` for each case.
 """
@@ -16,6 +18,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from tutorial_impl.ddp import sampler
 
@@ -26,6 +29,7 @@ CASES = {
     "even": {"n": 8},  # 8 = 2 x 4: no padding
     "padded": {"n": 7},  # 7 -> 8: one index repeated
     "no_set_epoch": {"n": 8, "set_epoch": False},
+    "seed_1": {"n": 8, "seed": 1, "epochs": 1},  # seed + epoch: 1 + 0, as 0 + 1
     "drop_last": {"n": 7, "drop_last": True},  # 7 -> 6: one index dropped
 }
 
@@ -36,6 +40,13 @@ def every_case(rank: int, size: int, cases: dict[str, dict]) -> dict[str, list[d
 
 def values(n: int) -> np.ndarray:
     return 2.0 ** np.arange(n)  # the lesson's dataset, rebuilt independently
+
+
+def documented_shards(n: int, seed: int, epoch: int) -> list[list[int]]:
+    """What the documentation says a rank gets: a permutation of ``n`` drawn from a
+    generator seeded with ``seed + epoch``, every ``WORLD``-th index from the rank's own."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [order[rank::WORLD] for rank in range(WORLD)]
 
 
 def test_shards_epochs_and_what_padding_does_to_an_average(run_ranks) -> None:
@@ -60,6 +71,12 @@ def test_shards_epochs_and_what_padding_does_to_an_average(run_ranks) -> None:
     }, "set_epoch must change which samples a rank gets, not only their order"
     assert epoch("no_set_epoch", 0)[0] == epoch("no_set_epoch", 1)[0]
     assert epoch("no_set_epoch", 0)[0] == epoch("even", 0)[0]  # the same seed + epoch 0
+    # Each epoch's order is the permutation of seed + epoch: with set_epoch, epoch e's; without
+    # it, epoch 0's again; and a sampler of seed 1 starts where seed 0's second epoch is.
+    for e in (0, 1):
+        assert epoch("even", e)[0] == documented_shards(8, seed=0, epoch=e)
+        assert epoch("no_set_epoch", e)[0] == documented_shards(8, seed=0, epoch=0)
+    assert epoch("seed_1", 0)[0] == epoch("even", 1)[0]
 
     # Padded: 7 samples, 2 ranks: 4 each, so one sample is seen twice in the epoch.
     for e in (0, 1):

@@ -108,3 +108,15 @@ def test_the_checks_catch_a_broken_environment() -> None:
     assert len(torchrun_env.WorkerEnv.read({**good, "LOCAL_RANK": "2"}).problems()) == 2
     with pytest.raises(KeyError, match="not started by torchrun"):
         torchrun_env.WorkerEnv.read({})
+
+
+def test_two_corners_of_torch_distributed_read_local_rank(monkeypatch) -> None:
+    """``init_process_group`` never reads ``LOCAL_RANK``, but ``dist.get_node_local_rank``
+    returns it (and ``init_device_mesh`` on a GPU picks ``LOCAL_RANK``'s device: read in
+    ``torch/distributed/device_mesh.py``, it needs a GPU to run)."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert dist.get_node_local_rank() == 3
+    monkeypatch.delenv("LOCAL_RANK")
+    assert dist.get_node_local_rank(fallback_rank=7) == 7  # not set: the caller's fallback
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is not in the environment"):
+        dist.get_node_local_rank()

@@ -223,6 +223,18 @@ def test_cli_entry_point_in_a_fresh_interpreter():
     assert "  p2p " in proc.stdout and "  ring " in proc.stdout
 
 
+# ---- XCCL (Intel GPUs): named, and refused with the reason it cannot run here ----
+
+
+def test_xccl_is_refused_with_its_reason():
+    """torch 2.13 knows XCCL (``xpu`` devices' default backend); the demos move tensors to
+    the CPU or a CUDA GPU only, and a CPU or CUDA build of torch has no XCCL at all."""
+    assert dist.get_default_backend_for_device("xpu") == "xccl"
+    why = "the demos place" if dist.is_xccl_available() else "this torch has no XCCL"
+    with pytest.raises(ValueError, match=rf"backend 'xccl' \(Intel GPUs\) .*: {why}"):
+        check_backend("xccl", 2)
+
+
 # ---- MPI: only with a torch built with MPI (pip wheels are not) ----
 
 

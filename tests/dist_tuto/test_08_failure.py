@@ -7,8 +7,9 @@ is measured. Every failure here ends, at once or at a timeout; none waits foreve
 1. ``peers_of_a_killed_rank``: rank 1 of three is killed (SIGKILL) as it calls its second
    all_reduce. The two others, already inside theirs, raise ``RuntimeError: [...pair.cc]
    Read error ...: Connection reset by peer`` (or ``Connection closed by peer ...``: see
-   ``PEER_GONE``) within milliseconds: the kernel closes a dead process's sockets, and gloo
-   notices at once, long before the group's timeout (60 s here).
+   ``PEER_GONE``) at once (asserted: under ``AT_ONCE``, 5 s, room for a loaded machine):
+   the kernel closes a dead process's sockets, and gloo notices, long before the group's
+   timeout (60 s here).
 2. ``caller_of_a_killed_worker``: the same in an RPC world. The caller's ``rpc_sync`` raises
    ``RuntimeError: eof (this error originated at tensorpipe/transport/shm/...)`` at once,
    not at the RPC timeout (20 s here); every later call to that worker too.

@@ -1,29 +1,26 @@
 """Elastic recovery: a job that loses a worker and ends as if it never had
 (``tutorial_impl/dist_tuto/elastic.py``).
 
-The claim: a DDP job under torchrun's agent with ``max_restarts=1`` whose rank 1 is killed
-inside step 3's all_reduce is restarted by its agent, resumes from its last complete
-checkpoint (the one of step 2, saved with ``torch.distributed.checkpoint``), and ends with
+What torchrun does when a worker dies. ``torchrun --max-restarts 1`` watches its workers;
+when one exits with an error (here: killed), its agent stops the others and starts all of
+them again, a new *attempt* (``TORCHELASTIC_RESTART_COUNT`` one higher), with the same
+command and environment. The new workers are new processes: nothing of the old ones'
+memory survives. So what an elastic restart resumes from is what the old workers left on
+disk: the lesson saves a ``torch.distributed.checkpoint`` after every step (the model, the
+optimizer's momentum, the step) and, when it starts, loads the newest *complete* one.
+
+The claim: a DDP job whose rank 1 is killed inside step 3's all_reduce is restarted once,
+resumes after step 2 (its last complete checkpoint), trains steps 3, 4 and 5, and ends with
 exactly the parameters of a run that was never interrupted: bit for bit, not merely close.
 Nothing else would do: the resumed run replays no step and skips none, and its optimizer
 carries on with the momentum it had, so every float it computes is the float the
 uninterrupted run computed.
 
-The job is a learner's command line,
+The job is a learner's command line:
 
     TUTORIAL_IMPL_FAULTS=<the plan> torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
         -m tutorial_impl.testing.fault_launch -m tutorial_impl.dist_tuto.elastic \\
         --backend faulty --steps 5 --ckpt-dir CKPT --out FINAL
-
-given to torchrun's own ``main`` (``torch.distributed.run``) in a rank the harness forked,
-torch, DDP and DCP already imported. Its agent's rendezvous, store, monitoring, stop and
-restart are torchrun's; one thing differs, how a worker starts. torchrun ends in
-``elastic_launch(config, python)("-u", "-m", LAUNCHER, "-m", MODULE, ARGS...)``, a fresh
-interpreter per worker; ``job`` hands ``elastic_launch`` the launcher's function form
-instead (``fault_launch.call_main``), which the agent starts with ``--start-method fork``:
-each worker a copy of the agent. A fresh interpreter imports torch, DDP (``torch._dynamo``)
-and DCP, about 2.2 s of CPU, five times over (the agent, two workers per attempt); a fork
-costs a small part of that (docs/faults.md, "What it costs").
 
 How the worker dies: no ``os._exit`` in the lesson's code. The launcher
 (``tutorial_impl/testing/fault_launch.py``) registers the ``"faulty"`` backend (gloo, with
@@ -31,11 +28,24 @@ every collective counted) and arms the plan "SIGKILL rank 1 at its 3rd all_reduc
 first attempt only. That the 3rd all_reduce *is* step 3's comes from the uninterrupted run
 itself, which counts every collective of every step (DDP's one gradient bucket is the only
 all_reduce a step makes: DCP's save gathers, scatters and broadcasts, but never all-reduces).
+
+Where this test's job differs from your command, said plainly: the workers. Your
+``torchrun`` starts each worker as a fresh interpreter, ``python -u -m
+tutorial_impl.testing.fault_launch -m tutorial_impl.dist_tuto.elastic ...``. Here the same
+command line goes to torchrun's own ``main`` in a rank the harness forked, and its agent
+*forks* each worker from itself (``--start-method=fork``), which then calls the launcher's
+function form, ``fault_launch.call_main``, with the same arguments. The agent's rendezvous,
+store, variables, monitoring, stop and restart are torchrun's own. A fork skips the
+imports: a fresh worker imports torch, DDP (``torch._dynamo``) and DCP, about 2.2 s of CPU,
+four times over. It inherits the agent's signal handlers, which ``call_main`` puts back as a
+fresh interpreter has them. And nothing the lesson claims depends on it: a restarted worker,
+forked or fresh, is a new process that knows only the files (the test checks the new pids).
+How the suite runs such a job, and checks that no worker outlives it:
+``tests/torchrun_in_process.py``. Fresh workers under torchrun, and how they end: lesson 7.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import sys
@@ -46,9 +56,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed import run as torchrun
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from tests.torchrun_in_process import Entry, assert_forks_of, torchrun_with_forked_workers
 from tutorial_impl.dist_tuto import elastic
 from tutorial_impl.testing import fault_launch, faults, faulty_group, proctable
 from tutorial_impl.testing.fault_plan import ENV, Fault, Kill, encode
@@ -62,7 +71,23 @@ PLAN = (Fault(ranks={1}, action=Kill(), at=KILLED_IN, op="all_reduce"),)
 DEADLINE = 150.0  # seconds for the agent's rank, the whole job and its restart included
 LINE = re.compile(r"^Rank (\d) attempt (\d): (.*)$", re.MULTILINE)
 FIRED = re.compile(r"injected fault on rank (\d) at (all_reduce #\d+): Kill\(\)")
-AGENT_PID = None  # set in the agent before its workers start: see ``worker``
+
+
+def command(tmp: str) -> list[str]:
+    """The learner's command line, after ``torchrun`` (``python -m torch.distributed.run``),
+    with what the suite adds: ``--monitor-interval=0.1`` (notice the death sooner),
+    ``--start-method=fork`` (see the module's docstring), and ``--redirects=3`` (each
+    worker's stdout and stderr to files of their own, one directory per attempt)."""
+    flags = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
+    flags += ["--start-method=fork", "--redirects=3", f"--log-dir={tmp}/logs"]
+    flags += ["-m", "tutorial_impl.testing.fault_launch", "-m", "tutorial_impl.dist_tuto.elastic"]
+    flags += ["--backend=faulty", f"--steps={STEPS}"]
+    return flags + [f"--ckpt-dir={tmp}/ckpt", f"--out={tmp}/final.pt"]
+
+
+# What a forked worker runs in place of ``python -u -m tutorial_impl.testing.fault_launch -m
+# MODULE ARGS``: ``fault_launch.call_main(MODULE, *ARGS)``.
+LAUNCHER = Entry(("-u", "-m", fault_launch.__name__, "-m"), fault_launch.call_main)
 
 
 def uninterrupted(rank: int, world_size: int, ckpt_dir: str) -> tuple[dict, list[list[str]]]:
@@ -84,81 +109,11 @@ def uninterrupted(rank: int, world_size: int, ckpt_dir: str) -> tuple[dict, list
     return params, [history[a:b] for a, b in zip([start, *ends], ends, strict=False)]
 
 
-def worker(pids: str, *argv: str) -> object:
-    """One worker of the job: its pid written down (for the leak check, under a name saying
-    which attempt and rank it was) and whose copy it is; then the launcher, as torchrun's
-    worker would run it."""
-    name = f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}_rank{os.environ['RANK']}"
-    proctable.record_self(pids, name)
-    Path(pids, f"{name}.agent").write_text(f"{AGENT_PID} {os.getppid()} {os.getpgid(0)}")
-    return fault_launch.call_main(*argv)
-
-
-def command(tmp: str) -> list[str]:
-    """The faulted job's command line, after ``torchrun`` (``python -m torch.distributed.run``):
-    the lesson behind the fault launcher, as a learner would type it. ``--redirects 3``:
-    each worker's stdout and stderr to files of their own, one directory per attempt."""
-    flags = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
-    flags += ["--start-method=fork", "--redirects=3", f"--log-dir={tmp}/logs"]
-    flags += ["-m", "tutorial_impl.testing.fault_launch", "-m", "tutorial_impl.dist_tuto.elastic"]
-    flags += ["--backend=faulty", f"--steps={STEPS}"]
-    return flags + [f"--ckpt-dir={tmp}/ckpt", f"--out={tmp}/final.pt"]
-
-
-def job(rank: int, world_size: int, tmp: str) -> tuple[int, dict[int, object]]:
-    """torchrun, in this rank: ``torch.distributed.run.main(command)``, its agent's
-    rendezvous, store, monitoring, stop and restart all its own, with one change: the
-    workers. torchrun hands ``elastic_launch`` the command each worker would run
-    (``python -u -m tutorial_impl.testing.fault_launch -m MODULE ARGS``); here it gets
-    the launcher's function form for entrypoint instead, ``call_main(MODULE, *ARGS)`` (behind
-    ``worker``), which its agent starts by ``--start-method=fork``: each worker a copy of this
-    rank. The agent gives every worker ``RANK``, ``MASTER_PORT`` and the rest over whatever
-    this rank carried. Returns the agent's pid and the last attempt's return values."""
-    global AGENT_PID
-    AGENT_PID = os.getpid()  # a worker forked from here sees it; a fresh interpreter, None
-    # The harness starts its ranks as daemonic processes (multiprocessing's flag), and
-    # multiprocessing gives a daemonic process no children. Lifted in this rank alone: the
-    # workers stay in the process group it leads, which the harness kills when it ends.
-    multiprocessing.current_process().daemon = False
-    os.environ.update({ENV: encode(PLAN), "OMP_NUM_THREADS": "1"})  # inherited by the workers
-    returned = {}
-
-    def launch(config: LaunchConfig, entrypoint: str):
-        assert entrypoint == sys.executable and config.start_method == "fork", entrypoint
-
-        def run_workers(*cmd: str) -> None:
-            launcher, module = cmd[:4], cmd[4]  # "-u", "-m", fault_launch, "-m"
-            assert launcher == ("-u", "-m", fault_launch.__name__, "-m"), cmd
-            returned.update(elastic_launch(config, worker)(f"{tmp}/pids", module, *cmd[5:]))
-
-        return run_workers
-
-    with mock.patch.object(torchrun, "elastic_launch", launch):
-        torchrun.main(command(tmp))
-    return os.getpid(), returned
-
-
-def said(tmp: Path, rank: int, attempt: int, stream: str = "stdout") -> str:
-    """What worker ``rank`` of ``attempt`` wrote: the agent redirects each to its files."""
-    (path,) = tmp.glob(f"logs/*/attempt_{attempt}/{rank}/{stream}.log")
-    return path.read_text()
-
-
-def lesson_lines(tmp: Path, rank: int, attempt: int) -> list[str]:
-    """The lesson's own lines of worker ``rank`` in ``attempt``, in order."""
-    found = LINE.findall(said(tmp, rank, attempt))
-    assert {(int(r), int(a)) for r, a, _ in found} <= {(rank, attempt)}, found
-    return [text for _, _, text in found]
-
-
-def assert_forked_and_gone(pids: Path, agent: int) -> None:
-    """Two attempts of two workers, no third, each a fork of the agent (its memory, its
-    child, in the process group its rank leads), and not one of them outlived the job."""
-    workers = proctable.recorded(pids)
-    assert sorted(workers) == [f"attempt{a}_rank{r}" for a in (0, 1) for r in (0, 1)]
-    for name in workers:
-        assert (pids / f"{name}.agent").read_text() == f"{agent} {agent} {agent}", name
-    assert proctable.wait_until_gone(pids, timeout=5.0) == {}
+def faulted_job(rank: int, world_size: int, tmp: str):
+    """The command, with the plan in its environment (every worker inherits it), run by
+    torchrun's agent in this rank."""
+    os.environ.update({ENV: encode(PLAN), "OMP_NUM_THREADS": "1"})
+    return torchrun_with_forked_workers(command(tmp), LAUNCHER, f"{tmp}/pids")
 
 
 @pytest.mark.slow
@@ -175,15 +130,24 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     assert [len(found) for found in all_reduces] == [1] * STEPS, steps
     killed_at = all_reduces[KILLED_IN - 1][0]
 
-    # The faulted job: its agent in one rank of the harness's, which ends it by its deadline
-    # (and, whatever happens, kills the rank's process group: the workers are in it).
+    # The faulted job, its agent in one rank of the harness's, ended by its deadline. No GPU
+    # for it: on a CUDA machine DCP's file writer takes a CUDA stream, which a forked worker
+    # cannot ("Cannot re-initialize CUDA in forked subprocess"; torch 2.11, an H200). The
+    # lesson is a CPU one; a fresh worker, as your torchrun starts, has no such limit.
     (pids := tmp_path / "pids").mkdir()
-    [(agent, returned)] = run_ranks(
-        job, str(tmp_path), world_size=1, backend=None, timeout=DEADLINE
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+    [job] = run_ranks(
+        faulted_job, str(tmp_path), world_size=1, backend=None, timeout=DEADLINE, env=no_gpu
     )
-    assert returned == {0: 0, 1: 0}  # the last attempt's workers, both through main
+    assert job.returned == {0: 0, 1: 0}  # the last attempt's workers, both through main
+    assert job.left == {}, "workers outlived their torchrun agent"
 
-    assert_forked_and_gone(pids, agent)
+    # What torchrun did: two attempts of two workers, no third. Each attempt's workers are
+    # new processes (so they know only the files), here forks of the agent (see above).
+    attempts = [f"attempt{a}_rank{r}" for a in (0, 1) for r in (0, 1)]
+    assert_forks_of(pids, job.agent, attempts)
+    processes = proctable.recorded(pids)  # name -> (pid, kernel start time)
+    assert all(processes[f"attempt0_rank{r}"] != processes[f"attempt1_rank{r}"] for r in (0, 1))
 
     # Attempt 0: rank 1 was killed at that very all_reduce, once, and nowhere else.
     assert FIRED.findall(said(tmp_path, 1, 0, "stderr")) == [("1", killed_at)]
@@ -217,6 +181,19 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     with torch.random.fork_rng():  # make_model seeds the global generator: not ours to move
         start = dict(elastic.make_model().named_parameters())
     assert all(not torch.equal(start[name], tensor) for name, tensor in expected.items())
+
+
+def said(tmp: Path, rank: int, attempt: int, stream: str = "stdout") -> str:
+    """What worker ``rank`` of ``attempt`` wrote: the agent redirects each to its files."""
+    (path,) = tmp.glob(f"logs/*/attempt_{attempt}/{rank}/{stream}.log")
+    return path.read_text()
+
+
+def lesson_lines(tmp: Path, rank: int, attempt: int) -> list[str]:
+    """The lesson's own lines of worker ``rank`` in ``attempt``, in order."""
+    found = LINE.findall(said(tmp, rank, attempt))
+    assert {(int(r), int(a)) for r, a, _ in found} <= {(rank, attempt)}, found
+    return [text for _, _, text in found]
 
 
 def test_the_launcher_runs_a_module_under_torchrun_only(monkeypatch, capsys):

@@ -4,30 +4,37 @@ What the tutorial claims: four processes (trainers 0 and 1, master 2, parameter 
 started by ``mp.spawn`` or ``torchrun``, print each trainer's loss per epoch and then
 "Training complete"; with CUDA, each trainer's ``Linear`` runs on its own GPU.
 
-What this module proves: the same ``run_worker`` runs in all three settings. Our launcher
-starts the roles through the harness (a race-free port for rank 0's store), torchrun
-starts them itself (the agent's store; its own ``main`` in a harness rank, the workers forked
-by its agent), and each process's role follows from its RANK. Read
-the local run first, then ``--help``, then torchrun, then the GPU runs (skipped without GPUs).
+What this module proves: the same ``run_worker`` runs in all three settings, each process's
+role following from its RANK alone. Read the local run first, then ``--help``, then
+torchrun, then the GPU runs (skipped without GPUs).
+
+What torchrun does for this job, ``torchrun --standalone --nproc_per_node=4 -m
+tutorial_impl hybrid``: its agent hosts the rendezvous store itself, on a port the kernel
+picks (``--standalone``: one node, nothing to agree on with other agents); starts 4
+workers, each ``python -u -m tutorial_impl hybrid ...`` with ``RANK`` 0 to 3,
+``WORLD_SIZE=4`` and ``MASTER_ADDR``/``MASTER_PORT`` naming that store; watches them; and
+exits 0 only if every worker did. Our CLI sees it runs under an agent and runs just its own
+rank (``cli.launch``): trainers 0 and 1, master 2, parameter server 3, the tutorial's
+layout, meeting at the agent's store. Here the command goes to torchrun's own ``main`` in a
+harness rank, and its agent forks each worker from itself, which then calls what the
+command would run (``tutorial_impl.__main__.main``): four fresh interpreters would import
+torch, RPC and the optimizers, about 2.6 s of CPU each. Fresh workers under torchrun are
+lesson 7's (``tests/dist_tuto/test_07_torchrun.py``); how the suite runs the job, and
+checks that no worker outlives it: ``tests/torchrun_in_process.py``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
-import sys
-from unittest import mock
 
 import pytest
-from torch.distributed import run as torchrun
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from tests.torchrun_in_process import Entry, assert_forks_of, torchrun_with_forked_workers
 from tutorial_impl import __main__ as cli
 from tutorial_impl.rpc import hybrid
 from tutorial_impl.rpc.hybrid import HybridConfig, run_worker
 from tutorial_impl.rpc.hybrid_world import master_rank
-from tutorial_impl.testing import proctable
 
 LOSS_LINE = re.compile(r"^Trainer (\d+) - Epoch (\d+) - Loss: (\d+\.\d+)$", re.MULTILINE)
 
@@ -60,64 +67,44 @@ def test_cli_help_names_every_option(capsys):
 
 
 # ``torchrun`` and its arguments, after ``python -m torch.distributed.run``: the demo as a
-# learner types it (the README's command, one epoch of two batches), and ``--start-method
-# fork``, which only says how the agent starts a worker given as a function (see below).
+# learner types it (the README's command, one epoch of two batches), with what the suite
+# adds: ``--monitor-interval=0.1`` (notice the end sooner) and ``--start-method=fork`` (see
+# the module's docstring).
 TORCHRUN = ["--standalone", "--nproc_per_node=4", "--monitor-interval=0.1", "--start-method=fork"]
 TORCHRUN += ["-m", "tutorial_impl", "hybrid", "--epochs", "1", "--batches", "2"]
 TORCHRUN += ["--rpc-timeout", "30", "--timeout", "120"]
 
 
-def worker(pids: str, *argv: str) -> int:
-    """One worker of the job, a copy of the agent: its pid written down (the leak check),
-    then what ``python -m tutorial_impl ARGV`` runs, called, so that its exit status is the
-    worker's return value (the agent reads it back)."""
-    proctable.record_self(pids, f"worker{os.environ['RANK']}")
+def run_cli(*argv: str) -> int:
+    """What ``python -m tutorial_impl ARGV`` runs, called: its exit status is the return
+    value, which the agent reads back."""
     return cli.main(list(argv))
 
 
-def agent(rank: int, world_size: int, pids: str) -> dict:
-    """torchrun, in this rank: ``torch.distributed.run.main(TORCHRUN)``, its rendezvous, its
-    store (``--standalone``: on a port the kernel picks), the workers' ranks and variables,
-    their monitoring and stop, all torchrun's own, as in ``test_09_elastic.py``. One change:
-    torchrun hands ``elastic_launch`` the command each worker would run in a fresh
-    interpreter (``python -u -m tutorial_impl ARGS``); here it gets ``worker``, which the
-    agent starts by fork. Four fresh interpreters import torch, RPC and the optimizers
-    (about 2.6 s of CPU each); a fork of this rank costs milliseconds."""
-    # The harness starts its ranks as daemonic processes, and multiprocessing gives a
-    # daemonic process no children; lifted in this rank alone.
-    multiprocessing.current_process().daemon = False
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers, as torchrun sets it
-    returned = {}
+CLI = Entry(("-u", "-m", "tutorial_impl"), run_cli)  # a forked worker's stand-in for the command
 
-    def launch(config: LaunchConfig, entrypoint: str):
-        assert entrypoint == sys.executable and config.start_method == "fork", entrypoint
 
-        def run_workers(*cmd: str) -> None:
-            assert cmd[:3] == ("-u", "-m", "tutorial_impl"), cmd
-            returned.update(elastic_launch(config, worker)(pids, *cmd[3:]))
-
-        return run_workers
-
-    with mock.patch.object(torchrun, "elastic_launch", launch):
-        torchrun.main(TORCHRUN)
-    # The job is over: none of its workers may outlive it (asked here, before this rank
-    # ends: the harness kills whatever its rank leaves behind).
-    return {"returned": returned, "left": proctable.wait_until_gone(pids, timeout=10.0)}
+def torchrun_job(rank: int, world_size: int, pids: str):
+    """The command, run by torchrun's agent in this rank (``OMP_NUM_THREADS=1``, as torchrun
+    sets it for more than one worker, inherited by every worker)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    return torchrun_with_forked_workers(TORCHRUN, CLI, pids)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.warm_world(False)  # the agent installs signal handlers and rewrites os.environ
 def test_same_code_under_torchrun(run_ranks, tmp_path):
-    """``torchrun --standalone --nproc_per_node=4 -m tutorial_impl hybrid``: ranks 0, 1
-    train, 2 is the master, 3 the server, exactly the tutorial's layout. This is the suite's
-    one-node torchrun job (``test_07_torchrun`` runs the two-agent form, with fresh
-    interpreters and how they end), and no worker may outlive its agent."""
+    """Ranks 0, 1 train, 2 is the master, 3 the server, exactly the tutorial's layout, each
+    a worker of one torchrun agent; every worker's main said 0, and none outlived its agent.
+    This is the suite's one-node torchrun job (``test_07_torchrun`` runs the two-agent form,
+    with fresh interpreters and how they end)."""
     (pids := tmp_path / "pids").mkdir()
-    results = run_ranks(agent, str(pids), world_size=1, backend=None, timeout=150)
-    assert results[0]["returned"] == {0: 0, 1: 0, 2: 0, 3: 0}  # every worker's main said 0
-    assert sorted(proctable.recorded(pids)) == [f"worker{r}" for r in range(4)]
-    assert results[0]["left"] == {}, "workers outlived their torchrun agent"
+    results = run_ranks(torchrun_job, str(pids), world_size=1, backend=None, timeout=150)
+    job = results[0]
+    assert job.returned == {0: 0, 1: 0, 2: 0, 3: 0}  # every worker's main said 0
+    assert job.left == {}, "workers outlived their torchrun agent"
+    assert_forks_of(pids, job.agent, [f"attempt0_rank{r}" for r in range(4)])  # one attempt
     _check_output(results.outputs[0], trainers=2, epochs=1)
 
 

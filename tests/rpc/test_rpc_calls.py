@@ -190,6 +190,9 @@ def test_a_view_arrives_with_its_shape_and_stride_and_costs_its_storage(reports)
 
 
 def test_the_profiler_records_the_rpc_and_the_callees_work(reports):
+    """The call's event, named in full (``torch.add`` is recorded as the operator it runs,
+    ``aten::add``), once; and the callee's own ``aten::add``, filed under it."""
     names = reports[0]["profiled"]
-    assert any(n.startswith("rpc_sync#") and "worker0 -> worker1" in n for n in names), names
-    assert any("aten::add" in n for n in names), names
+    call = "rpc_sync#aten::add(worker0 -> worker1)"
+    assert names.count(call) == 1, names
+    assert f"{call}#remote_op: aten::add" in names, names

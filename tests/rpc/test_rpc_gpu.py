@@ -3,13 +3,17 @@
 The reference claims: TensorPipe sends CPU tensors by default; CUDA tensors need a *device
 map* in ``TensorPipeRpcBackendOptions`` (``device_maps=`` or ``set_device_map``) that says
 where each of the caller's devices lands on the callee, and replies come back through the
-inverse map. RRefs, RemoteModule, distributed autograd and the distributed optimizer do not
-support CUDA tensors: keep what they hold on the CPU and move it to the GPU locally.
+inverse map. The reference's warning says RRefs, RemoteModule, distributed autograd and the
+distributed optimizer do not support CUDA tensors; for RemoteModule that is stale: torch
+2.13 documents ``RemoteModule("worker1/cuda:0", ...)`` (its parameters on that GPU, CPU
+inputs moved there before ``forward``), and the test below runs it. For RRefs and
+distributed autograd the course keeps the safe pattern: CPU tensors over RPC, moved to the
+GPU locally.
 
 One world of three workers on one GPU (``cuda_lesson``): worker0 has a device map to worker1
 (cuda:0 -> cuda:0) and none to worker2. Read in order: a CUDA tensor without a map, with a
-map, then the CPU-first pattern for RRefs and distributed autograd, checked against plain
-autograd.
+map, a RemoteModule on worker1's GPU, then the CPU-first pattern for RRefs and distributed
+autograd, checked against plain autograd.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+from torch import nn
+from torch.distributed.nn import RemoteModule
 
 from tutorial_impl.rpc.workers import (
     filter_expected_warnings,
@@ -36,6 +42,26 @@ def add_and_report(x: torch.Tensor, k: float) -> tuple[torch.Tensor, str]:
     return x + k, str(x.device)
 
 
+def module_state(module_rref: rpc.RRef) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Runs on the RemoteModule's owner: where its weight lives, and CPU copies of it."""
+    linear = module_rref.local_value()
+    return str(linear.weight.device), linear.weight.detach().cpu(), linear.bias.detach().cpu()
+
+
+def remote_module_on_a_gpu() -> dict:
+    """A ``Linear(3, 2)`` placed on worker1's cuda:0, called with a CPU input."""
+    remote = RemoteModule("worker1/cuda:0", nn.Linear, args=(3, 2))
+    x = torch.tensor([[1.0, -2.0, 0.5]])
+    out = remote(x)  # moved to cuda:0 on worker1; the reply comes back through the map
+    device, weight, bias = rpc.rpc_sync("worker1", module_state, args=(remote.get_module_rref(),))
+    return {
+        "param_device": device,
+        "out_device": str(out.device),
+        "out": out.cpu(),
+        "expected": x @ weight.T + bias,
+    }
+
+
 def cuda_lesson(rank: int, world_size: int) -> dict:
     init_worker(rank, world_size, RPC_TIMEOUT, device_maps=DEVICE_MAPS if rank == 0 else None)
     report: dict = {}
@@ -48,6 +74,7 @@ def cuda_lesson(rank: int, world_size: int) -> dict:
         total, arrived_on = rpc.rpc_sync("worker1", add_and_report, args=(x, 1.0))
         report["mapped"] = {"arrived_on": arrived_on, "reply_device": str(total.device)}
         report["mapped"]["reply"] = total.cpu()
+        report["remote_module"] = remote_module_on_a_gpu()
 
         # RRef and distributed autograd: CPU tensors over RPC, the GPU only locally.
         w = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
@@ -78,6 +105,14 @@ def test_a_device_map_places_the_tensor_and_maps_the_reply_back(report):
     assert mapped["arrived_on"] == "cuda:0"  # on worker1, as the map says
     assert mapped["reply_device"] == "cuda:0"  # back through the inverse map
     assert torch.equal(mapped["reply"], torch.full((2,), 2.0))
+
+
+@pytest.mark.dist_gpu(1)
+def test_a_remote_module_placed_on_a_gpu_runs_there(report):
+    found = report["remote_module"]
+    assert found["param_device"] == "cuda:0"  # the module was built on worker1's GPU
+    assert found["out_device"] == "cuda:0"  # its output came back through the inverse map
+    torch.testing.assert_close(found["out"], found["expected"])  # x @ W.T + b, on the CPU
 
 
 @pytest.mark.dist_gpu(1)

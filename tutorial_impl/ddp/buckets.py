@@ -24,6 +24,14 @@ trust ``model.parameters()`` to be the order backward produces gradients in. It 
 real order during that first backward and rebuilds the buckets by ``bucket_cap_mb`` before
 the second. So the count follows ``bucket_cap_mb`` from the second iteration on.
 
+And one thing the default does that an explicit cap does not: with ``bucket_cap_mb=None``
+the *first* bucket (the last layers' gradients, ready first) is capped at
+``dist._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, so its all-reduce starts early; every later
+bucket at 25 MiB. An explicit ``bucket_cap_mb=25`` caps every bucket, the first included, at
+25 MiB. The lesson's toy model (5.9 KB of gradients) fits one bucket either way; three
+``Linear(512, 512)`` (``WIDE``: 1 MiB + 2 KiB a layer) make 2 buckets by default, 1 with an
+explicit 25 (``torch/nn/parallel/distributed.py``, ``_BucketCapacityConfig``).
+
     python -m tutorial_impl.ddp.buckets       # 2 local ranks; or under torchrun
 """
 
@@ -42,6 +50,7 @@ from tutorial_impl.ddp import toy
 from tutorial_impl.dist_tuto.process import print_line, run_main
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
+WIDE = (512, 512, 512, 512)  # toy.mlp's sizes for three Linear(512, 512): 1 MiB a weight
 
 
 @dataclass
@@ -120,43 +129,63 @@ def train(ddp: DDP, log: BucketLog, x: torch.Tensor, y: torch.Tensor, iterations
         optimizer.step()
 
 
-def watched_run(rank: int, size: int, cap_mb: float | None, iterations: int = 2) -> BucketLog:
-    """Train a fresh DDP model ``iterations`` steps on this rank's share of the batch, with
-    buckets of ``cap_mb`` MiB (``None``: DDP's default, 25 MiB); the log of its buckets."""
-    x, y = toy.batch(8 * size)
-    ddp, log = watched_ddp(toy.mlp(0), cap_mb)
+def watched_run(
+    rank: int,
+    size: int,
+    cap_mb: float | None,
+    iterations: int = 2,
+    sizes: tuple[int, ...] = toy.SIZES,
+) -> BucketLog:
+    """Train a fresh DDP model (``toy.mlp`` of ``sizes``) ``iterations`` steps on this rank's
+    share of the batch, with buckets of ``cap_mb`` MiB (``None``: DDP's default, 1 MiB for
+    the first bucket and 25 MiB for the rest); the log of its buckets."""
+    x, y = toy.batch(8 * size, sizes=sizes)
+    ddp, log = watched_ddp(toy.mlp(0, sizes), cap_mb)
     train(ddp, log, toy.shard(x, rank, size), toy.shard(y, rank, size), iterations)
     return log
 
 
 def buckets_by_cap(
-    rank: int, size: int, caps_mb: list[float | None], iterations: int = 2
+    rank: int,
+    size: int,
+    caps_mb: list[float | None],
+    iterations: int = 2,
+    sizes: tuple[int, ...] = toy.SIZES,
 ) -> dict[float | None, list[list[BucketCall]]]:
-    """For each cap, train a fresh DDP model ``iterations`` steps; the hook's calls per
-    iteration."""
-    return {cap: watched_run(rank, size, cap, iterations).per_iteration() for cap in caps_mb}
+    """For each cap, train a fresh DDP model (``toy.mlp`` of ``sizes``) ``iterations`` steps;
+    the hook's calls per iteration."""
+    runs = {cap: watched_run(rank, size, cap, iterations, sizes) for cap in caps_mb}
+    return {cap: log.per_iteration() for cap, log in runs.items()}
 
 
 def demo(rank: int, size: int) -> None:
-    """Print, for three caps, the buckets of the first two iterations (rank 0 only)."""
-    caps = [None, 4096 / 2**20, 1 / 2**20]  # the default, 4 KiB, one byte
-    for cap, iterations in buckets_by_cap(rank, size, caps).items():
-        if rank:
-            continue
-        label = "default" if cap is None else f"{cap * 2**20:g} bytes"
-        print_line(f"bucket_cap_mb = {label}:")
-        for i, calls in enumerate(iterations):
-            print_line(f"  iteration {i}: {len(calls)} all_reduce call(s)")
-            for call in calls:
-                print_line(
-                    f"    bucket {call.index}: {call.numel} floats {call.names}, "
-                    f"{call.missing} gradient(s) not computed yet"
-                )
+    """Print the buckets of the first two iterations (rank 0 only): the toy model under three
+    caps, then three ``Linear(512, 512)`` under the default and an explicit 25 MiB."""
+    runs = [
+        ("toy model", toy.SIZES, [None, 4096 / 2**20, 1 / 2**20]),  # default, 4 KiB, 1 byte
+        ("3 x Linear(512, 512)", WIDE, [None, 25]),  # the default's 1 MiB first bucket
+    ]
+    for model, sizes, caps in runs:
+        for cap, iterations in buckets_by_cap(rank, size, caps, sizes=sizes).items():
+            if not rank:
+                print_buckets(model, cap, iterations)
+
+
+def print_buckets(model: str, cap: float | None, iterations: list[list[BucketCall]]) -> None:
+    label = "default" if cap is None else f"{cap * 2**20:g} bytes"
+    print_line(f"{model}, bucket_cap_mb = {label}:")
+    for i, calls in enumerate(iterations):
+        print_line(f"  iteration {i}: {len(calls)} all_reduce call(s)")
+        for call in calls:
+            print_line(
+                f"    bucket {call.index}: {call.numel} floats {call.names}, "
+                f"{call.missing} gradient(s) not computed yet"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "2. DDP's buckets under three bucket_cap_mb values, from a comm hook."
+        __name__, "2. DDP's buckets under several bucket_cap_mb values, from a comm hook."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 

@@ -17,9 +17,10 @@ of a tensor live* with two objects:
 ``redistribute`` changes placements, and the collective it runs follows from the change:
 ``Shard -> Replicate`` is an all-gather, ``Partial -> Replicate`` an all-reduce, ``Partial ->
 Shard`` a reduce-scatter, ``Shard(0) -> Shard(1)`` an all-to-all, each over the group of the
-mesh dimension that changed (gloo has no all-to-all for this: torch 2.13 warns and gathers
-everything, then keeps its chunk). Ordinary torch operations on DTensors compute on the
-local pieces and work out the placement of the result.
+mesh dimension that changed (on a CPU mesh torch 2.13's DTensor does not call gloo's
+all-to-all, which exists: it warns and gathers everything, then keeps its chunk). Ordinary
+torch operations on DTensors compute on the local pieces and work out the placement of the
+result.
 
 ``distribute_tensor`` takes the *whole* tensor on every rank and keeps each rank's piece;
 the pieces are cut from rank 0's copy (``src_data_rank=0``), so the ranks need not agree.
@@ -86,7 +87,7 @@ def tour(rank: int, size: int) -> dict:
 
         grid = blocks["shard_shard"]
         seen["gathered"] = grid.redistribute(mesh, [Replicate(), Replicate()]).to_local()
-        swapped = grid.redistribute(mesh, [Shard(1), Shard(0)])  # an all-to-all per dim
+        swapped = grid.redistribute(mesh, [Shard(1), Shard(0)])  # all-to-all (CPU: gather)
         seen["swapped"] = swapped.to_local().clone()
 
         # Partial: each rank holds an addend of rank + 1. Reducing over both mesh dims sums

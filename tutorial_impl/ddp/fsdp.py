@@ -10,8 +10,10 @@ Fully Sharded Data Parallel keeps a *shard*: with N ranks, each parameter is cut
 * **during** forward (and backward) of a module that was given ``fully_shard``: its
   pre-forward hook all-gathers the shards and swaps in ordinary, whole ``nn.Parameter``s,
   so the layer's own ``forward`` computes as if nothing were sharded;
-* **after** forward the whole parameters are freed again (``reshard_after_forward=True``,
-  the default) and gathered once more for backward; backward *reduce-scatters* the
+* **after** forward the whole parameters are freed again and gathered once more for
+  backward (``reshard_after_forward=True``; the default, ``None``, means True for every
+  module but the root, which keeps its whole parameters for the backward that follows at
+  once: ``torch/distributed/fsdp/_fully_shard/_fully_shard.py``); backward *reduce-scatters* the
   gradients: each rank receives the average gradient of its own rows only, a ``DTensor``
   like its parameter. The optimizer then updates just those rows.
 

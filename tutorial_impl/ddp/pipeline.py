@@ -13,8 +13,8 @@ with plain point-to-point sends between stages instead of RPC:
   (forward) and their gradients (backward) between neighbours. ``ScheduleGPipe`` runs every
   forward, then every backward: each stage keeps all its micro-batches' activations alive
   at once. ``Schedule1F1B`` starts backward as soon as the last stage can, then alternates
-  one forward and one backward: a stage holds at most as many micro-batches as there are
-  stages after it, whatever the number of micro-batches.
+  one forward and one backward: stage ``i`` of ``n`` holds at most ``n - i`` micro-batches
+  (itself and the stages after it), whatever the number of micro-batches.
 
 The loss is computed on the last stage, per micro-batch (``loss_fn``); ``scale_grads=True``
 (the default) divides the accumulated gradients by the number of micro-batches, so with

@@ -7,9 +7,10 @@ version, used as a ``DataLoader``'s ``sampler``, with three behaviours worth kno
 * **Shards.** Every rank shuffles the *same* permutation (same ``seed`` on every rank: no
   communication) and takes every ``world_size``-th index starting at its rank. The shards
   are disjoint and together cover the dataset.
-* **Epochs.** The permutation is drawn from ``seed + epoch``. Call ``sampler.set_epoch(e)``
-  before each epoch, or every epoch sees the same order: the shuffle happens once, never
-  again.
+* **Epochs.** Every epoch (every ``iter`` over the sampler) shuffles again, drawing the
+  permutation from a generator seeded with ``seed + epoch``. Call ``sampler.set_epoch(e)``
+  before each epoch: without it ``epoch`` stays 0, so each epoch reshuffles to the very same
+  order.
 * **Padding.** Every rank must yield the same number of samples, or the ranks take different
   numbers of steps and one waits in an all-reduce until the process group's timeout (30
   minutes by default on gloo; lesson 5). When the dataset does not divide by the world size,

@@ -22,10 +22,13 @@ the *workers*, each with these variables set. Nobody else sets them; a worker on
 ``TORCHELASTIC_RUN_ID``              the job's id (``--rdzv-id``), the same on every worker
 
 ``init_process_group()`` (``env://``, the default) reads RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT; ``LOCAL_RANK`` is for you (``torch.cuda.set_device(local_rank)``): nothing in
-``torch.distributed`` needs it. Agents number workers node by node, so with the same
-``--nproc-per-node`` everywhere ``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``; RANK
-and LOCAL_RANK differ as soon as there is a second node.
+MASTER_PORT, never ``LOCAL_RANK``; that one is mostly for you
+(``torch.cuda.set_device(local_rank)``), but two corners of ``torch.distributed`` read it
+too: ``dist.get_node_local_rank()`` returns it, and ``init_device_mesh`` on a GPU (any
+non-CPU device not yet chosen) takes ``LOCAL_RANK`` as this process's device. Agents number
+workers node by node, so with the same ``--nproc-per-node`` everywhere ``RANK = GROUP_RANK *
+LOCAL_WORLD_SIZE + LOCAL_RANK``; RANK and LOCAL_RANK differ as soon as there is a second
+node.
 
 This file is also the worker: run as a script (``torchrun ... tutorial_impl/ddp/torchrun_env.py
 [--out DIR]``) it prints, or writes to ``DIR/rank<RANK>.json``, what its agent gave it. It

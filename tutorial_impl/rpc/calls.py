@@ -27,8 +27,10 @@ twice the view's own bytes. So ten numbers sliced from a 4 MiB tensor send 40 by
 ten numbers sliced from a 4 KiB one send all 4 KiB. ``view.clone()`` sends exactly the view.
 
 Profiling (``profiled_call``): the autograd profiler records an RPC as an event named after
-the call (``rpc_sync#torch.add(worker0 -> worker1)``), with the callee's own operators
-(``aten::add``) reported back into the caller's profile. That is the *legacy* profiler
+the call, the target by its operator's name (``rpc_sync#aten::add(worker0 -> worker1)`` for
+``rpc_sync("worker1", torch.add, ...)``), with the callee's own operators reported back into
+the caller's profile under it (``rpc_sync#aten::add(worker0 -> worker1)#remote_op:
+aten::add``). That is the *legacy* profiler
 (``torch.autograd.profiler_legacy.profile``), the one RPC's profiling support was built for:
 the default (Kineto) profiler records only the caller's local operators.
 

@@ -195,8 +195,10 @@ class HybridModel(nn.Module):
     ``dense`` is the tutorial's ``Linear(16, 8)`` or the benchmark's ``mlp``; DDP keeps the
     trainers' replicas equal. The embedding stays on its server's CPU by choice. RPC can carry
     CUDA tensors once TensorPipe is given device maps (beta), but the RPC reference lists
-    RRefs, RemoteModule and distributed autograd among what is not yet supported with CUDA
-    tensors, and a CPU table needs no device map agreed between every trainer and server. So
+    RRefs and distributed autograd among what is not yet supported with CUDA tensors (it
+    names RemoteModule too, which torch 2.13 does place on ``cuda:N``:
+    ``tests/rpc/test_rpc_gpu.py``), and a CPU table needs no device map agreed between every
+    trainer and server. So
     lookups cross RPC as CPU tensors and only the looked-up rows move to the trainer's
     ``device``; the trainer's own ``fc`` parameters (on its GPU with ``--device cuda``) are
     wrapped in *local* RRefs, which the distributed optimizer steps where they are.

@@ -8,7 +8,9 @@ to the module itself, ``remote_parameters()`` a list of RRefs to its parameters:
 
 The handle deliberately has no ``parameters()``: they would have to be local tensors, and the
 parameters exist only on the owner. Calling it raises a ValueError that points to
-``remote_parameters``. (RemoteModule does not support CUDA tensors; keep it on ``cpu``.)
+``remote_parameters``. (The reference warns that RemoteModule does not support CUDA; torch
+2.13 documents ``"worker1/cuda:0"`` placements, CPU inputs moved to that GPU before
+``forward``, and ``tests/rpc/test_rpc_gpu.py`` runs one. The lessons here stay on ``cpu``.)
 """
 
 from __future__ import annotations
