@@ -6,7 +6,7 @@ the CPU and gloo and takes one process's step on the whole batch; gloo refuses N
 ``PREMUL_SUM``. On a CUDA machine (``pytest -m dist_gpu``, skipped cleanly elsewhere) the
 same function picks ``cuda`` and NCCL, with no line changed, and takes the same step;
 ``PREMUL_SUM`` there is ``factor * sum`` in one collective; and DDP takes the bf16
-compression hook it refuses on gloo (lesson 14). The reference is one process on the CPU.
+compression hook a CPU-only build refuses (lesson 14). The reference is one process on the CPU.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def bf16_hook_accepted(rank: int, size: int) -> str:
 
     device = accelerator.pick_device(rank)
     ddp = DDP(toy.mlp(0).to(device), device_ids=[device.index])
-    ddp.register_comm_hook(None, bf16_compress_hook)  # gloo: TypeError, "required CUDA 11+"
+    ddp.register_comm_hook(None, bf16_compress_hook)  # CPU-only build: "required CUDA 11+"
     return "accepted"
 
 

@@ -4,7 +4,8 @@ The claims, on 2 ranks: a DDP model compiled with ``torch.compile`` takes the st
 model takes eagerly; Dynamo's DDPOptimizer hands the backend one graph per bucket, in
 forward order, each holding the layers of its bucket: with DDP's default caps (the first
 bucket 1 MiB, then 25 MiB) the last layer alone and then the other two, with a 1 MiB cap one
-layer a graph (``optimize_ddp = False``, one graph, is the demo's: a compile costs a second). The expected split
+layer a graph (``optimize_ddp = False``, one graph, is the demo's: a compile costs a second).
+The expected split
 is computed here from the layers' sizes by the rule the lesson states; torch's code is not
 consulted. The backend records graphs and compiles nothing, so no C++ compiler runs.
 """

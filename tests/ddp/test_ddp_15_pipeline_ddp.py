@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tutorial_impl.ddp import toy
@@ -28,7 +29,9 @@ def step_in_ranks(rank: int, size: int, x, y) -> dict:
     # of CPU in this test's own process, which needs nothing of it (as in lesson 8).
     from tutorial_impl.ddp import pipeline_ddp
 
-    return pipeline_ddp.replicated_pipeline_step(rank, size, x, y)
+    groups = len(dist.distributed_c10d._world.pg_map)  # the process groups that exist
+    seen = pipeline_ddp.replicated_pipeline_step(rank, size, x, y)
+    return {**seen, "groups_left": len(dist.distributed_c10d._world.pg_map) - groups}
 
 
 def test_pipeline_stages_replicated_with_ddp_equal_one_process(run_ranks) -> None:
@@ -47,6 +50,7 @@ def test_pipeline_stages_replicated_with_ddp_equal_one_process(run_ranks) -> Non
         assert seen["groups"] == {"dp": [j, 2 + j], "pp": [2 * i, 2 * i + 1]}, where
         assert sorted(seen["params"]) == sorted(LAYERS[j]), where
         assert seen["events"] == ["F", "F", "B", "B"], f"{where}: {seen['events']}"
+        assert seen["groups_left"] == 0, f"{where}: the mesh's groups were not destroyed"
         assert seen["all_reduces"] == 1, f"{where}: {seen['all_reduces']} all-reduces"
         for name in LAYERS[j]:
             torch.testing.assert_close(seen["params"][name], stepped[name], atol=ATOL, rtol=0)

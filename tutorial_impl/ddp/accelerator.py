@@ -17,8 +17,8 @@ naming its kind:
 ``pick_device`` and ``agnostic_step`` below are the whole pattern: pick this rank's device
 (``LOCAL_RANK``, which torchrun sets, is the index on this machine), move the model and the
 batch there, wrap in DDP with ``device_ids`` only when there is an accelerator, step. The
-same lines run here on CPU with gloo, and on GPUs with NCCL (``tests/ddp/test_ddp_12_accelerator.py``
-has both; the GPU tests skip cleanly without CUDA).
+same lines run here on CPU with gloo, and on GPUs with NCCL
+(``tests/ddp/test_ddp_12_accelerator.py`` has both; the GPU tests skip cleanly without CUDA).
 
 What NCCL does that gloo does not (each part of the GPU tests):
 
@@ -27,7 +27,8 @@ What NCCL does that gloo does not (each part of the GPU tests):
 * **``ReduceOp.PREMUL_SUM``**: multiply by a factor, then sum, in one collective (how a
   gradient is averaged without a separate division); gloo refuses it;
 * **the bf16 compression hook** of DDP (lesson 14): DDP refuses torch's
-  ``bf16_compress_hook`` unless the group is NCCL (or XCCL) and the GPU supports bf16.
+  ``bf16_compress_hook`` unless torch was built with CUDA 11+ and NCCL 2.10+ (or XPU and
+  XCCL): this CPU-only build refuses it, whatever the group.
 
     python -m tutorial_impl.ddp.accelerator     # 2 local ranks; or torchrun --nproc-per-node=2
 """
@@ -65,13 +66,13 @@ def agnostic_step(rank: int, size: int, x: torch.Tensor, y: torch.Tensor) -> dic
     optimizer = torch.optim.SGD(ddp.parameters(), lr=toy.LR)
     xs, ys = toy.shard(x, rank, size).to(device), toy.shard(y, rank, size).to(device)
     F.mse_loss(ddp(xs), ys).backward()
-    optimizer.step()
-    if device.type != "cpu":
-        torch.accelerator.synchronize()  # the step ran asynchronously on the device
+    optimizer.step()  # on an accelerator this only queues the work...
     return {
         "device": device.type,
         "backend": dist.get_backend(),  # what the group runs on
         "default_backend": dist.get_default_backend_for_device(device),  # what it should
+        # ...and copying to the CPU waits for it (``torch.accelerator.synchronize()`` would
+        # wait without a copy: what a timer around the step needs).
         "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
     }
 

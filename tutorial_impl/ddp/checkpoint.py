@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         world_size=None,
     )
     parser.add_argument(
-        "--directory", help="where to save (default: a temporary directory, removed after; "
+        "--directory",
+        help="where to save (default: a temporary directory, removed after; "
         "under torchrun, give one every worker sees)",
     )
     args = parser.parse_args(argv)
@@ -164,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         directory = args.directory or scratch
         for demo, size in ((demo_save, 4), (demo_load, 2)):
             fn = functools.partial(demo, x=x, y=y, directory=directory)  # pickled to the ranks
-            status = cli.exit_status(lambda f=fn, n=size: cli.launch(f, n, "gloo", args.timeout, PRELOAD))
+            status = cli.exit_status(
+                lambda f=fn, n=size: cli.launch(f, n, "gloo", args.timeout, PRELOAD)
+            )
             if status:
                 return status
         saved = os.path.join(directory, "sync")

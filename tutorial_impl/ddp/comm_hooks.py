@@ -24,8 +24,9 @@ backward runs (the hooks call it from Python, also in the callbacks of their fut
 compares the averaged gradients each leaves in ``p.grad`` with the uncompressed ones, from
 the same parameters and batches.
 
-On gloo, DDP refuses torch's ``bf16_compress_hook`` ("BF16 all reduce communication hook
-required CUDA 11+ and NCCL 2.10+"): the check is for NCCL's bf16 support, and gloo on the CPU
+DDP refuses torch's ``bf16_compress_hook`` in a torch built without CUDA 11+ and NCCL 2.10+
+(or XPU and XCCL), such as this CPU-only one ("BF16 all reduce communication hook required
+CUDA 11+ and NCCL 2.10+"): it checks the build, not the group, and gloo on the CPU
 all-reduces bfloat16 fine. ``cast_hook(torch.bfloat16)`` below is the same hook written
 out (it is what torch's fp16 and bf16 hooks do, minus the ``torch.compile`` branch); on
 GPUs, lesson 12's GPU test registers torch's own.
@@ -134,7 +135,7 @@ def compare(rank: int, size: int, x, y) -> dict:
     try:
         DDP(toy.mlp(0)).register_comm_hook(None, default_hooks.bf16_compress_hook)
         seen["torch_bf16"] = "accepted"
-    except TypeError as exc:  # on gloo: "BF16 all reduce communication hook required ..."
+    except TypeError as exc:  # CPU-only build: "BF16 all reduce ... hook required ..."
         seen["torch_bf16"] = str(exc)
     return seen
 

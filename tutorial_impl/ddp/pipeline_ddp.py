@@ -64,7 +64,9 @@ def replicated_pipeline_step(rank: int, size: int, x: torch.Tensor, y: torch.Ten
         record_order(part, events)
         # find_unused_parameters: no parameter is unused, but it keeps DDP from rebuilding its
         # buckets after the first step, which the schedule's trial forward breaks (below).
-        replicas = DDP(part, process_group=mesh.get_group("dp"), find_unused_parameters=True)  # the copies of this stage
+        replicas = DDP(
+            part, process_group=mesh.get_group("dp"), find_unused_parameters=True
+        )  # the copies of this stage
         reduces = Reduces(mesh.get_group("dp"))
         replicas.register_comm_hook(reduces, count_then_allreduce)
         stage = PipelineStage(

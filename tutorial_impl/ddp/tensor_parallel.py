@@ -62,7 +62,7 @@ def held(model: nn.Module) -> dict[str, tuple]:
 
 
 def counted(mode: CommDebugMode) -> dict[str, int]:
-    """``CommDebugMode``'s counts by collective name (``all_reduce``, ``all_gather_into_tensor``...)."""
+    """``CommDebugMode``'s counts, by name (``all_reduce``, ``all_gather_into_tensor``...)."""
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
 
 
