@@ -17,10 +17,20 @@ import inspect
 import warnings
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import fault_plan, faults, faulty_group
+
+# Every public function is looked at, and every collective called: torch's deprecated names
+# among them, whose warnings are expected here.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:`torch.distributed.[a-z_]+` (is|will be) deprecated:FutureWarning"
+    ),
+]
 
 # The public functions that communicate, and the ops a fault counts them as, on rank 0 of two
 # (the object collectives are made of plain ones: a fault names those; p2p: rank 0's side).
