@@ -27,6 +27,7 @@ from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.errors import (
     RankError,
     RankResults,
+    RankTimeout,
     add_to_headline,
     error_for,
     skip_outlived_error,
@@ -35,6 +36,7 @@ from tutorial_impl.testing.errors import (
 from tutorial_impl.testing.faults import Fired
 from tutorial_impl.testing.forensics import Place
 from tutorial_impl.testing.recorder import Record
+from tutorial_impl.testing.stranded import Stranded
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Finished:
     skip_wait: float = 0.0  # how long the others were given after the first skip
     records: dict[int, list[Record]] = field(default_factory=dict)  # at the end, if asked
     fired: dict[int, list[Fired]] = field(default_factory=dict)  # faults injected on purpose
+    stranded: Stranded | None = None  # ranks waiting for a returned one (``stranded``)
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:
@@ -125,6 +128,8 @@ def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Excepti
         return skip_outlived_error(
             skips[0], reason, unfinished, run.skip_wait, run.stacks, run.outputs, where
         )
+    if run.stranded is not None:
+        return _stranded_error(run, unfinished, where)
     ended = {r: "returned" for r, o in outcomes.items() if isinstance(o, _o.Returned)}
     return timeout_error(
         unfinished,
@@ -139,6 +144,19 @@ def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Excepti
     )
 
 
+def _stranded_error(run: Finished, unfinished: list[int], where: dict[int, Place]) -> RankTimeout:
+    """Ranks that wait in a collective a returned rank never entered: a hang that cannot
+    resolve, ended when seen (its ranks ``Stopped``), or at the deadline (``TimedOut``)."""
+    assert run.stranded is not None
+    early = all(isinstance(run.outcomes[r], _o.Stopped) for r in run.stranded.waiting)
+    message = run.stranded.line(early, run.deadline)
+    fired = _fired(run)
+    if fired:
+        message += f" ({fired})"
+    timeout = None if early else run.deadline  # more time would not help: no advice to add it
+    return RankTimeout(run.stacks, message, run.outputs, unfinished, where, timeout)
+
+
 def _explained(run: Finished, where: dict[int, Place]) -> str | None:
     """Where the ranks' collectives part, from their records, placed by their stacks."""
     if not run.records:
@@ -148,9 +166,23 @@ def _explained(run: Finished, where: dict[int, Place]) -> str | None:
 
 def _fired(run: Finished) -> str:
     """``rank 1: injected kill at all_reduce #3``: the faults that fired, for the first line
-    (a rank killed on purpose says where; a hang says it was asked for)."""
-    said = [(r, f) for r, fs in sorted(run.fired.items()) for f in fs if f.action != "raise"]
-    return ", ".join(f"rank {r}: {f}" for r, f in said)  # a raise's exception says it already
+    (a rank killed on purpose says where; a hang says it was asked for; a raise the rank
+    function caught explains why the rank went on), but a raise whose exception is the
+    rank's reported failure: its message says it already."""
+    said = [(r, f) for r, fs in sorted(run.fired.items()) for f in fs if not _raised(run, r, f)]
+    return ", ".join(f"rank {r}: {f}" for r, f in said)
+
+
+def _raised(run: Finished, rank: int, fired: Fired) -> bool:
+    """Whether ``fired`` is a raise whose exception ``rank`` reported as its failure."""
+    report = run.reports.get(rank)
+    outcome = report.outcome if report is not None else None
+    return (
+        fired.action == "raise"
+        and isinstance(outcome, _o.Raised)
+        and outcome.exc_type.endswith("InjectedFault")
+        and f" at {fired.point}" in outcome.message
+    )
 
 
 def _explain_failure(run: Finished, error: RankError) -> None:
