@@ -78,7 +78,7 @@ class Stranded:
         """``rank 1 returned after all_reduce #3; ranks 0, 2, 3 wait in all_reduce #4 at
         t.py:9, which rank 1 never entered: ...``."""
         gone = "; ".join(
-            f"rank {r} returned after {last.name}" if last else f"rank {r} returned before any collective"
+            f"rank {r} returned " + (f"after {last.name}" if last else "before any collective")
             for r, last in sorted(self.left.items())
         )
         by_name: dict[str, list[int]] = {}
