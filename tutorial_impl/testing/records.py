@@ -132,6 +132,15 @@ def _standing_path(path: str | Path) -> Path:
     return Path(f"{path}.standing")
 
 
+def own(rank: int, since_ns: int) -> list[Record] | None:
+    """This rank's records of the call that began at ``since_ns`` (``this_test``), or None
+    (no group, or no recorder)."""
+    try:
+        return this_test(recorder.dump(rank, stacks=False), since_ns)
+    except Exception:  # noqa: BLE001 - no group, or no recorder: nothing to say
+        return None
+
+
 def this_test(records: list[Record], since_ns: int) -> list[Record]:
     """A warm rank's records of the test that started at ``since_ns``, numbered as a fresh
     world would number them: each group's collectives (and its point-to-point calls) from 1
