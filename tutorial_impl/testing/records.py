@@ -6,7 +6,9 @@ and a rank's main thread is then blocked inside a C++ collective, where no Pytho
 handler runs. So each rank keeps one daemon thread for it (``serve``): it waits in
 ``sigwait`` for SIGUSR2, then writes torch's dump (``recorder.dump_bytes``) to the file of
 the task at hand (``answer_to``: ``rankN.fr`` beside ``rankN.stacks``), written whole under a
-temporary name then renamed, so that a file that exists is complete.
+temporary name then renamed, so that a file that exists is complete. Beside it, written
+first, what the rank says of itself (``stranded.Standing``: its rank, its groups' members,
+where its main thread is), which ``ask_all`` returns too.
 
 SIGUSR2 is blocked in the rank *before any other thread starts* (``serve`` is the rank's
 first step after the fork, which leaves one thread): every thread torch or the user starts

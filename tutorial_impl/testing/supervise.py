@@ -6,6 +6,10 @@ The waiting is where multi-rank tests usually go wrong, so here are the rules it
 * **Fail fast.** The first rank that raises or dies ends the wait (after ``CRASH_GRACE``,
   in which a death that caused it, or a failure of another rank, may still arrive); the
   others are stopped, since they are probably blocked in a collective waiting for it.
+* **A hang that cannot resolve ends when seen.** While a rank has returned and others run,
+  every ``stranded.POLL`` s their records and ``Standing`` are asked for: peers blocked in a
+  collective of the returned rank's group, one it never entered, are stopped at once
+  (``stranded``); a passing test's ranks end before the first look.
 * **A skip is no verdict until every rank has ended.** After a rank skips (or xfails), the
   others get ``SKIP_GRACE`` seconds to end by themselves: a failure anywhere beats a skip.
 * **Crashes are seen at once.** Each process's *sentinel* (a file descriptor that becomes
