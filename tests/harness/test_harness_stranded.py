@@ -117,6 +117,11 @@ NO_VERDICT = {
     # a group of that name in another world: other members, or another numbering
     "other-members": ({}, {1: Standing(1, {"0": (0, 1)})}, [1]),
     "other-numbering": ({}, {1: Standing(0, dict(WORLD))}, [1]),
+    "peers-numbered-otherwise": (
+        {},
+        {r: Standing(r + 1, dict(WORLD), IN_ALL_REDUCE) for r in PEERS},
+        [1],
+    ),
     "no-group": ({}, {r: Standing(None, {}) for r in PEERS}, [1]),
 }
 
@@ -131,6 +136,12 @@ def test_no_verdict_unless_every_condition_holds(name):
     assert find(records, standings, returned, running, DEADLINE) is None
     standings.pop(1)  # and without the returned rank's own word, never
     assert find(records, standings, [1], PEERS, DEADLINE) is None
+
+
+def test_a_group_timeout_of_the_deadline_itself_is_no_shorter():
+    records, standings = world_of_four()
+    records.update(_peers_records(waiting=True, timeout_ms=int(DEADLINE * 1000)))
+    assert find(records, standings, [1], PEERS, DEADLINE) is not None
 
 
 def test_a_subgroup_is_told_apart_from_the_default_one():
