@@ -300,3 +300,28 @@ def returns_beside_slow_peers(rank: int, world_size: int) -> int:
 
 def test_a_returned_rank_beside_slow_peers_passes(run_ranks):
     assert run_ranks(returns_beside_slow_peers, world_size=4, timeout=30) == [4, 1, 4, 4]
+
+
+def test_the_parent_looks_only_while_a_rank_has_returned_and_at_its_pace(monkeypatch):
+    """``supervise``'s looks: none before a rank returns (a passing test pays nothing), the
+    first ``POLL`` s after, then one every ``POLL`` s."""
+    from types import SimpleNamespace
+
+    from tutorial_impl.testing import supervise
+    from tutorial_impl.testing.stranded import POLL
+
+    now = [100.0]
+    asked: list[float] = []
+    monkeypatch.setattr(supervise, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(
+        supervise.records, "ask_all", lambda procs: (asked.append(now[0]), ({}, {}))[1]
+    )
+    watch = supervise._Watch([], None, False, frozenset(), timeout=DEADLINE)
+    watch.pending = {0: None}
+    assert not watch.look() and not asked  # no rank has returned
+    watch.reports[1] = _o.Report(_o.Returned(1), 101, 1.0)
+    watch.order.append(1)
+    for step in (0.0, POLL / 2, POLL / 2, POLL / 2, POLL / 2, POLL):
+        now[0] += step
+        assert not watch.look()  # no records: nothing is stranded
+    assert asked == pytest.approx([100.0 + POLL, 100.0 + 2 * POLL, 100.0 + 3 * POLL])
