@@ -10,7 +10,9 @@ test's verdict is. The rule, in order:
    from it), else the first rank whose failure arrived; every other rank that failed is
    named on the same first line.
 2. **Then a rank still running.** At the deadline, the ranks not yet ended are a hang: the
-   first line says where each was, and how the others had ended. A skip that the other
+   first line says where each was, and how the others had ended. Ranks blocked in a
+   collective a returned rank never entered (``Finished.stranded``, ``stranded``) are a
+   hang that cannot resolve, said so, whenever the runner saw it. A skip that the other
    ranks outlived (still running ``SKIP_GRACE`` s later) is a failure that says so: they
    might still have failed, and a skip must be taken by every rank.
 3. **Then a skip or an xfail** (the lowest rank that took one), recognised by pytest's own
