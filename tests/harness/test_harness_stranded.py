@@ -325,3 +325,50 @@ def test_the_parent_looks_only_while_a_rank_has_returned_and_at_its_pace(monkeyp
         now[0] += step
         assert not watch.look()  # no records: nothing is stranded
     assert asked == pytest.approx([100.0 + POLL, 100.0 + 2 * POLL, 100.0 + 3 * POLL])
+
+
+def test_a_torchrun_worker_looks_at_the_returned_ranks_answers(monkeypatch):
+    """``torchrun_stranded.Look`` of rank 0, over a job's store faked in memory: stranded by
+    rank 1's answer only once rank 1 has returned behind rank 0's collective, looked at
+    every ``POLL`` s."""
+    from types import SimpleNamespace
+
+    from tutorial_impl.testing import torchrun_stranded
+    from tutorial_impl.testing.stranded import POLL
+
+    records, standings = world_of_four()
+    now = [0.0]
+    store: dict[str, object] = {}
+    channel = SimpleNamespace(has=lambda key: key in store, get=lambda key: store[key])
+    job = SimpleNamespace(channel=channel, launch=SimpleNamespace(rank=0, world_size=4))
+    monkeypatch.setattr(torchrun_stranded, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(torchrun_stranded.records, "own", lambda rank, since: records[0])
+    monkeypatch.setattr(torchrun_stranded, "standing", lambda thread, stop: standings[0])
+    look = torchrun_stranded.Look(job, "call/1", 0, 1, DEADLINE, "rank_function")
+
+    def answer(outcome: _o.Outcome, recs: list[Record]) -> SimpleNamespace:
+        report = _o.Report(outcome, 1, 1.0)
+        return SimpleNamespace(report=report, records=recs, standing=standings[1])
+
+    store["call/1/1"] = answer(_o.Returned(1), records[1])
+    now[0] = POLL / 2
+    assert not look.stranded()  # not looked at yet: a passing test's ranks end before
+    del store["call/1/1"]
+    store["call/1/2"] = answer(_o.Stopped(None), records[2])  # not returned: no matter
+    now[0] = POLL
+    assert not look.stranded()  # no rank has returned
+    store["call/1/1"] = answer(_o.Returned(1), upto(1, 4))  # it entered #4
+    now[0] = 2 * POLL
+    assert not look.stranded()
+    store["call/1/1"] = answer(_o.Returned(1), records[1])  # after #3 only
+    now[0] = 2.5 * POLL
+    assert not look.stranded()  # not yet looked at again
+    now[0] = 3 * POLL
+    assert look.stranded()
+    # and the verdict from every rank's answer, the same on every rank
+    answers = {r: answer(_o.Stopped(None), records[r]) for r in (0, 2, 3)}
+    answers[1] = store["call/1/1"]
+    for r in (0, 2, 3):
+        answers[r].standing = standings[r]
+    found = torchrun_stranded.of_answers(answers, DEADLINE)
+    assert found is not None and sorted(found.waiting) == [0, 2, 3] and list(found.left) == [1]
