@@ -372,3 +372,20 @@ def test_a_torchrun_worker_looks_at_the_returned_ranks_answers(monkeypatch):
         answers[r].standing = standings[r]
     found = torchrun_stranded.of_answers(answers, DEADLINE)
     assert found is not None and sorted(found.waiting) == [0, 2, 3] and list(found.left) == [1]
+
+
+def test_a_hang_at_the_deadline_names_the_users_call():
+    """``desync.placed``: a waiting rank's unfinished record named by its stack's call where
+    torch implements that call with the recorded op; never where it does not."""
+    from tutorial_impl.testing import desync
+    from tutorial_impl.testing.forensics import Place
+
+    records = {0: upto(0, 1, waiting=True), 1: []}
+    where = {0: Place("test_x.py", 9, "f", "reduce_scatter_tensor")}
+    assert desync.explain(desync.placed(records, where), 2) == (
+        "rank 0 waits in reduce_scatter_tensor #1 at test_x.py:9; rank 1 never reached #1"
+    )
+    where = {0: Place("test_x.py", 9, "f", "broadcast")}  # no implementation of all_reduce
+    assert desync.explain(desync.placed(records, where), 2) == (
+        "rank 0 waits in all_reduce #1 at test_x.py:9; rank 1 never reached #1"
+    )
