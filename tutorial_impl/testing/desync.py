@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from tutorial_impl.testing.forensics import Place
 from tutorial_impl.testing.recorder import Record, collectives
+from tutorial_impl.testing.userops import user_op
 
 DEFAULT_DESC = "default_pg"
 # Collectives whose inputs may differ from rank to rank: the root's list against nothing, a
@@ -54,13 +55,16 @@ def placed(
     records: Mapping[int, Sequence[Record]], where: Mapping[int, Place]
 ) -> dict[int, list[Record]]:
     """``records`` with each rank's unfinished collective placed where its stack says the
-    rank is (``where``, from ``forensics``): for records dumped without their stacks."""
+    rank is (``where``, from ``forensics``): for records dumped without their stacks; and
+    named as the user called it where torch records it as another op (``userops``)."""
     out = {}
     for rank, recs in records.items():
         recs = list(recs)
         spot = where.get(rank)
-        if spot is not None and recs and not recs[-1].completed and not recs[-1].frames:
-            recs[-1] = dataclasses.replace(recs[-1], frames=((spot.file, spot.line, spot.func),))
+        if spot is not None and recs and not recs[-1].completed:
+            last = recs[-1]
+            frames = last.frames or ((spot.file, spot.line, spot.func),)
+            recs[-1] = dataclasses.replace(last, frames=frames, called=user_op(spot.call, last.op))
         out[rank] = recs
     return out
 

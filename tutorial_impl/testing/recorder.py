@@ -59,11 +59,13 @@ class Record:
     completed: bool  # the work has finished (``retired``, or state "completed")
     frames: tuple[Frame, ...] = ()  # where it was called, most recent call first
     created_ns: int = 0  # when it was recorded (time.time_ns(): a warm world's test start)
+    timeout_ms: int = 0  # the group's timeout for it (0: not recorded)
+    called: str = ""  # the user's call, where torch records it as another op (``userops``)
 
     @property
     def name(self) -> str:
         """``all_reduce #17`` (and its group unless it is the default one)."""
-        return collective_name(self.op, self.seq, self.group, self.group_desc)
+        return collective_name(self.called or self.op, self.seq, self.group, self.group_desc)
 
     @property
     def where(self) -> Place | None:
@@ -109,6 +111,7 @@ def parse(trace: Mapping[str, Any], rank: int) -> list[Record]:
                 completed=bool(entry.get("retired")) or entry.get("state") == "completed",
                 frames=_frames(entry.get("frames")),
                 created_ns=int(entry.get("time_created_ns") or 0),
+                timeout_ms=int(entry.get("timeout_ms") or 0),
             )
         )
     return records

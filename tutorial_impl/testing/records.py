@@ -6,7 +6,9 @@ and a rank's main thread is then blocked inside a C++ collective, where no Pytho
 handler runs. So each rank keeps one daemon thread for it (``serve``): it waits in
 ``sigwait`` for SIGUSR2, then writes torch's dump (``recorder.dump_bytes``) to the file of
 the task at hand (``answer_to``: ``rankN.fr`` beside ``rankN.stacks``), written whole under a
-temporary name then renamed, so that a file that exists is complete.
+temporary name then renamed, so that a file that exists is complete. Beside it, written
+first, what the rank says of itself (``stranded.Standing``: its rank, its groups' members,
+where its main thread is), which ``ask_all`` returns too.
 
 SIGUSR2 is blocked in the rank *before any other thread starts* (``serve`` is the rank's
 first step after the fork, which leaves one thread): every thread torch or the user starts
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import threading
 import time
@@ -36,9 +39,11 @@ from typing import Protocol
 
 from tutorial_impl.testing import recorder
 from tutorial_impl.testing.recorder import Record
+from tutorial_impl.testing.stranded import Standing, standing
 from tutorial_impl.testing.timing import DUMP_BUDGET, STACK_POLL
 
 SIGNAL = signal.SIGUSR2
+ENTRY = "_set_up_and_call"  # the harness frame below a rank function's own (``rank``)
 _target: dict[str, str] = {}  # this rank's current dump file: {"path": ...}
 
 
@@ -68,12 +73,14 @@ def _answer_forever() -> None:
             continue
         try:
             data = recorder.dump_bytes(stacks=False)  # stacks: see the module's doc
+            said = pickle.dumps(standing(threading.main_thread().ident, ENTRY))
         except Exception:  # noqa: BLE001 - no group yet, or no recorder: nothing to say
             continue
-        partial = f"{path}.{os.getpid()}.part"
-        with open(partial, "wb") as out:
-            out.write(data)
-        os.replace(partial, path)
+        for target, content in ((_standing_path(path), said), (path, data)):  # the records last
+            partial = f"{target}.{os.getpid()}.part"
+            with open(partial, "wb") as out:
+                out.write(content)
+            os.replace(partial, target)
 
 
 class LiveRank(Protocol):
@@ -90,9 +97,17 @@ def ask(ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET) -> dict[int, lis
     """Each rank's records now: signal every rank of ``ranks`` still alive, wait for their
     dumps (at most ``budget`` s), and read them. A rank that could not answer (killed, still
     starting, no group yet) is absent."""
+    return ask_all(ranks, budget)[0]
+
+
+def ask_all(
+    ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET
+) -> tuple[dict[int, list[Record]], dict[int, Standing]]:
+    """As ``ask``, and what each rank said of itself with them (``stranded.Standing``)."""
     asked = []
     for r in ranks:
         _remove(r.records_path)  # an earlier answer is not this one
+        _remove(_standing_path(r.records_path))
         if r.pid is None:
             continue
         try:
@@ -105,13 +120,27 @@ def ask(ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET) -> dict[int, lis
         if time.monotonic() >= stop:
             break
         time.sleep(STACK_POLL)
-    found = {}
+    found, said = {}, {}
     for r in asked:
         try:
             found[r.rank] = recorder.load(r.records_path.read_bytes(), r.rank)
-        except (OSError, EOFError, ValueError, KeyError):
+            said[r.rank] = pickle.loads(_standing_path(r.records_path).read_bytes())
+        except (OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError):
             continue
-    return found
+    return found, said
+
+
+def _standing_path(path: str | Path) -> Path:
+    return Path(f"{path}.standing")
+
+
+def own(rank: int, since_ns: int) -> list[Record] | None:
+    """This rank's records of the call that began at ``since_ns`` (``this_test``), or None
+    (no group, or no recorder)."""
+    try:
+        return this_test(recorder.dump(rank, stacks=False), since_ns)
+    except Exception:  # noqa: BLE001 - no group, or no recorder: nothing to say
+        return None
 
 
 def this_test(records: list[Record], since_ns: int) -> list[Record]:

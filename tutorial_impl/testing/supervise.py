@@ -6,6 +6,10 @@ The waiting is where multi-rank tests usually go wrong, so here are the rules it
 * **Fail fast.** The first rank that raises or dies ends the wait (after ``CRASH_GRACE``,
   in which a death that caused it, or a failure of another rank, may still arrive); the
   others are stopped, since they are probably blocked in a collective waiting for it.
+* **A hang that cannot resolve ends when seen.** While a rank has returned and others run,
+  every ``stranded.POLL`` s their records and ``Standing`` are asked for: peers blocked in a
+  collective of the returned rank's group, one it never entered, are stopped at once
+  (``stranded``); a passing test's ranks end before the first look.
 * **A skip is no verdict until every rank has ended.** After a rank skips (or xfails), the
   others get ``SKIP_GRACE`` seconds to end by themselves: a failure anywhere beats a skip.
 * **Crashes are seen at once.** Each process's *sentinel* (a file descriptor that becomes
@@ -39,6 +43,7 @@ from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.debugging import Deadline
 from tutorial_impl.testing.errors import RankExited, prefixed
 from tutorial_impl.testing.recorder import Record
+from tutorial_impl.testing.stranded import POLL, Standing, Stranded, find
 from tutorial_impl.testing.timing import CRASH_GRACE, SKIP_GRACE
 from tutorial_impl.testing.verdict import Finished
 
@@ -135,16 +140,11 @@ def supervise(
     """Wait for every rank's report (the rules above); what was seen, for ``verdict``.
     ``since_ns``: a warm world's task start (its ranks' records of earlier tests are not
     this test's; ``records.this_test``)."""
-    watch = _Watch(procs, stream, prefix, may_exit)
+    watch = _Watch(procs, stream, prefix, may_exit, since_ns, timeout)
     watch.run(deadline)
     watch.late_reports()
     watch.relay()
-    found = watch.records
-    if since_ns is not None:
-        found = {r: records.this_test(recs, since_ns) for r, recs in found.items()}
-    for r, report in watch.reports.items():  # a warm rank's own check after its report
-        if r in found and not isinstance(report.outcome, _o.Unfinished):
-            found[r] = [rec for rec in found[r] if rec.created_ns <= report.at * 1e9]
+    found = watch.this_test(watch.records)
     # A rank stopped here never killed what it started (``leftovers``): the parent does.
     stopped = [p for p in procs if isinstance(watch.reports[p.rank].outcome, _o.Unfinished)]
     swept = {p.rank: leftovers.kill_tree(p.pid) for p in stopped if p.pid is not None}
@@ -161,14 +161,25 @@ def supervise(
         fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.fault_path))},
         swept={rank: killed for rank, killed in swept.items() if killed},
         unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.fault_path))},
+        stranded=watch.stranded or watch.stranded_in(found),
     )
 
 
 class _Watch:
     def __init__(
-        self, procs: list[Proc], stream: TextIO | None, prefix: bool, may_exit: frozenset[int]
+        self,
+        procs: list[Proc],
+        stream: TextIO | None,
+        prefix: bool,
+        may_exit: frozenset[int],
+        since_ns: int | None = None,
+        timeout: float = 0.0,
     ) -> None:
         self.procs = procs
+        self.since_ns, self.timeout = since_ns, timeout
+        self.standings: dict[int, Standing] = {}
+        self.stranded: Stranded | None = None  # seen while some ranks ran (``stranded``)
+        self.look_at: float | None = None  # when to look for it next
         self.pending = {p.rank: p for p in procs}
         self.stream, self.prefix, self.may_exit = stream, prefix, may_exit
         self.reports: dict[int, _o.Report] = {}
@@ -197,7 +208,10 @@ class _Watch:
                 return
             handles = self.handles()
             poll = RELAY_POLL if self.stream else deadline.poll
-            ready = wait(list(handles), timeout=min(left, poll) if poll else left)
+            left = min(left, poll) if poll else left
+            if self.look_at is not None:
+                left = max(0.0, min(left, self.look_at - time.monotonic()))
+            ready = wait(list(handles), timeout=left)
             self.relay()
             for handle in ready:
                 self.take(handles[handle])
@@ -205,6 +219,46 @@ class _Watch:
                 self.gather(CRASH_GRACE)
                 self.stop_the_rest(_o.Stopped)
                 return
+            if self.pending and self.look():
+                self.stop_the_rest(_o.Stopped)
+                return
+
+    def returned(self) -> list[int]:
+        return [r for r in self.order if isinstance(self.reports[r].outcome, _o.Returned)]
+
+    def look(self) -> bool:
+        """Whether the ranks still running are stranded (``stranded``): looked at every
+        ``POLL`` s from ``POLL`` s after a rank returned; never while none has."""
+        now = time.monotonic()
+        if not self.returned():
+            self.look_at = None
+            return False
+        if self.look_at is None or now < self.look_at:
+            self.look_at = self.look_at or now + POLL
+            return False
+        self.look_at = now + POLL
+        found, said = records.ask_all([p for p in self.procs if p.process.exitcode is None])
+        self.standings.update(said)
+        self.stranded = self.stranded_in(self.this_test(found))
+        return self.stranded is not None
+
+    def stranded_in(self, found: dict[int, list[Record]]) -> Stranded | None:
+        running = [r for r, rep in self.reports.items() if isinstance(rep.outcome, _o.Unfinished)]
+        running += list(self.pending)
+        if not running:
+            return None
+        return find(found, self.standings, self.returned(), running, self.timeout)
+
+    def this_test(self, found: dict[int, list[Record]]) -> dict[int, list[Record]]:
+        """``found`` as this test's records: a warm world's numbered from the test's start
+        (``records.this_test``), a rank's that reported cut at its report (a warm rank's own
+        check comes after)."""
+        if self.since_ns is not None:
+            found = {r: records.this_test(recs, self.since_ns) for r, recs in found.items()}
+        for r, report in self.reports.items():
+            if r in found and not isinstance(report.outcome, _o.Unfinished):
+                found[r] = [rec for rec in found[r] if rec.created_ns <= report.at * 1e9]
+        return found
 
     def take(self, p: Proc) -> None:
         """Record ``p``'s report (or how it died), once."""
@@ -242,7 +296,9 @@ class _Watch:
         running = [p for p in self.pending.values() if p.process.exitcode is None]
         self.stacks = forensics.dump_stacks(running) if running else {}
         if running:  # every live rank's collectives, the ones that reported too
-            self.records = records.ask([p for p in self.procs if p.process.exitcode is None])
+            alive = [p for p in self.procs if p.process.exitcode is None]
+            self.records, said = records.ask_all(alive)
+            self.standings.update(said)
         for rank, p in sorted(self.pending.items()):
             where = forensics.where(self.stacks.get(rank, ""))
             self.reports[rank] = _o.Report(kind(where), p.pid or 0, time.time())

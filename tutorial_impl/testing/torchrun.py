@@ -48,8 +48,8 @@ from tutorial_impl.testing import (
     forensics,
     leftovers,
     proctable,
-    recorder,
     records,
+    torchrun_stranded,
 )
 from tutorial_impl.testing import outcome as _o
 from tutorial_impl.testing.call import Call
@@ -61,6 +61,7 @@ from tutorial_impl.testing.rank import dumps_on_cpu
 from tutorial_impl.testing.recorder import Record
 from tutorial_impl.testing.runner import refused_fields
 from tutorial_impl.testing.shape import arguments
+from tutorial_impl.testing.stranded import Standing, standing
 from tutorial_impl.testing.timing import (
     ANSWER_GRACE,
     FINISH_GRACE,
@@ -94,6 +95,7 @@ class Answer:
     records: list[Record] | None = None  # this call's collectives (``records.this_test``)
     fired: list[faults.Fired] = field(default_factory=list)  # faults injected here
     unfired: list[faults.Unfired] = field(default_factory=list)  # faults never reached
+    standing: Standing | None = None  # its groups; where its function was, if still running
 
 
 class Launched:
@@ -139,8 +141,9 @@ class Launched:
             since_ns = time.time_ns()
             # A faulty group numbers this call's collectives from 1.
             faults.arm(call.faults, rank, before_death=self._leave)
-            mine = run_here(job, key, resolve(call.function), args, kwargs, call.deadline)
-            mine.records, mine.fired = _my_records(rank, since_ns), _my_fired()
+            fn = resolve(call.function)
+            mine = run_here(job, key, fn, args, kwargs, call.deadline, since_ns)
+            mine.records, mine.fired = records.own(rank, since_ns), _my_fired()
             mine.unfired = faults.INJECTOR.unfired(call.faults)  # read if it returned
             faults.arm((), rank)
             wait = call.deadline + ANSWER_GRACE
@@ -194,14 +197,6 @@ def _backend(call: Call) -> str:
     return call.backend
 
 
-def _my_records(rank: int, since_ns: int) -> list[Record] | None:
-    """This worker's collectives since the call began, numbered as a fresh world's."""
-    try:
-        return records.this_test(recorder.dump(rank, stacks=False), since_ns)
-    except Exception:  # noqa: BLE001 - no group, or no recorder: nothing to say
-        return None
-
-
 def _my_fired() -> list[faults.Fired]:
     return list(faults.INJECTOR.reports)
 
@@ -234,6 +229,7 @@ def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
         records={r: a.records for r, a in answers.items() if a.records is not None},
         fired=fired,
         unfired={r: a.unfired for r, a in answers.items() if a.unfired},
+        stranded=torchrun_stranded.of_answers(answers, deadline),
     )
 
 
@@ -264,10 +260,16 @@ class _Tee(io.TextIOBase):
 
 
 def run_here(
-    job: Job, key: str, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float
+    job: Job,
+    key: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+    since_ns: int = 0,
 ) -> Answer:
-    """Run ``fn`` in a thread; wait for it, another rank's failure, a lost worker, or the
-    deadline."""
+    """Run ``fn`` in a thread; wait for it, another rank's failure, a lost worker, a returned
+    rank that strands it (``torchrun_stranded``), or the deadline."""
     launch, worker = job.launch, os.getpid()
     box: dict[str, _o.Report] = {}
     done = threading.Event()
@@ -296,11 +298,10 @@ def run_here(
     thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=False)
     job.end_call = exited if launch.rank == 0 else None
     try:
-        # Warnings recorded in this thread, which outlives the call's: a recording opened
-        # in the function's thread would be closed, if ever, after pytest's own (abandoned).
         with catcher.recording():
             thread.start()
-            ended = _wait(job, key, done, timeout)
+            look = torchrun_stranded.Look(job, key, since_ns, thread.ident, timeout, ENTRY)
+            ended = _wait(job, key, done, timeout, look)
     finally:
         job.end_call = None
         sys.stdout, sys.stderr = tee_out.stream, tee_err.stream
@@ -314,20 +315,24 @@ def run_here(
         frames = forensics.frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
         title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
         report = _o.Report(ended(forensics.place(frames)), worker, time.time(), killed=killed)
-        return Answer(child or report, output, forensics.format_frames(title, frames))
+        stacks = forensics.format_frames(title, frames)
+        return Answer(child or report, output, stacks, standing=standing(thread.ident, ENTRY))
     report = box["report"]
     if child is not None and not isinstance(report.outcome, _o.Failure):
         report = child
     report = dataclasses.replace(report, killed=killed)
     announce(job, key, report)
-    return Answer(report, output)
+    return Answer(report, output, standing=standing(None, ENTRY))
 
 
-def _wait(job: Job, key: str, done: threading.Event, timeout: float) -> type | None:
+def _wait(
+    job: Job, key: str, done: threading.Event, timeout: float, look: torchrun_stranded.Look
+) -> type | None:
     """None once the function has ended; else the outcome class of why the wait ended.
 
     Fail fast as forked ranks do: a failure elsewhere (or a lost worker) stops the wait at
-    once; a skip elsewhere only after ``SKIP_GRACE`` s (a failure anywhere beats a skip)."""
+    once, and so does a returned rank that strands this one (``look``); a skip elsewhere
+    only after ``SKIP_GRACE`` s (a failure anywhere beats a skip)."""
     failed, skipped = f"{key}/failed", f"{key}/skipped"
     stop = time.monotonic() + timeout
     pause, skip_seen = STORE_POLL_MIN, None
@@ -338,6 +343,9 @@ def _wait(job: Job, key: str, done: threading.Event, timeout: float) -> type | N
         late_skip = skip_seen is not None and time.monotonic() - skip_seen > SKIP_GRACE
         trouble = job.channel.has(failed) or late_skip or job.heartbeats.lost_ranks()
         if trouble and not done.wait(FINISH_GRACE):
+            return _o.Stopped
+        if look.stranded() and not done.is_set():
+            job.channel.set(failed)  # the others waiting stop too
             return _o.Stopped
         if time.monotonic() > stop:
             job.channel.set(failed)

@@ -12,7 +12,9 @@ test's verdict is. The rule, in order:
    own accord is named on the same first line; an echo whose peers had all *returned* says
    so, in place of gloo's "typically caused by a remote worker crashing".
 2. **Then a rank still running.** At the deadline, the ranks not yet ended are a hang: the
-   first line says where each was, and how the others had ended. A skip that the other
+   first line says where each was, and how the others had ended. Ranks blocked in a
+   collective a returned rank never entered (``Finished.stranded``, ``stranded``) are a
+   hang that cannot resolve, said so, whenever the runner saw it. A skip that the other
    ranks outlived (still running ``SKIP_GRACE`` s later) is a failure that says so: they
    might still have failed, and a skip must be taken by every rank.
 3. **Then a skip or an xfail** (the lowest rank that took one), recognised by pytest's own
@@ -31,6 +33,7 @@ from tutorial_impl.testing.errors import (
     RankError,
     RankResults,
     RankSkipped,
+    RankTimeout,
     RankXFailed,
     add_to_headline,
     error_for,
@@ -41,6 +44,7 @@ from tutorial_impl.testing.errors import (
 from tutorial_impl.testing.faults import FaultNotFired, Fired, Unfired
 from tutorial_impl.testing.forensics import Place
 from tutorial_impl.testing.recorder import Record
+from tutorial_impl.testing.stranded import Stranded
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Finished:
     # What the parent killed under ranks it stopped (their own kill never came: ``leftovers``).
     swept: dict[int, tuple[_o.Leftover, ...]] = field(default_factory=dict)
     unfired: dict[int, list[Unfired]] = field(default_factory=dict)  # faults never reached
+    stranded: Stranded | None = None  # ranks waiting for a returned one (``stranded``)
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:
@@ -154,6 +159,8 @@ def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Excepti
         return skip_outlived_error(
             skips[0], reason, unfinished, run.skip_wait, run.stacks, run.outputs, where
         )
+    if run.stranded is not None:
+        return _stranded_error(run, unfinished, where)
     ended = {r: "returned" for r, o in outcomes.items() if isinstance(o, _o.Returned)}
     return timeout_error(
         unfinished,
@@ -168,6 +175,19 @@ def _unfinished_error(run: Finished, outcomes: dict[int, _o.Outcome]) -> Excepti
     )
 
 
+def _stranded_error(run: Finished, unfinished: list[int], where: dict[int, Place]) -> RankTimeout:
+    """Ranks that wait in a collective a returned rank never entered: a hang that cannot
+    resolve, ended when seen (its ranks ``Stopped``), or at the deadline (``TimedOut``)."""
+    assert run.stranded is not None
+    early = all(isinstance(run.outcomes[r], _o.Stopped) for r in run.stranded.waiting)
+    message = run.stranded.line(early, run.deadline)
+    fired = _fired(run)
+    if fired:
+        message += f" ({fired})"
+    timeout = None if early else run.deadline  # more time would not help: no advice to add it
+    return RankTimeout(run.stacks, message, run.outputs, unfinished, where, timeout)
+
+
 def _explained(run: Finished, where: dict[int, Place]) -> str | None:
     """Where the ranks' collectives part, from their records, placed by their stacks."""
     if not run.records:
@@ -177,9 +197,23 @@ def _explained(run: Finished, where: dict[int, Place]) -> str | None:
 
 def _fired(run: Finished) -> str:
     """``rank 1: injected kill at all_reduce #3``: the faults that fired, for the first line
-    (a rank killed on purpose says where; a hang says it was asked for)."""
-    said = [(r, f) for r, fs in sorted(run.fired.items()) for f in fs if f.action != "raise"]
-    return ", ".join(f"rank {r}: {f}" for r, f in said)  # a raise's exception says it already
+    (a rank killed on purpose says where; a hang says it was asked for; a raise the rank
+    function caught explains why the rank went on), but a raise whose exception is the
+    rank's reported failure: its message says it already."""
+    said = [(r, f) for r, fs in sorted(run.fired.items()) for f in fs if not _raised(run, r, f)]
+    return ", ".join(f"rank {r}: {f}" for r, f in said)
+
+
+def _raised(run: Finished, rank: int, fired: Fired) -> bool:
+    """Whether ``fired`` is a raise whose exception ``rank`` reported as its failure."""
+    report = run.reports.get(rank)
+    outcome = report.outcome if report is not None else None
+    return (
+        fired.action == "raise"
+        and isinstance(outcome, _o.Raised)
+        and outcome.exc_type.endswith("InjectedFault")
+        and f" at {fired.point}" in outcome.message
+    )
 
 
 def _explain_failure(run: Finished, error: RankError) -> None:
