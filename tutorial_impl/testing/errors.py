@@ -365,11 +365,9 @@ def error_for(
     named: list[int] | None = None,
 ) -> RankError:
     """The exception for one rank's bad outcome; the one place they are built. The failing
-    rank comes first (the cause in one line, then its traceback or how it died),
-    then every other rank that failed too (``also``: named on the first line as well), then
-    ``stacks``: where each other running rank was at that moment, then what every rank
-    printed.
-    """
+    rank comes first (the cause in one line, then its traceback or how it died), then every
+    other rank that failed too (``also``: named on the first line as well), then ``stacks``:
+    where each other running rank was at that moment, then what every rank printed."""
     if isinstance(result, _o.Skipped):
         return RankSkipped(rank, result.reason, outputs)
     if isinstance(result, _o.XFailed):
