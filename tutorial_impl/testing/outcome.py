@@ -21,9 +21,10 @@ itself may: a child it forked that returns from the function is a failure of tha
 when, which exceptions the rank's own threads raised meanwhile, and what else pytest would
 have caught around a test body (``caught``: warnings, unraisable exceptions, threads the
 function left running; one of those that raises after the function returned fails the
-rank). ``verdict.decide`` turns every rank's report into one verdict. Everything here pickles: the exception is carried as
-text, because the exception object itself may not unpickle in the parent (a class defined in
-a test module, a constructor with other arguments).
+rank). ``verdict.decide`` turns every rank's report into one verdict. Everything here
+pickles: the exception is carried as text, because the exception object itself may not
+unpickle in the parent (a class defined in a test module, a constructor with other
+arguments).
 """
 
 from __future__ import annotations
