@@ -117,8 +117,17 @@ HOW = [
 ]
 
 
+def forked(rank, world_size):
+    return rank
+
+
 @pytest.mark.slow
-def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(pytester, tmp_path):
+def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(
+    pytester, tmp_path, run_ranks
+):
+    # This session's rank forkserver starts now, with this session's plan: started by the run
+    # below, it would keep that run's plan (and numpy state) for this session's later tests.
+    assert run_ranks(forked, world_size=1, backend=None) == [0]
     pids = tmp_path / "pids"
     pids.mkdir()
     pytester.makepyfile(test_poison=POISONED)
@@ -266,7 +275,8 @@ def test_fails_alike(run_ranks):  # which rank's report comes first is a race, n
 """
 
 
-def test_warm_audit_catches_what_a_warm_world_cannot_see(pytester):
+def test_warm_audit_catches_what_a_warm_world_cannot_see(pytester, run_ranks):
+    assert run_ranks(forked, world_size=1, backend=None) == [0]  # as above: this session's
     pytester.makepyfile(test_nested=NESTED)
     args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
     # Warm alone, the second test passes on the state the first left (a documented blind

@@ -123,7 +123,16 @@ RETIRES = {
 }
 
 
-def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(pytester, tmp_path):
+def forked(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
+    pytester, tmp_path, run_ranks
+):
+    # This session's rank forkserver starts now, with this session's plan: started by the
+    # first run below, it would preload that run's test files for the rest of this session.
+    assert run_ranks(forked, world_size=1, backend=None) == [0]
     pytester.makepyfile(test_carry=CARRY)
     order = []
     for how in HOW:

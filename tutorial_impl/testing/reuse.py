@@ -114,7 +114,9 @@ class Baseline:
         self.threads, self.imported, self.attrs, self.globals = set(), 0, [], []  # type: ignore
 
     def before_task(self) -> None:
-        """Reset what can be reset, snapshot what can only be compared (never raises)."""
+        """Reset what can be reset, snapshot what can only be compared (never raises). (A
+        warm rank calls ``reset`` after ``after_task``, which puts the loggers back.)"""
+        self.loggers.reset()
         self.reset()
         self.snapshot()
 
@@ -189,7 +191,6 @@ class Baseline:
                     setting.set(value)
             except Exception as exc:  # noqa: BLE001 - the others are still reset
                 problems.append(f"{setting.label}: {exc!r}")
-        self.loggers.reset()
         if problems:
             raise RuntimeError("; ".join(problems))
         for name, value, items in self.hooks:
