@@ -161,11 +161,11 @@ def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
             same = verdicts[mode][f"leave-{how}.0"] == verdicts[mode][f"find-{how}.0"]
             assert same == (how not in RETIRES), how
         retired = [
-            f"1 {RETIRES[how]}, after test_carry.py::test_a_leaves[{how}]" for how in RETIRES
+            f"1 x {RETIRES[how]}, after test_carry.py::test_a_leaves[{how}]" for how in RETIRES
         ]
         expected = (
             f"warm worlds: {started} started, {2 * len(HOW) + 2 - started} reuses, "
-            f"{len(RETIRES) + 1} retired ({'; '.join(['1 a test failed', *sorted(retired)])})"
+            f"{len(RETIRES) + 1} retired ({'; '.join(['1 x a test failed', *sorted(retired)])})"
         )
         assert lines == [expected], out
         assert started == len(RETIRES) + 2  # the first, one after each retired, one after c
@@ -207,6 +207,7 @@ def test_xdist_workers_counts_are_summed_in_the_controllers_line():
     for started, reuses, why in ((2, 5, FAILED), (1, 3, "rank 1: a thread was left")):
         stats = WarmStats(started=started, reuses=reuses)
         stats.retire(why, "test_a.py::test_x")
+        stats.retire("rank 0: 1 process group(s) left behind", f"test_b.py::test_{started}")
         worker = SimpleNamespace(workerinput={}, workeroutput={})
         summary = WarmSummary(stats, asked=True, config=worker)
         summary.pytest_sessionfinish(SimpleNamespace(config=worker))
@@ -221,7 +222,10 @@ def test_xdist_workers_counts_are_summed_in_the_controllers_line():
     written = []
     controller.pytest_terminal_summary(SimpleNamespace(write_line=written.append))
     assert written == [
-        "warm worlds: 3 started, 8 reuses, 2 retired (1 a test failed; 1 a thread was left, "
+        # Each reason once, with its count ("2 x", as a reason may start with a number of its
+        # own) and the first test it followed: the first worker's.
+        "warm worlds: 3 started, 8 reuses, 4 retired (2 x 1 process group(s) left behind, "
+        "first after test_b.py::test_2; 1 x a test failed; 1 x a thread was left, "
         "after test_a.py::test_x)"
     ]
     idle = WarmSummary(WarmStats(), asked=False, config=SimpleNamespace())

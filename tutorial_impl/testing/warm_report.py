@@ -56,8 +56,13 @@ class WarmStats:
         if not retired:
             return text
         ranked = sorted(self.retired.items(), key=lambda item: (-item[1], item[0]))
-        reasons = [
-            f"{count} {reason}" + (f", after {self.after[reason]}" if reason in self.after else "")
+        reasons = [  # "2 x <reason>": a reason may start with a count of its own
+            f"{count} x {reason}"
+            + (
+                f", {'first ' if count > 1 else ''}after {self.after[reason]}"
+                if reason in self.after
+                else ""
+            )
             for reason, count in ranked
         ]
         return f"{text} ({'; '.join(reasons)})"
