@@ -343,6 +343,26 @@ def test_an_environment_mark_finds_a_process_still_in_its_execve(monkeypatch):
             child.wait()
 
 
+def test_an_empty_environment_or_a_zombie_is_not_waited_for():
+    """What reads empty without an execve under way (an environment emptied on purpose, a
+    zombie's) is answered at once, not after ``EXEC_GRACE``."""
+    empty = subprocess.Popen(["sleep", "60"], env={})
+    zombie = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + GONE_WITHIN
+        while proctable.running(zombie.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # exited, not reaped: a zombie
+        time.sleep(0.05)  # sleep's exec has ended
+        for pid in (empty.pid, zombie.pid):
+            start = time.monotonic()
+            assert proctable._environ(pid) == b""
+            assert time.monotonic() - start < proctable.EXEC_GRACE / 2, pid
+    finally:
+        empty.kill()
+        empty.wait()
+        zombie.wait()
+
+
 # A stranger's project (no conftest) run with two xdist workers. Each worker's test records
 # the worker's pid, and its ranks record themselves and their parent, the forkserver; gw0's
 # ranks then hang, gw1's return and gw1 waits for the go to finish (keeping the controller,
