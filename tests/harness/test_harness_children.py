@@ -76,7 +76,7 @@ class Samples(Dataset):
         if torch.utils.data.get_worker_info() is not None:  # a worker, not the test itself
             note("loader")
         x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(self.rows[i]))
-        return x, x.sum(0, keepdim=True) * 0.5 + 1.0, os.getpid()
+        return x, x.sum(0, keepdim=True) * 0.5 + 1.0, torch.tensor([os.getpid(), os.getppid()])
 
 
 def model():
@@ -103,7 +103,7 @@ def data_parallel_step(rank, world_size):
     loaders = set()
     for x, y, pids in loader:
         (squared_error(net, x, y) / SAMPLES).backward()
-        loaders |= set(pids.tolist())
+        loaders |= {tuple(pair) for pair in pids.tolist()}
     # DDP's gradient sum by hand (DDP itself would import torch._dynamo in each fresh rank:
     # 800 modules, 8 s here); the sum over ranks is the mean over every sample.
     for p in net.parameters():
@@ -124,7 +124,8 @@ def test_a_dataloader_training_step(run_ranks):
         for got, want in zip(params, net.parameters()):
             # (torch.testing.assert_close would import 500 modules, DTensor's among them)
             assert torch.allclose(got, want.detach(), rtol=1e-5, atol=1e-6), (got, want)
-        assert len(loaders) == 2 and rank_pid not in loaders  # two workers loaded the batches
+        # Two workers loaded the batches, forked by the rank (not by a forkserver of its own)
+        assert len(loaders) == 2 and {parent for _, parent in loaders} == {rank_pid}
     assert params[0].ne(model().weight).any()  # the step changed the weights
 
 
@@ -158,6 +159,9 @@ def test_a_pool_a_process_and_a_nested_run_ranks(run_ranks):
 
 def leave_a_child(rank, world_size, then_hang=False):
     note("rank")
+    # What an earlier test left was reaped through multiprocessing's own book (under
+    # torchrun this worker ran it): else it would count that process as alive for ever.
+    assert mp.active_children() == []
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                                start_new_session=True)
     proctable.record(PIDS, f"sleeper-{rank}-{then_hang}@{sleeper.pid}", sleeper.pid)
@@ -174,17 +178,26 @@ def sleepers(then_hang):
     return found
 
 
+def leave_a_child_and_a_process(rank, world_size):
+    sleeper = leave_a_child(rank, world_size)
+    process = mp.Process(target=time.sleep, args=(600,), daemon=True)  # never joined
+    process.start()
+    return [sleeper, process.pid]
+
+
 def named(caught, children):
     text = " ".join(str(w.message) for w in caught)
-    return all(f"rank {r} left 1 process" in text and f"pid {pid} (" in text
-               for r, pid in children.items())
+    return all(f"rank {r} left {len(pids)} process" in text
+               and all(f"pid {pid} (" in text for pid in pids)
+               for r, pids in children.items())
 
 
 def test_a_child_left_running_is_killed_and_named(run_ranks):
     with pytest.warns(LeftoverProcessWarning) as caught:
-        children = dict(enumerate(run_ranks(leave_a_child)))
+        children = dict(enumerate(run_ranks(leave_a_child_and_a_process)))
     assert named(caught, children), [str(w.message) for w in caught]
-    assert [pid for pid in children.values() if proctable.running(pid)] == []
+    pids = [pid for both in children.values() for pid in both]
+    assert [pid for pid in pids if proctable.running(pid)] == []
 
 
 def test_a_child_left_running_in_the_warnings_summary(run_ranks):
@@ -197,7 +210,7 @@ def test_a_child_of_a_rank_that_hangs(run_ranks):
         with pytest.raises(RankTimeout):
             run_ranks(leave_a_child, True)
     children = sleepers(True)
-    assert sorted(children) == [0, 1] and named(caught, children)
+    assert sorted(children) == [0, 1] and named(caught, {r: [p] for r, p in children.items()})
     assert [pid for pid in children.values() if proctable.running(pid)] == []
 """
 WARM = STRANGER.replace("pytestmark = []", "pytestmark = [pytest.mark.warm_world]", 1)

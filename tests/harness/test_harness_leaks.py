@@ -343,6 +343,33 @@ def test_an_environment_mark_finds_a_process_still_in_its_execve(monkeypatch):
             child.wait()
 
 
+def test_an_empty_environment_or_a_zombie_is_not_waited_for():
+    """What reads empty without an execve under way (an environment emptied on purpose, a
+    zombie's) is answered at once, not after ``EXEC_GRACE``; how a leftover is named."""
+    empty = subprocess.Popen(["sleep", "60"], env={})
+    zombie = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + GONE_WITHIN
+        while proctable.running(zombie.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # exited, not reaped: a zombie
+        time.sleep(0.05)  # sleep's exec has ended
+        start = time.monotonic()
+        assert proctable._environ(empty.pid) == b""
+        assert time.monotonic() - start < proctable.EXEC_GRACE / 2
+        # (a zombie's environment cannot be read at all here: ESRCH, which ``marked`` skips)
+        assert not proctable._exec_in_progress(zombie.pid)
+        assert not proctable._exec_in_progress(empty.pid)
+        # How a leftover is named: its command line, cut at the limit.
+        assert proctable.command(empty.pid) == "sleep 60"
+        assert proctable.command(zombie.pid) == "[true]"  # a zombie has no command line
+        cut = proctable.command(os.getpid(), limit=20)
+        assert len(cut) == 20 and cut.endswith("...")
+    finally:
+        empty.kill()
+        empty.wait()
+        zombie.wait()
+
+
 # A stranger's project (no conftest) run with two xdist workers. Each worker's test records
 # the worker's pid, and its ranks record themselves and their parent, the forkserver; gw0's
 # ranks then hang, gw1's return and gw1 waits for the go to finish (keeping the controller,
