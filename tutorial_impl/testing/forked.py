@@ -33,6 +33,7 @@ from tutorial_impl.testing.config import (
 )
 from tutorial_impl.testing.errors import RankError, RankResults
 from tutorial_impl.testing.fault_plan import Fault
+from tutorial_impl.testing.outcome import IN_RANK
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.verdict import decide
 
@@ -145,6 +146,8 @@ def _in_a_test_its_own(outside: Callable[P, RankResults]) -> Callable[P, RankRes
     @functools.wraps(outside)
     def run_ranks(*args: P.args, **options: P.kwargs) -> RankResults:
         __tracebackhide__ = True
+        if IN_RANK.get():  # nested, in a rank function: ranks of its own, as outside a test
+            return outside(*args, **options)
         in_test = IN_TEST.get() or RUNNING.current()  # a thread the test started: RUNNING
         return (in_test or outside)(*args, **options)
 

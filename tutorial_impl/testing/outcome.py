@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -224,6 +225,12 @@ def _warned_at(exc: BaseException) -> str | None:
     return f"{os.path.basename(last.filename)}:{last.lineno}"
 
 
+# True while a rank function runs in this thread (``capture``): a ``run_ranks`` called there
+# is a nested one, with ranks of its own, never the test's. Under torchrun the rank function
+# runs in a thread of the test's own pytest process, where the test is running (``RUNNING``).
+IN_RANK: ContextVar[bool] = ContextVar("IN_RANK", default=False)
+
+
 def capture(
     fn: Callable[..., Any],
     rank: int,
@@ -247,6 +254,7 @@ def capture(
     owner, forks = os.getpid(), FORKS.count
     catcher = catcher if catcher is not None else Catcher()
     with catcher.hooks():
+        token = IN_RANK.set(True)
         try:
             outcome: Outcome = Returned(fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - everything is reported, even exit()
@@ -256,6 +264,8 @@ def capture(
                     on_error(exc)
                 except BaseException:  # noqa: BLE001 - the debugger went away: report the error
                     pass
+        finally:
+            IN_RANK.reset(token)
         late = catcher.settle() if os.getpid() == owner else None
     if os.getpid() != owner:
         outcome = forked_child(rank, os.getpid())
