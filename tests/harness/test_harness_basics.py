@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import multiprocessing.process
 import os
 import sys
 from datetime import timedelta
@@ -53,6 +54,19 @@ def report_env(rank: int, world_size: int) -> dict[str, object]:
 
 
 @pytest.mark.world_size(4)
+def my_pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def test_a_calls_ranks_are_reaped_before_it_returns(run_ranks):
+    """The ranks are this process's multiprocessing children while they run; once run_ranks
+    has returned, none is left among them: a process that calls it again (a torchrun worker,
+    a rank with a nested run_ranks) must not find an earlier call's ranks as its own."""
+    pids = set(run_ranks(my_pid))
+    children = {p.pid for p in multiprocessing.process._children}  # what active_children polls
+    assert not pids & children
+
+
 def test_each_rank_sees_its_place_in_the_world(run_ranks):
     """The world_size marker sets the group size; every rank joined it with gloo, 1 thread."""
     results = run_ranks(report_env)

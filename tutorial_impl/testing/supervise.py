@@ -44,7 +44,7 @@ from tutorial_impl.testing.debugging import Deadline
 from tutorial_impl.testing.errors import RankExited, prefixed
 from tutorial_impl.testing.recorder import Record
 from tutorial_impl.testing.stranded import POLL, Standing, Stranded, find
-from tutorial_impl.testing.timing import CRASH_GRACE, SKIP_GRACE
+from tutorial_impl.testing.timing import CRASH_GRACE, REAP_GRACE, SKIP_GRACE
 from tutorial_impl.testing.verdict import Finished
 
 # c10d's warning when it cannot name a peer for a log message (rendezvous.py explains why
@@ -98,12 +98,20 @@ class Live:
 
     def kill(self, procs: list[Proc]) -> None:
         """SIGKILL each rank's process group and let go of it. SIGKILL cannot be caught:
-        from here on a rank runs no more code; its parent, the forkserver, reaps it."""
+        from here on a rank runs no more code; its parent, the forkserver, reaps it. Each is
+        then joined (within ``REAP_GRACE`` s for all), so that the caller's
+        ``multiprocessing.active_children()`` no longer lists it: a process that calls
+        ``run_ranks`` again (a torchrun worker, a rank with a nested ``run_ranks``) must not
+        see the ranks of an earlier call as its own children."""
         for p in procs:
             if p.pid is not None:
                 kill_group(p.pid)
                 self.pids.discard(p.pid)
             p.conn.close()
+        stop = time.monotonic() + REAP_GRACE
+        for p in procs:
+            if p.pid is not None:
+                p.process.join(max(0.0, stop - time.monotonic()))
 
     def kill_all(self) -> None:
         for pid in list(self.pids):
