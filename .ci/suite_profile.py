@@ -142,8 +142,11 @@ def run_suite(pytest_args: list[str]) -> tuple[list[dict], dict]:
         cpu_group0 = _cpu_now(counter) if counter else 0.0
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         tail: list[str] = []
+        failed: list[str] = []  # pytest's -ra lines for failures and errors, to print
         for line in proc.stdout:
             tail = (tail + [line.rstrip()])[-3:]
+            if line.startswith(("FAILED tests/", "ERROR tests/")):  # not a pytester run's
+                failed.append(line.rstrip())
         proc.wait()
         while True:  # reap every orphan the run left (the forkserver, torchrun's workers)
             try:
@@ -157,6 +160,7 @@ def run_suite(pytest_args: list[str]) -> tuple[list[dict], dict]:
             "per_test_cpu": "every process (cgroup)" if counter else "the pytest process alone",
             "exit": proc.returncode,
             "last_line": tail[-1] if tail else "",
+            "failed": failed,
         }
         rows = json.loads(Path(out).read_text()) if os.path.exists(out) else []
     leave_group(group)
@@ -220,6 +224,8 @@ def main(argv: list[str]) -> int:
         f"wall time serially (a test's CPU counts {total['per_test_cpu']}); pytest said: "
         f"{total['last_line']}"
     )
+    for line in total["failed"]:
+        print(f"suite_profile: {line}")
     if args.json:
         Path(args.json).write_text(
             json.dumps({"total": total, "tests": rows, "modules": mods}, indent=1)

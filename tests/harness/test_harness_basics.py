@@ -53,7 +53,6 @@ def report_env(rank: int, world_size: int) -> dict[str, object]:
     }
 
 
-@pytest.mark.world_size(4)
 def my_pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
@@ -67,6 +66,7 @@ def test_a_calls_ranks_are_reaped_before_it_returns(run_ranks):
     assert not pids & children
 
 
+@pytest.mark.world_size(4)
 def test_each_rank_sees_its_place_in_the_world(run_ranks):
     """The world_size marker sets the group size; every rank joined it with gloo, 1 thread."""
     results = run_ranks(report_env)

@@ -70,7 +70,9 @@ CHANGE = {
     "recursion": lambda: sys.setrecursionlimit(5000),
     "autocast": lambda: torch.set_autocast_enabled("cpu", True),
     "multithreading": lambda: torch.autograd.set_multithreading_enabled(False),
-    "group": dist.destroy_process_group,
+    # After a barrier: a rank that destroys its group while its peer is still in the group's
+    # set-up (gloo's connectFullMesh) fails that peer ("Connection closed by peer").
+    "group": lambda: (dist.barrier(), dist.destroy_process_group()),
 }
 FRESH = {how: read() for how, read in STATE.items()}  # this process's, as a fresh rank's
 FRESH["group"] = True
