@@ -124,9 +124,7 @@ def test_shown_warnings_are_recorded_with_category_file_and_line():
         report.outcome.value - 1,
     )
     # The rank's filters are its own again afterwards.
-    assert warnings.filters is not None and not any(
-        f[2] is OwnWarning for f in warnings.filters
-    )
+    assert warnings.filters is not None and not any(f[2] is OwnWarning for f in warnings.filters)
 
 
 def _line() -> int:

@@ -238,9 +238,7 @@ def test_a_caught_raise_is_named_and_an_uncaught_one_not_twice():
     )
     assert error.value.pending == [0, 2, 3] and error.value.timeout is None
     # at the deadline: the same line, said so, and the deadline's advice
-    run.reports = {r: _o.Report(_o.TimedOut(None), 0, 1.0) for r in (0, 2, 3)} | {
-        1: run.reports[1]
-    }
+    run.reports = {r: _o.Report(_o.TimedOut(None), 0, 1.0) for r in (0, 2, 3)} | {1: run.reports[1]}
     with pytest.raises(RankTimeout) as error:
         decide(run)
     assert "seen at the harness deadline of 60 s" in error.value.headline

@@ -47,11 +47,6 @@ def uses_mpi(backend: str | None) -> bool:
     return backend is not None and "mpi" in parts(backend)
 
 
-def needs_torch_check(backend: str | None) -> bool:
-    """Whether judging ``backend`` needs torch imported (plain gloo and None never do)."""
-    return backend not in (None, "gloo")
-
-
 def check(backend: object) -> None:
     """Raise a ValueError naming ``backend`` and what is accepted, unless torch knows it."""
     if backend is None:

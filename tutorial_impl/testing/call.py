@@ -267,7 +267,6 @@ class RankSpec:
     init_method: str = DEFAULT_INIT_METHOD
     tmp_dir: str | None = None
     timeout: float = DEFAULT_DEADLINE
-    extra: dict[str, Any] = field(default_factory=dict)
     # The parent's environment, import path and working directory at the call (the
     # forkserver's date from its start: a variable a test set since then, or the directory
     # of a test file pytest put on sys.path since then, would otherwise be missing).
