@@ -14,6 +14,9 @@ so the long tests start at once, on whichever worker is free, and the hundreds o
 ones fill in behind them: the workers end together. xdist's default hands each worker a
 quarter of its share in one consecutive chunk, which left a long test to start near the
 end on one worker while the other sat idle (14 s of 82 in one measured run).
+The scheduler is xdist's ``loadgroup`` (unless ``--dist`` is given): the same one-at-a-time
+hand-out, except that tests marked ``xdist_group("name")``, which share one expensive run
+(a module-scoped fixture, each claim its own test), go to one worker together.
 
 ``-n auto`` starts one worker more than there are cores: a worker spends part of a test
 waiting (for its ranks to start and rendezvous, for a deadline, for a subprocess to import
@@ -73,6 +76,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # command line; the option does not exist without xdist.
     if getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
+    # Tests that share one expensive end-to-end run (a module-scoped fixture, each claim its
+    # own test) carry ``xdist_group``: "loadgroup" sends such a group to one worker, so the
+    # run happens once; every other test is its own unit, handed out one at a time as "load"
+    # with the chunk of 1 above does. Only when -n chose "load" and no --dist was given.
+    if getattr(config.option, "dist", None) == "load" and not _dist_given(config):
+        config.option.dist = "loadgroup"
+
+
+def _dist_given(config: pytest.Config) -> bool:
+    words = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    return any(str(w) == "-d" or str(w).startswith("--dist") for w in words)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
