@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "tutorial_impl"
 TUTORIALS = sorted(p for d in ("dist_tuto", "rpc", "ddp") for p in (PACKAGE / d).glob("*.py"))
-HARNESS = sorted((PACKAGE / "testing").glob("*.py"))
+HARNESS = sorted((PACKAGE / "testing").rglob("*.py"))
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
@@ -57,7 +57,7 @@ def test_tutorial_code_never_imports_the_harness(path):
     assert not bad, f"{path.relative_to(REPO)} imports the harness: {bad}"
 
 
-@pytest.mark.parametrize("path", HARNESS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", HARNESS, ids=lambda p: str(p.relative_to(PACKAGE / "testing")))
 def test_the_harness_never_imports_a_tutorial(path):
     prefixes = ("tutorial_impl.dist_tuto", "tutorial_impl.rpc", "tutorial_impl.bench")
     bad = [f"line {line}: {m}" for line, m in imports(path) if m.startswith(prefixes)]

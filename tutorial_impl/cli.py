@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tutorial_impl.dist_tuto.process import init_process, under_torchrun
 from tutorial_impl.testing import RankError, RankTimeout, run_ranks
-from tutorial_impl.testing.forkserver import add_preload
+from tutorial_impl.testing.forkserver.server import add_preload
 
 BACKENDS = ("gloo", "nccl", "mpi")
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from tutorial_impl.dist_tuto import p2p
 
-# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# One warm world serves this lesson's multi-rank tests
+# (tutorial_impl/testing/strategies/warm/pool.py):
 # each test still runs in a world that is as good as new, checked before reuse.
 pytestmark = pytest.mark.warm_world
 

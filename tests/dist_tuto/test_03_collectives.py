@@ -35,7 +35,8 @@ from tutorial_impl.dist_tuto import collectives as coll
 from tutorial_impl.dist_tuto.collectives import TUTORIAL_OPS, ReduceOp, all_reduce
 from tutorial_impl.dist_tuto.process import rank_device
 
-# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# One warm world serves this lesson's multi-rank tests
+# (tutorial_impl/testing/strategies/warm/pool.py):
 # each test still runs in a world that is as good as new, checked before reuse.
 pytestmark = pytest.mark.warm_world
 

@@ -49,7 +49,8 @@ from tutorial_impl.dist_tuto.partition import batch_sizes
 from tutorial_impl.dist_tuto.process import rank_device
 from tutorial_impl.dist_tuto.sgd import LR, MOMENTUM, train_step
 
-# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# One warm world serves this lesson's multi-rank tests
+# (tutorial_impl/testing/strategies/warm/pool.py):
 # each test still runs in a world that is as good as new, checked before reuse.
 pytestmark = pytest.mark.warm_world
 

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from tutorial_impl.dist_tuto import ring, ring_trace
 from tutorial_impl.dist_tuto.ring import SEGMENT_BYTES, allreduce, ring_allreduce
 
-# One warm world serves this lesson's multi-rank tests (tutorial_impl/testing/warm.py):
+# One warm world serves this lesson's multi-rank tests
+# (tutorial_impl/testing/strategies/warm/pool.py):
 # each test still runs in a world that is as good as new, checked before reuse.
 pytestmark = pytest.mark.warm_world
 

@@ -51,8 +51,10 @@ import torch.distributed.rpc as rpc
 from tutorial_impl.dist_tuto import failure
 from tutorial_impl.dist_tuto.failure import what_it_raises
 from tutorial_impl.rpc.workers import init_worker
-from tutorial_impl.testing import RankExited, desync, faulty_group, recorder, run_ranks
-from tutorial_impl.testing.fault_plan import Fault, Kill
+from tutorial_impl.testing import RankExited, run_ranks
+from tutorial_impl.testing.diagnose import desync, recorder
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults.plan import Fault, Kill
 
 GROUP_TIMEOUT = timedelta(seconds=60)  # far above what any run here needs
 RPC_TIMEOUT = 20.0  # the course's default (tutorial_impl/rpc/workers.py)

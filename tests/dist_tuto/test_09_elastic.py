@@ -59,8 +59,10 @@ import torch.distributed.checkpoint as dcp
 
 from tests.torchrun_in_process import Entry, assert_forks_of, torchrun_with_forked_workers
 from tutorial_impl.dist_tuto import elastic
-from tutorial_impl.testing import fault_launch, faults, faulty_group, proctable
-from tutorial_impl.testing.fault_plan import ENV, Fault, Kill, encode
+from tutorial_impl.testing import fault_launch, proctable
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults.plan import ENV, Fault, Kill, encode
 
 # A fresh world: the agent installs signal handlers (from the main thread only) and
 # rewrites the environment; none of that may reach another test.

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import RankResults, call, run_ranks, shape
+from tutorial_impl.testing import RankResults, call, run_ranks
+from tutorial_impl.testing.rank import shape
 from tutorial_impl.testing.rendezvous import init_method_url
 
 pytest_plugins = ["pytester"]
@@ -232,7 +233,7 @@ def test_backend_none_leaves_the_group_to_the_function(run_ranks, how):
 INIT_METHOD_SPY = """
 import torch
 import torch.distributed as dist
-from tutorial_impl.testing.forked import FORKED
+from tutorial_impl.testing.strategies.forked import FORKED
 
 seen = []
 real = FORKED.run

@@ -22,8 +22,11 @@ import warnings
 
 import pytest
 
-from tutorial_impl.testing import caught, errors, fixtures, outcome, verdict
-from tutorial_impl.testing.caught import Catcher, Caught, Warned
+from tutorial_impl.testing import fixtures
+from tutorial_impl.testing.rank import caught, outcome
+from tutorial_impl.testing.rank.caught import Catcher, Caught, Warned
+from tutorial_impl.testing.verdict import decision as verdict
+from tutorial_impl.testing.verdict import errors
 
 
 class OwnWarning(DeprecationWarning):

@@ -25,7 +25,8 @@ import time
 import pytest
 import torch  # noqa: F401  (imported once here: pytester's in-process runs cannot re-import it)
 
-from tutorial_impl.testing import backends, config
+from tutorial_impl.testing import backends
+from tutorial_impl.testing.settings import config
 
 pytest_plugins = ["pytester"]
 
@@ -234,7 +235,8 @@ def test_two_tests_never_lease_the_same_gpu(tmp_path):
 
 def test_the_defaults_live_in_one_place():
     """run_ranks's and the CLI's defaults are config's (a second copy would drift)."""
-    from tutorial_impl.testing import forked, timing
+    from tutorial_impl.testing.settings import timing
+    from tutorial_impl.testing.strategies import forked
 
     assert timing.DEFAULT_DEADLINE == config.DEFAULT_DEADLINE
     params = inspect.signature(forked.run_ranks).parameters
@@ -249,7 +251,7 @@ def test_the_public_run_ranks_is_the_tests_own_in_the_tests_context_only(request
     """During a test's body the plugin hands the public ``run_ranks`` to this test's
     (``forked.IN_TEST``); a fresh context, such as a thread the test starts, gets the
     standalone function (``IN_TEST`` is None there), as code outside any test does."""
-    from tutorial_impl.testing import forked
+    from tutorial_impl.testing.strategies import forked
 
     assert forked.IN_TEST.get().args == (request.node,)
     assert contextvars.Context().run(forked.IN_TEST.get) is None

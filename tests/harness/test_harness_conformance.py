@@ -52,8 +52,8 @@ import torch  # noqa: F401 - see below
 import torch.distributed._functional_collectives  # noqa: F401 - see below
 from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
 
-from tutorial_impl.testing import forkserver as _ranks
 from tutorial_impl.testing import proctable
+from tutorial_impl.testing.forkserver import server as _ranks
 from tutorial_impl.testing.rendezvous import agents_store
 
 # The stranger's file imports torch, numpy and functional collectives. pytester's in-process
@@ -79,7 +79,8 @@ import torch.distributed as dist
 
 import torch.distributed._functional_collectives as funcol
 from tutorial_impl.testing import Close, Delay, Exit, Fault, Hang, InjectedFault, Kill, Raise
-from tutorial_impl.testing import RankFailed, fault_point, faulty_group
+from tutorial_impl.testing import RankFailed, fault_point
+from tutorial_impl.testing.faults import group as faulty_group
 from tutorial_impl.testing import assert_equal_across_ranks, proctable
 from tutorial_impl.testing import run_ranks as public_run_ranks
 

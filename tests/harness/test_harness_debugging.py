@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import RankFailed, debugging, run_ranks
+from tutorial_impl.testing import RankFailed, run_ranks
+from tutorial_impl.testing.rank import debugging
 
 pytest_plugins = ["pytester"]
 

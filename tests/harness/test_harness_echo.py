@@ -20,12 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tutorial_impl.testing import echo, run_ranks, timing
-from tutorial_impl.testing import outcome as _o
-from tutorial_impl.testing.audit import verdict_of
-from tutorial_impl.testing.errors import RankCrashed, RankError, RankFailed
-from tutorial_impl.testing.forked import Running
-from tutorial_impl.testing.verdict import Finished, decide
+from tutorial_impl.testing import run_ranks
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.settings import timing
+from tutorial_impl.testing.strategies.forked import Running
+from tutorial_impl.testing.strategies.warm.audit import verdict_of
+from tutorial_impl.testing.verdict import echo
+from tutorial_impl.testing.verdict.decision import Finished, decide
+from tutorial_impl.testing.verdict.errors import RankCrashed, RankError, RankFailed
 
 CLOSED = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "

@@ -26,11 +26,11 @@ from tutorial_impl.testing import (
     RankFailed,
     RankSkipped,
     RankTimeout,
-    forensics,
     proctable,
     run_ranks,
 )
-from tutorial_impl.testing import rank as _ranks
+from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.rank import main as _ranks
 
 # A deadline far above what any of these runs needs: if a failure were only noticed at the
 # deadline, the elapsed-time assertions below would catch it.
@@ -179,7 +179,7 @@ def test_asking_for_stacks_is_bounded_even_when_a_rank_cannot_answer(tmp_path):
 
 
 def _errors_stacks_section(stacks):
-    from tutorial_impl.testing.errors import stacks_section
+    from tutorial_impl.testing.verdict.errors import stacks_section
 
     return stacks_section(stacks)
 

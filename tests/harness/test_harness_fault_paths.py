@@ -21,7 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import fault_plan, faults, faulty_group
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import plan as fault_plan
 
 # Every public function is looked at, and every collective called: torch's deprecated names
 # among them, whose warnings are expected here.

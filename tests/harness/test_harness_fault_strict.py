@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import pytest
 
-from tutorial_impl.testing import (
-    RankFailed,
-    RankSkipped,
-    desync,
-    faults,
-    faulty_group,
-    records,
-    verdict,
-)
-from tutorial_impl.testing import outcome as _o
-from tutorial_impl.testing.fault_plan import ENV, Delay, Fault, Raise, decode, encode
-from tutorial_impl.testing.faults import FaultNotFired, Point
-from tutorial_impl.testing.recorder import Record
+from tutorial_impl.testing import RankFailed, RankSkipped
+from tutorial_impl.testing.diagnose import desync, records
+from tutorial_impl.testing.diagnose.recorder import Record
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults.inject import FaultNotFired, Point
+from tutorial_impl.testing.faults.plan import ENV, Delay, Fault, Raise, decode, encode
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.verdict import decision as verdict
 
 DEFAULT = ("0", "default_pg")
 

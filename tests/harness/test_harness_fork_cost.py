@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch  # noqa: F401 - the rank's forkserver imported it; so do we, for pytester's sake
 
-from tutorial_impl.testing import hugepages
+from tutorial_impl.testing.forkserver import hugepages
 
 
 def memory_facts(rank: int) -> dict:

@@ -15,7 +15,8 @@ import os
 import pytest
 import torch.distributed  # noqa: F401
 
-from tutorial_impl.testing import forkserver, proctable
+from tutorial_impl.testing import proctable
+from tutorial_impl.testing.forkserver import server as forkserver
 
 pytest_plugins = ["pytester"]
 
@@ -150,7 +151,7 @@ from multiprocessing import forkserver
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import forkserver as rank_server
+from tutorial_impl.testing.forkserver import server as rank_server
 from tutorial_impl.testing import proctable
 
 import scanned_probe  # imported by this file: the forkserver preloads it, nobody naming it
@@ -166,7 +167,7 @@ def facts(rank, world_size, pid_dir):
         "preloaded_in": {
             module.IMPORTED_IN for module in (preloaded_probe, second_probe, scanned_probe)
         },
-        "death_chain": "tutorial_impl.testing.forkserver_init" in sys.modules,
+        "death_chain": "tutorial_impl.testing.forkserver.boot" in sys.modules,
         "frozen": gc.get_freeze_count() > 0,
     }
 

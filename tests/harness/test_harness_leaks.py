@@ -29,8 +29,8 @@ from tutorial_impl.testing import (
     assert_equal_across_ranks,
     proctable,
     run_ranks,
-    supervise,
 )
+from tutorial_impl.testing.strategies import supervise
 
 pytest_plugins = ["pytester"]
 

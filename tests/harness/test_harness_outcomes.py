@@ -16,9 +16,12 @@ import pickle
 
 import pytest
 
-from tutorial_impl.testing import errors, forensics, outcome, proctable, run_ranks
-from tutorial_impl.testing.errors import RankCrashed, RankFailed, RankSkipped, RankXFailed
-from tutorial_impl.testing.forensics import Place
+from tutorial_impl.testing import proctable, run_ranks
+from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose.stacks import Place
+from tutorial_impl.testing.rank import outcome
+from tutorial_impl.testing.verdict import errors
+from tutorial_impl.testing.verdict.errors import RankCrashed, RankFailed, RankSkipped, RankXFailed
 
 # --- 1. outcomes and the exceptions built from them ------------------------------------------
 
@@ -116,7 +119,7 @@ Current thread 0x00007e (most recent call first):
   File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2 in {op}
   File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 8 in wrapper
   File "/home/me/project/test_sum.py", line {line} in {fn}
-  File "/venv/lib/python3.11/site-packages/tutorial_impl/testing/rank.py", line 9 in rank_main
+  File "/venv/lib/python3.11/site-packages/tutorial_impl/testing/rank/main.py", line 9 in rank_main
 """
 
 
@@ -126,7 +129,7 @@ def test_where_reads_the_innermost_user_line_and_the_call_it_sits_in():
     assert forensics.where(dump) == Place("test_sum.py", 12, "step", "all_reduce")
     assert str(forensics.where(dump)) == "in all_reduce at test_sum.py:12"
     own = 'Current thread 0x1 (most recent call first):\n  File "/p/t.py", line 5 in spin\n'
-    own += '  File "/x/tutorial_impl/testing/rank.py", line 9 in rank_main\n'
+    own += '  File "/x/tutorial_impl/testing/rank/main.py", line 9 in rank_main\n'
     assert str(forensics.where(own)) == "at t.py:5 in spin"
     assert forensics.where("") is None
 
@@ -158,7 +161,7 @@ FORMING = """Current thread 0x00007e (most recent call first):
   File "{v}/torch/distributed/c10d_logger.py", line 83 in wrapper
   File "{v}/unittests/conftest.py", line 70 in setup_ddp
   File "/home/me/project/test_ddp.py", line 7 in test_fn
-  File "{v}/tutorial_impl/testing/rank.py", line 9 in rank_main
+  File "{v}/tutorial_impl/testing/rank/main.py", line 9 in rank_main
 """.format(v="/venv/lib/python3.11/site-packages")
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tutorial_impl.testing import coverage as rank_coverage
 from tutorial_impl.testing import run_ranks
+from tutorial_impl.testing.rank import coverage as rank_coverage
 
 pytest_plugins = ["pytester"]
 

@@ -30,8 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_impl.testing import forkserver, importscan, lookup, preload
-from tutorial_impl.testing.forkserver import PLAN_ENV
+from tutorial_impl.testing.forkserver import importscan
+from tutorial_impl.testing.forkserver import plan as preload
+from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.forkserver.server import PLAN_ENV
+from tutorial_impl.testing.rank import lookup
 
 pytest_plugins = ["pytester"]
 
@@ -128,7 +131,7 @@ SLEEPER = "import time\ntime.sleep(60)\n"
 SPAWNER = "import subprocess\nCHILD = subprocess.Popen(['sleep', '1'])\n"  # gone in 1 s
 SERVER_SIDE = """
 import json, os, sys, threading
-import tutorial_impl.testing.forkserver_preload  # what the forkserver imports: runs the plan
+import tutorial_impl.testing.forkserver.probe  # what the forkserver imports: runs the plan
 import good_module
 print(json.dumps({"pid": os.getpid(), "good": good_module.IMPORTED_IN,
                   "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),

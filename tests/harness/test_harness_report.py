@@ -248,7 +248,7 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
 # A user's test file whose run_ranks records the deadline the fixture chose, starting no rank.
 SPY = """
 import pytest
-from tutorial_impl.testing.forked import FORKED
+from tutorial_impl.testing.strategies.forked import FORKED
 from tutorial_impl.testing import RankResults
 
 def echo(rank, world_size):

@@ -1,4 +1,5 @@
-"""Reuse (``tutorial_impl/testing/reuse.py``): a warm rank stays as good as new between tests.
+"""Reuse (``tutorial_impl/testing/strategies/warm/reuse.py``): a warm rank stays as good as
+new between tests.
 
 Each rank function below builds a ``Baseline`` in a forked rank, as a warm world does, then
 plays the tests of a warm world itself: ``before_task``, something a test might do, and
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing import fingerprint, reuse
+from tutorial_impl.testing.strategies.warm import fingerprint, reuse
 
 # Module-level state a test could leave behind (the "user's module" of the checks).
 CACHE: dict[str, int] = {}

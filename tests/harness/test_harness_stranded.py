@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import RankTimeout
-from tutorial_impl.testing import outcome as _o
-from tutorial_impl.testing.faults import Fired
-from tutorial_impl.testing.recorder import Record
-from tutorial_impl.testing.stranded import Standing, find
-from tutorial_impl.testing.userops import IMPLEMENTED_BY, can_be, user_op
-from tutorial_impl.testing.verdict import Finished, decide
+from tutorial_impl.testing.diagnose.recorder import Record
+from tutorial_impl.testing.diagnose.stranded import Standing, find
+from tutorial_impl.testing.diagnose.userops import IMPLEMENTED_BY, can_be, user_op
+from tutorial_impl.testing.faults.inject import Fired
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.verdict.decision import Finished, decide
 
 DEADLINE = 60.0
 HOUR_MS = 3_600_000  # a group timeout far beyond the deadline
@@ -193,7 +193,7 @@ CALLS = {
 
 def recorded_ops(rank: int, world_size: int) -> dict[str, list[str]]:
     """Each call of ``CALLS`` and the ops torch's recorder wrote for it."""
-    from tutorial_impl.testing import recorder
+    from tutorial_impl.testing.diagnose import recorder
 
     out = {}
     for name, call in CALLS.items():
@@ -305,8 +305,8 @@ def test_the_parent_looks_only_while_a_rank_has_returned_and_at_its_pace(monkeyp
     first ``POLL`` s after, then one every ``POLL`` s."""
     from types import SimpleNamespace
 
-    from tutorial_impl.testing import supervise
-    from tutorial_impl.testing.stranded import POLL
+    from tutorial_impl.testing.diagnose.stranded import POLL
+    from tutorial_impl.testing.strategies import supervise
 
     now = [100.0]
     asked: list[float] = []
@@ -331,8 +331,8 @@ def test_a_torchrun_worker_looks_at_the_returned_ranks_answers(monkeypatch):
     every ``POLL`` s."""
     from types import SimpleNamespace
 
-    from tutorial_impl.testing import torchrun_stranded
-    from tutorial_impl.testing.stranded import POLL
+    from tutorial_impl.testing.diagnose.stranded import POLL
+    from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
 
     records, standings = world_of_four()
     now = [0.0]
@@ -375,8 +375,8 @@ def test_a_torchrun_worker_looks_at_the_returned_ranks_answers(monkeypatch):
 def test_a_hang_at_the_deadline_names_the_users_call():
     """``desync.placed``: a waiting rank's unfinished record named by its stack's call where
     torch implements that call with the recorded op; never where it does not."""
-    from tutorial_impl.testing import desync
-    from tutorial_impl.testing.forensics import Place
+    from tutorial_impl.testing.diagnose import desync
+    from tutorial_impl.testing.diagnose.stacks import Place
 
     records = {0: upto(0, 1, waiting=True), 1: []}
     where = {0: Place("test_x.py", 9, "f", "reduce_scatter_tensor")}

@@ -24,8 +24,8 @@ import pytest
 from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
 
 from tutorial_impl.testing.rendezvous import agents_store
-from tutorial_impl.testing.torchrun import AbandonedLogs
-from tutorial_impl.testing.torchrun_report import job_status
+from tutorial_impl.testing.strategies.torchrun.phases import job_status
+from tutorial_impl.testing.strategies.torchrun.worker import AbandonedLogs
 
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.timeout(300)]

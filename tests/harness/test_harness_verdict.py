@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from tutorial_impl.testing import outcome as _o
-from tutorial_impl.testing.errors import (
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.verdict.decision import Finished, decide
+from tutorial_impl.testing.verdict.errors import (
     RankCrashed,
     RankFailed,
     RankSkipped,
     RankTimeout,
     RankXFailed,
 )
-from tutorial_impl.testing.verdict import Finished, decide
 
 CLOSED = (
     "Connection closed by peer [127.0.0.1]:21410. This is typically caused by a remote worker "

@@ -1,4 +1,4 @@
-"""Warm worlds (``tutorial_impl/testing/warm.py``): reused only when as good as new.
+"""Warm worlds (``tutorial_impl/testing/strategies/warm/pool.py``): reused only when as good as new.
 
 A warm world keeps its ranks between tests, so the danger is a test that poisons it: fails,
 hangs, kills a rank, or leaves a process group, an RPC agent, a thread, a child process or an
@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch  # noqa: F401 - before any in-process pytester run (see below)
 
-from tutorial_impl.testing import call, proctable, warm
+from tutorial_impl.testing import call, proctable
+from tutorial_impl.testing.strategies.warm import pool as warm
 
 # pytester restores sys.modules after each in-process run: torch must have been imported
 # before the first, or the next run imports its C extension a second time and crashes.

@@ -15,7 +15,8 @@ import re
 
 import torch  # noqa: F401 - before any in-process pytester run (test_harness_warm says why)
 
-from tutorial_impl.testing import reuse, warm_promise
+from tutorial_impl.testing.strategies.warm import promise as warm_promise
+from tutorial_impl.testing.strategies.warm import reuse
 
 pytest_plugins = ["pytester"]
 
@@ -184,8 +185,8 @@ def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
     written = page.split(begin, 1)[1].split(end, 1)[0]
     assert written == warm_promise.describe(torch), (
         "docs/harness.md is out of date: paste warm_promise.describe(torch) between its markers "
-        "(python -c 'import torch; from tutorial_impl.testing import warm_promise; "
-        'print(warm_promise.describe(torch), end="")\')'
+        "(python -c 'import torch; from tutorial_impl.testing.strategies.warm import promise; "
+        'print(promise.describe(torch), end="")\')'
     )
     # Every setting a warm rank resets is on the page, by its label (a backends flag by name).
     labels = [s.label for s in reuse._settings(torch)]
@@ -203,7 +204,7 @@ def test_xdist_workers_counts_are_summed_in_the_controllers_line():
     """Each xdist worker has its own pool: the controller writes the sum of their counts."""
     from types import SimpleNamespace
 
-    from tutorial_impl.testing.warm_report import FAILED, WarmStats, WarmSummary
+    from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats, WarmSummary
 
     outputs = []
     for started, reuses, why in ((2, 5, FAILED), (1, 3, "rank 1: a thread was left")):

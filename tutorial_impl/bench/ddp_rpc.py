@@ -33,7 +33,8 @@ from tutorial_impl.bench.stats import Row, format_table, summarize
 from tutorial_impl.cli import failure_report
 from tutorial_impl.rpc.hybrid_model import HIDDEN, NUM_CLASSES
 from tutorial_impl.rpc.hybrid_world import master_rank
-from tutorial_impl.testing import RankError, forkserver, run_ranks
+from tutorial_impl.testing import RankError, run_ranks
+from tutorial_impl.testing.forkserver import server as forkserver
 
 
 def run_benchmark(

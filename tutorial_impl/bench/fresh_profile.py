@@ -52,7 +52,7 @@ def stamp(label, extra=""):
 RANK_HOOKS = f'''"""Stamps in the rank forkserver and its ranks (written by bench fresh-profile)."""
 {STAMP}
 import signal
-from tutorial_impl.testing import rank as R
+from tutorial_impl.testing.rank import main as R
 
 _FD = _opened("PROFILE_RANKS")
 _fork, _enter, _resolve, _init = os.fork, R.enter_rank, R.resolve, R.init_process_group
@@ -120,7 +120,8 @@ PARENT_HOOKS = f"""
 # --- bench fresh-profile: stamps in the pytest process ---
 {STAMP}
 import functools
-from tutorial_impl.testing import forked, supervise
+from tutorial_impl.testing.strategies import forked
+from tutorial_impl.testing.strategies import supervise
 
 _FD = _opened("PROFILE_PARENT")
 

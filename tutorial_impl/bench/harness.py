@@ -14,12 +14,13 @@ prints the median milliseconds per test of each and the ratio spawn / harness, p
 size. ``--json PATH`` writes ``{"2": {"harness_ms": ..., "spawn_ms": ..., "ratio": ...}}``.
 
 It also prices ``--check-collectives`` (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, see
-``testing/torchenv.py``): microseconds per small all_reduce in a group without and with the
+``testing/rank/torchenv.py``): microseconds per small all_reduce in a group without and with the
 check, the slowest rank's mean over ``--collectives`` calls, and their ratio (JSON keys
 ``collective_us``, ``checked_collective_us``, ``check_ratio``).
 
-And warm worlds (``testing/warm.py``): the same test in a world whose ranks and group served
-the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms, both in this run),
+And warm worlds (``testing/strategies/warm/pool.py``): the same test in a world whose ranks
+and group served the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms,
+both in this run),
 the same warm test under ``--warm-audit`` (``audit_ms``: it runs fresh too; ``audit_cost`` =
 audit_ms / warm_ms), the same test as one of a torchrun job's tests (``torchrun_ms``: every
 worker of ``torchrun --standalone --nproc-per-node=N -m pytest`` runs it in lockstep; the
@@ -59,12 +60,13 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing import forkserver, run_ranks
-from tutorial_impl.testing.audit import audited
-from tutorial_impl.testing.forked import FORKED
+from tutorial_impl.testing import run_ranks
+from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
-from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
-from tutorial_impl.testing.warm import WarmPool
+from tutorial_impl.testing.strategies.forked import FORKED
+from tutorial_impl.testing.strategies.warm.audit import audited
+from tutorial_impl.testing.strategies.warm.pool import WarmPool
 
 
 def all_reduce_once(rank: int, world_size: int) -> float:
@@ -123,8 +125,8 @@ def time_harness(world_size: int, repeats: int) -> list[float]:
 
 
 def time_warm(world_size: int, repeats: int) -> list[float]:
-    """Milliseconds per test in a warm world (``testing/warm.py``): the same all_reduce
-    test, its ranks and group kept from the test before, checked after each test."""
+    """Milliseconds per test in a warm world (``testing/strategies/warm/pool.py``): the same
+    all_reduce test, its ranks and group kept from the test before, checked after each test."""
     expected = [world_size * (world_size + 1) / 2] * world_size
     times = []
     pool = WarmPool()

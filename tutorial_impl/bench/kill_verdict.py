@@ -31,8 +31,8 @@ def killed_in_all_reduce(rank: int, world_size: int, stamp: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from tutorial_impl.testing import faulty_group
-    from tutorial_impl.testing.fault_plan import Fault, Kill
+    from tutorial_impl.testing.faults import group as faulty_group
+    from tutorial_impl.testing.faults.plan import Fault, Kill
 
     victim = world_size - 1
     plan = (Fault(ranks={victim}, at=WARMUP + 1, op="all_reduce", action=Kill()),)

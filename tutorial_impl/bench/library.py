@@ -6,7 +6,7 @@ group, and every test sends its rank body with ``pool.starmap``. Ported to the h
 fresh rank is a new process: if it had to import the library itself, each test would pay the
 library's import in every rank (467 ms a test against 42 ms in the pool, measured on
 torchmetrics). The harness's forkserver imports what the test files import
-(``testing/forkserver_preload.py``), so a fresh rank starts with the library loaded, with no
+(``testing/forkserver/probe.py``), so a fresh rank starts with the library loaded, with no
 setting. This benchmark measures that on a suite of its own, written to a temporary
 directory:
 
@@ -169,7 +169,7 @@ WORLD = {world}
 def context(start):
     if start != "harness":
         return multiprocessing.get_context(start)
-    from tutorial_impl.testing import forkserver
+    from tutorial_impl.testing.forkserver import server as forkserver
 
     return forkserver.context()  # workers forked by the harness's forkserver, torch loaded
 
@@ -218,7 +218,7 @@ def stamp(request):
 
 
 def pytest_sessionfinish(session):
-    from tutorial_impl.testing import forkserver
+    from tutorial_impl.testing.forkserver import server as forkserver
 
     with open(os.environ["BENCH_STAMPS"], "w") as f:
         report = forkserver.SERVER.report()

@@ -7,7 +7,7 @@ machine's load favours no side), one fresh world of ``--world-size`` ranks per c
 
 * ``off``: a plain gloo group, the recorder off (``TORCH_FR_BUFFER_SIZE=0``);
 * ``on``: a plain gloo group, the recorder on (2000 entries: torch 2.13's default);
-* ``faulty``: the faulty group (``testing/faulty_group.py``, an empty plan), recorder on;
+* ``faulty``: the faulty group (``testing/faults/group.py``, an empty plan), recorder on;
 * ``detail``: a plain gloo group under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (what
   ``--check-collectives`` turns on), the recorder at its default: not one of this command's
   conditions; ``bench harness`` measures ``off``, ``on`` and ``detail`` (``harness_figures``).
@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
 
 CONDITIONS = ("off", "on", "faulty")  # this command's
 HARNESS_CONDITIONS = ("off", "on", "detail")  # bench harness's rows, and its JSON keys:
@@ -58,7 +58,7 @@ def timed_all_reduces(
     import torch
     import torch.distributed as dist
 
-    from tutorial_impl.testing import faulty_group
+    from tutorial_impl.testing.faults import group as faulty_group
 
     os.environ["TORCH_FR_BUFFER_SIZE"] = "0" if condition == "off" else "2000"
     # The harness applied the run's TORCH_DISTRIBUTED_DEBUG (``env_of``) before this call.

@@ -14,8 +14,13 @@ from tutorial_impl.testing.assertions import (
     assert_close_across_ranks,
     assert_equal_across_ranks,
 )
-from tutorial_impl.testing.caught import RankThreadWarning
-from tutorial_impl.testing.errors import (
+from tutorial_impl.testing.faults.inject import FaultNotFired, InjectedFault, fault_point
+from tutorial_impl.testing.faults.plan import Close, Delay, Exit, Fault, Hang, Kill, Raise
+from tutorial_impl.testing.rank.caught import RankThreadWarning
+from tutorial_impl.testing.rank.leftovers import LeftoverProcessWarning
+from tutorial_impl.testing.rank.stores import shared_store
+from tutorial_impl.testing.strategies.forked import run_ranks
+from tutorial_impl.testing.verdict.errors import (
     RankCrashed,
     RankError,
     RankExited,
@@ -24,11 +29,6 @@ from tutorial_impl.testing.errors import (
     RankSkipped,
     RankTimeout,
 )
-from tutorial_impl.testing.fault_plan import Close, Delay, Exit, Fault, Hang, Kill, Raise
-from tutorial_impl.testing.faults import FaultNotFired, InjectedFault, fault_point
-from tutorial_impl.testing.forked import run_ranks
-from tutorial_impl.testing.leftovers import LeftoverProcessWarning
-from tutorial_impl.testing.stores import shared_store
 
 __all__ = [
     "Close",

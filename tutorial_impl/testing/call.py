@@ -24,20 +24,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tutorial_impl.testing import backends, fault_plan
-from tutorial_impl.testing import coverage as _coverage
-from tutorial_impl.testing import shape as _shape
-from tutorial_impl.testing.caught import Filters
-from tutorial_impl.testing.config import (
+from tutorial_impl.testing import backends
+from tutorial_impl.testing.faults import plan as fault_plan
+from tutorial_impl.testing.rank import coverage as _coverage
+from tutorial_impl.testing.rank import shape as _shape
+from tutorial_impl.testing.rank.caught import Filters
+from tutorial_impl.testing.rank.debugging import check_rank
+from tutorial_impl.testing.rank.lookup import FunctionRef, function_ref
+from tutorial_impl.testing.rendezvous import INIT_METHODS
+from tutorial_impl.testing.settings.config import (
     DEFAULT_BACKEND,
     DEFAULT_DEADLINE,
     DEFAULT_INIT_METHOD,
     DEFAULT_WORLD_SIZE,
 )
-from tutorial_impl.testing.debugging import check_rank
-from tutorial_impl.testing.lookup import FunctionRef, function_ref
-from tutorial_impl.testing.rendezvous import INIT_METHODS
-from tutorial_impl.testing.timing import SECONDS, usable_seconds
+from tutorial_impl.testing.settings.timing import SECONDS, usable_seconds
 
 # The options of run_ranks, beside the function and its positional arguments, and their
 # defaults (run_ranks's own signature says the same, for help() and editors).

@@ -28,7 +28,8 @@ import runpy
 import signal
 import sys
 
-from tutorial_impl.testing import faults, faulty_group
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import inject as faults
 
 USAGE = "usage: python -m tutorial_impl.testing.fault_launch -m MODULE [ARGS...]"
 NOT_ARMED = "[faults] attempt {attempt}: the plan fires in the first attempt only; not armed"

@@ -25,14 +25,15 @@ from typing import Any, NoReturn
 import pytest
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing import caught, leftovers, matrix
-from tutorial_impl.testing import config as _config
-from tutorial_impl.testing import shadowing as _shadowing
-from tutorial_impl.testing.errors import RankError, RankResults, RankSkipped, RankXFailed
-from tutorial_impl.testing.forked import FORKED, IN_TEST, RUNNING
-from tutorial_impl.testing.runner import Runner
-from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
-from tutorial_impl.testing.warm import WarmPool
+from tutorial_impl.testing.rank import caught, leftovers
+from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.settings import config as _config
+from tutorial_impl.testing.settings import matrix
+from tutorial_impl.testing.settings import shadowing as _shadowing
+from tutorial_impl.testing.strategies.forked import FORKED, IN_TEST, RUNNING
+from tutorial_impl.testing.strategies.protocol import Runner
+from tutorial_impl.testing.strategies.warm.pool import WarmPool
+from tutorial_impl.testing.verdict.errors import RankError, RankResults, RankSkipped, RankXFailed
 
 RunRanks = Callable[..., RankResults]
 
@@ -319,7 +320,7 @@ def _outcome(
     __tracebackhide__ = True
     try:
         if runner is session.pool and session.warm_audit:
-            from tutorial_impl.testing.audit import audited
+            from tutorial_impl.testing.strategies.warm.audit import audited
 
             results = audited(session.pool, FORKED, call)
         else:

@@ -60,9 +60,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, fixtures, forkserver, matrix, preload, report
-from tutorial_impl.testing import config as _config
-from tutorial_impl.testing import launch as where
+from tutorial_impl.testing import backends, fixtures
 from tutorial_impl.testing.fixtures import (
     DEADLINE_CAP,
     SESSION,
@@ -73,9 +71,15 @@ from tutorial_impl.testing.fixtures import (
     default_size,
     world_size,
 )
+from tutorial_impl.testing.forkserver import plan as preload
+from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.rendezvous import INIT_METHODS
-from tutorial_impl.testing.warm import WarmPool
-from tutorial_impl.testing.warm_report import register as warm_summary
+from tutorial_impl.testing.settings import config as _config
+from tutorial_impl.testing.settings import matrix
+from tutorial_impl.testing.strategies.torchrun import launch as where
+from tutorial_impl.testing.strategies.warm.pool import WarmPool
+from tutorial_impl.testing.strategies.warm.summary import register as warm_summary
+from tutorial_impl.testing.verdict import report
 
 __all__ = ["_run_ranks", "_world_size_matrix", "world_size"]  # the fixtures pytest finds here
 
@@ -163,9 +167,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _join_the_job(config: pytest.Config, session: Session, launch: where.Launch) -> None:
     """This pytest is one worker of a torchrun job: join it, register its session hooks."""
-    from tutorial_impl.testing.job import Job
-    from tutorial_impl.testing.torchrun import AbandonedLogs, Launched
-    from tutorial_impl.testing.torchrun_session import LaunchedSession
+    from tutorial_impl.testing.strategies.torchrun.job import Job
+    from tutorial_impl.testing.strategies.torchrun.session import LaunchedSession
+    from tutorial_impl.testing.strategies.torchrun.worker import AbandonedLogs, Launched
 
     if session.init_method is not None:
         raise pytest.UsageError(

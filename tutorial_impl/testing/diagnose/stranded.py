@@ -1,0 +1,157 @@
+"""A hang that cannot resolve: a rank has returned, and a peer waits in a collective of a
+group the returned rank is in, one it never entered.
+
+Waiting out the deadline then tells the user nothing new (60 s by default, where PyTorch's
+own harness fails in milliseconds because the returned rank's process exits). The records
+already say it: the returned rank's last collective of that group is behind the one its peer
+waits in. So while some rank has returned and others still run, the runners ask now and then
+(``POLL``: a passing test, whose ranks end together, never asks) for every rank's records and
+its ``Standing`` (what it says of itself: its rank, its groups and their members, where its
+rank function's thread is), and ``find`` decides. Forked and warm, ``supervise`` asks the
+ranks (``records.ask``, SIGUSR2); under torchrun each waiting worker reads the returned
+ranks' answers from the job's store and looks at itself (``torchrun``).
+
+``find`` never gives a false verdict; a peer counts as stranded only if all of these hold:
+
+* its newest collective is unfinished, and its rank function's thread is inside a call that
+  can be that collective (``userops.can_be``: blocked in it, not computing beside an
+  ``async_op`` work it may never wait for);
+* that collective's group timeout is no shorter than the harness deadline (a shorter one
+  ends the wait with an error the rank function may catch and go on from);
+* the returned rank is a member of that group, as both ranks see it (the same name, the same
+  members, each rank numbered as the harness numbers it: two worlds a test makes apart may
+  both call their default group ``"0"``), and its last collective of the group, as recorded
+  before it reported, is numbered below the one its peer waits in.
+
+A peer that is only slow has not returned; a peer that waits in a collective of a group the
+returned rank is not in fails the third condition: both still get their deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from tutorial_impl.testing.diagnose.recorder import Record, collectives
+from tutorial_impl.testing.diagnose.stacks import Frame, Place, frames_of, place
+from tutorial_impl.testing.diagnose.userops import can_be, user_op
+
+POLL = 0.3  # seconds between two looks, while some rank has returned and others run
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What a rank says of itself beside its records."""
+
+    rank: int | None  # its rank in its default group (None: it has none)
+    groups: dict[str, tuple[int, ...]]  # each group it is in, by name: its members
+    frames: tuple[Frame, ...] = ()  # its rank function's thread, most recent call first
+
+    @property
+    def where(self) -> Place | None:
+        return place(list(self.frames))
+
+
+def standing(thread: int | None, stop: str) -> Standing:
+    """This rank's ``Standing`` now: ``thread`` is the ident of the thread that runs the rank
+    function, whose frames are read down to the function named ``stop``."""
+    import torch.distributed as dist
+
+    from tutorial_impl.testing.diagnose.recorder import members
+
+    if not dist.is_available() or not dist.is_initialized():
+        return Standing(None, {})
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    return Standing(dist.get_rank(), members(), tuple(frames_of(frame, stop)))
+
+
+@dataclass(frozen=True)
+class Stranded:
+    """Who returned (and its last collective of the group), who waits in what."""
+
+    left: dict[int, Record | None]  # rank -> its last collective of the group, if any
+    waiting: dict[int, Record]  # rank -> the collective it waits in, named as the user called
+
+    def line(self, early: bool, deadline: float) -> str:
+        """``rank 1 returned after all_reduce #3; ranks 0, 2, 3 wait in all_reduce #4 at
+        t.py:9, which rank 1 never entered: ...``."""
+        gone = "; ".join(
+            f"rank {r} returned " + (f"after {last.name}" if last else "before any collective")
+            for r, last in sorted(self.left.items())
+        )
+        by_name: dict[str, list[int]] = {}
+        for r, rec in sorted(self.waiting.items()):
+            by_name.setdefault(rec.name + _at(rec), []).append(r)
+        waits = "; ".join(f"{_ranks(rs)} {_verb(rs)} in {name}" for name, rs in by_name.items())
+        who = "it" if len(self.left) > 1 else f"rank {next(iter(self.left))}"
+        when = (
+            f"ended when seen, not at the harness deadline of {deadline:g} s"
+            if early
+            else f"seen at the harness deadline of {deadline:g} s"
+        )
+        return f"{gone}; {waits}, which {who} never entered: a hang that cannot resolve ({when})"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _verb(ranks: Sequence[int]) -> str:
+    return "waits" if len(ranks) == 1 else "wait"
+
+
+def _at(rec: Record) -> str:
+    where = rec.where
+    return f" at {where.file}:{where.line}" if where else ""
+
+
+def find(
+    records: Mapping[int, Sequence[Record]],
+    standings: Mapping[int, Standing],
+    returned: Collection[int],
+    running: Collection[int],
+    deadline: float,
+) -> Stranded | None:
+    """The ranks of ``running`` stranded by a rank of ``returned`` (the module's rules), or
+    None. ``records``: each rank's, those of a returned rank as they were when it reported."""
+    left: dict[int, Record | None] = {}
+    waiting: dict[int, Record] = {}
+    for w in sorted(running):
+        waits_in = blocked_in(w, records.get(w, ()), standings.get(w), deadline)
+        if waits_in is None:
+            continue
+        members = standings[w].groups.get(waits_in.group, ())
+        for r in sorted(returned):
+            mine = standings.get(r)
+            if r not in members or mine is None or mine.rank != r:
+                continue
+            if mine.groups.get(waits_in.group) != members:
+                continue
+            done = [c for c in collectives(records.get(r, ())) if c.group == waits_in.group]
+            last = done[-1] if done else None
+            if last is None or last.seq < waits_in.seq:
+                left[r], waiting[w] = last, waits_in
+                break
+    return Stranded(left, waiting) if waiting else None
+
+
+def blocked_in(
+    rank: int, records: Sequence[Record], own: Standing | None, deadline: float
+) -> Record | None:
+    """The collective ``rank`` is blocked in, as far as its records and its thread say, and
+    that only the harness deadline can end; named as the user called it. Else None."""
+    if own is None or own.rank != rank:
+        return None
+    done = collectives(records)
+    if not done or done[-1].completed:
+        return None
+    newest = done[-1]
+    if newest.timeout_ms <= 0 or newest.timeout_ms < deadline * 1000:
+        return None
+    spot = own.where
+    if spot is None or not can_be(spot.call, newest.op):
+        return None
+    frames = newest.frames or ((spot.file, spot.line, spot.func),)
+    return dataclasses.replace(newest, frames=frames, called=user_op(spot.call, newest.op))

@@ -1,0 +1,1 @@
+"""What runs inside a rank: its first steps, its function, what it reports."""

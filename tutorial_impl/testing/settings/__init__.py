@@ -1,0 +1,1 @@
+"""The harness's settings: defaults, markers, options, the world-size matrix, clocks."""

@@ -1,0 +1,1 @@
+"""The ways to start ranks, behind one protocol: forked, warm worlds, torchrun."""

@@ -1,0 +1,1 @@
+"""Under torchrun: this pytest worker as one rank of the job."""

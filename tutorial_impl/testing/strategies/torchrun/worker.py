@@ -1,0 +1,412 @@
+"""Under torchrun: ``run_ranks(fn)`` runs ``fn`` right here, as this rank of the job.
+
+Forked, one pytest process starts fresh ranks for each test. Under a cluster launcher the
+ranks already exist (``job``): every worker runs the same test in lockstep, so the call runs
+``fn(rank, world_size)`` (in the function's shape: ``shape``) in this process, in the job's
+process group. What makes that safe:
+
+* **The function runs in a thread of its own**, through the same capture as a forked rank
+  (``outcome.capture``); the main thread watches four things: the function ending, another
+  rank failing (fail fast), a worker of the job gone (its heartbeat lost), and the deadline.
+  Any of the last three ends the wait with the place this rank's function was in, read
+  from its live frames (``forensics``), passed through the job's store.
+* **One verdict for every rank.** Each rank publishes its report (the value, or the
+  exception as text) and reads everyone's; ``verdict.decide`` turns them into the same
+  results or the same error on every rank, by the rules forked ranks are judged by.
+* **Nothing asked for is dropped.** A field of the call the job cannot honour
+  (``NOT_HONOURED``) is refused by name, before anything runs.
+* **A fault that ends its worker ends the job, after the verdict.** A ``Kill`` or an
+  ``Exit`` fires in this worker as it would in a forked rank, but first the worker tells its
+  peers through the store how it leaves and which fault fired (``Job.leave``), shuts its
+  group's sockets (its peers' collectives fail as on a real death), and waits for rank 0's
+  report; then it dies as asked, and torchrun's agent ends the job. Rank 0 writes the report:
+  its ``Exit`` (or a rank function's ``os._exit``) ends only its function, the test fails with
+  it, and the session stops after the test; a ``Kill`` there is refused.
+* **An abandoned function stays out of later tests' reports.** A function still running at
+  its deadline cannot be killed (it is a thread of this worker); it ends by itself once its
+  collective hits the group's timeout. Its log records then belong to a test that has ended:
+  ``AbandonedLogs`` keeps them out of the captured logs of the tests that come after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tutorial_impl.testing import proctable
+from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.diagnose import records
+from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose.recorder import Record
+from tutorial_impl.testing.diagnose.stranded import Standing, standing
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.rank import leftovers
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.rank.caught import Catcher, current_filters
+from tutorial_impl.testing.rank.lookup import resolve
+from tutorial_impl.testing.rank.main import dumps_on_cpu
+from tutorial_impl.testing.rank.shape import arguments
+from tutorial_impl.testing.settings.timing import (
+    ANSWER_GRACE,
+    FINISH_GRACE,
+    FORK_GRACE,
+    SKIP_GRACE,
+    STORE_POLL_MAX,
+    STORE_POLL_MIN,
+)
+from tutorial_impl.testing.strategies.protocol import refused_fields
+from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
+from tutorial_impl.testing.strategies.torchrun.job import Job
+from tutorial_impl.testing.verdict.decision import Finished, decide
+from tutorial_impl.testing.verdict.errors import RankResults
+
+ENTRY = "rank_function"  # the harness frame below a rank function's own frames
+NOT_HONOURED = {
+    "init_method": "the job has torchrun's own rendezvous",
+    "log_dir": "a worker's output goes where torchrun sends it",
+    "stream": "a worker's output goes where torchrun sends it",
+    "stream_prefix": "a worker's output goes where torchrun sends it",
+    "may_exit": "a worker that exits ends the whole job; run this test forked",
+    "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
+    "faults": "a kill on rank 0 leaves the job without the rank that reports it; put it on "
+    "another rank, or run this test forked",
+}
+
+
+@dataclass
+class Answer:
+    """What one rank publishes at the end of a call."""
+
+    report: _o.Report
+    output: str
+    stacks: str = ""  # the function's thread, when it had not ended
+    records: list[Record] | None = None  # this call's collectives (``records.this_test``)
+    fired: list[faults.Fired] = field(default_factory=list)  # faults injected here
+    unfired: list[faults.Unfired] = field(default_factory=list)  # faults never reached
+    standing: Standing | None = None  # its groups; where its function was, if still running
+
+
+class Launched:
+    """This worker as one rank of the job: the ``torchrun`` strategy."""
+
+    name = "torchrun"
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def refusal(self, call: Call) -> str | None:
+        used = set(call.given) - {"faults"}  # refused only where rank 0 would be killed
+        kills_rank_0 = [f for f in call.faults if f.action.name == "kill" and 0 in f.ranks]
+        used |= {"faults"} if kills_rank_0 else set()
+        used |= {"may_exit"} if call.may_exit else set()
+        used |= {"debug_rank"} if call.debug_rank is not None else set()
+        return refused_fields(sorted(used), "under torchrun", NOT_HONOURED)
+
+    def run(self, call: Call) -> RankResults:
+        __tracebackhide__ = True
+        job, launch = self.job, self.job.launch
+        refusal = self.refusal(call)
+        if refusal or call.world_size != launch.world_size:
+            raise ValueError(
+                refusal or f"world_size={call.world_size}, the job has {launch.world_size}"
+            )
+        job.calls += 1
+        key = f"call/{job.calls}"
+        host = None
+        saved = dict(os.environ)
+        job.in_call = True
+        try:
+            os.environ.update(call.env)  # before the group: TORCH_DISTRIBUTED_DEBUG, say
+            if call.backend is None:
+                job.no_group()
+                rendezvous, host = job.fresh_rendezvous(f"{key}/port", call.deadline)
+                os.environ.update(rendezvous)
+                os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts it
+            else:
+                job.group(_backend(call), call.deadline)
+            rank, size = launch.rank, launch.world_size
+            args, kwargs = arguments(call.payload, call.rank_params, rank, size)
+            since_ns = time.time_ns()
+            # A faulty group numbers this call's collectives from 1.
+            faults.arm(call.faults, rank, before_death=self._leave)
+            fn = resolve(call.function)
+            mine = run_here(job, key, fn, args, kwargs, call.deadline, since_ns)
+            mine.records, mine.fired = records.own(rank, since_ns), _my_fired()
+            mine.unfired = faults.INJECTOR.unfired(call.faults)  # read if it returned
+            faults.arm((), rank)
+            wait = call.deadline + ANSWER_GRACE
+            answers = job.channel.gather(key, pickled(mine), wait, job.heartbeats)
+        finally:
+            job.in_call = False
+            os.environ.clear()
+            os.environ.update(saved)
+        finished = finish(job, answers, call.deadline)
+        job.ending = job.ending or _reporter_left(answers)
+        job.dirty = any(not isinstance(o, _o.Returned) for o in finished.outcomes.values())
+        job.dirty |= bool(finished.fired)  # a group that saw a fault is made anew
+        if host is not None and job.dirty:
+            job.stale.append(host)  # a failed call's port stays reserved: a rank may still use it
+        elif host is not None:
+            host.close()
+        return decide(finished)
+
+    def _leave(self, status: int) -> None:
+        """Before a fault ends this worker (``status``: the exit code, or minus the signal):
+        tell the peers, shut the group's sockets as the kernel would, wait for rank 0's
+        report. Rank 0 (an ``Exit``: a ``Kill`` there is refused) only shuts its sockets: it
+        writes the report, and its exit ends its function, not the worker
+        (``Job._exit_mid_session``)."""
+        if self.job.launch.rank == 0:
+            faults.close_sockets(faults.INJECTOR.sockets)
+            return
+        self.job.leave(status, tuple(_my_fired()))
+        faults.close_sockets(faults.INJECTOR.sockets)
+        self.job.await_report()
+
+
+def _reporter_left(answers: dict[int, Answer]) -> str | None:
+    """Why the session stops after this test, the same on every rank: rank 0's function
+    called ``os._exit`` (its answer says ``Lost``: ``Job._exit_mid_session``)."""
+    outcome = answers[0].report.outcome if 0 in answers else None
+    if not isinstance(outcome, _o.Lost):
+        return None
+    return (
+        f"rank 0 {outcome.how} in a rank function; rank 0 writes the job's report, so the "
+        "session stops after this test"
+    )
+
+
+def _backend(call: Call) -> str:
+    """The group's backend: gloo behind the fault injector when the call has a plan."""
+    assert call.backend is not None
+    if call.faults and call.backend == "gloo":
+        faulty_group.register()
+        return faulty_group.BACKEND
+    return call.backend
+
+
+def _my_fired() -> list[faults.Fired]:
+    return list(faults.INJECTOR.reports)
+
+
+def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
+    """Every rank's answer as the verdict reads it. A rank that published none is named as
+    it said when it left (``Departure``: a fault or ``os._exit`` ended it, and it said nothing
+    more after), else as exited when its heartbeat is lost, else as still running."""
+    reports = {r: a.report for r, a in answers.items()}
+    stacks = {r: a.stacks for r, a in answers.items() if a.stacks}
+    fired = {r: a.fired for r, a in answers.items() if a.fired}
+    for r in range(job.launch.world_size):
+        if r in reports:
+            continue
+        departure = job.heartbeats.departure(r)
+        if departure is not None:
+            reports[r] = _o.Report(departure.outcome, 0, departure.at)
+            fired[r] = list(departure.fired)
+            continue
+        lost = job.heartbeats.lost(r)
+        reports[r] = _o.Report(_o.Lost(None) if lost else _o.Stopped(None), 0, time.time())
+        stacks[r] = "(no answer through the store: the worker is gone)" if lost else ""
+    return Finished(
+        world_size=job.launch.world_size,
+        reports=reports,
+        order=sorted(reports, key=lambda r: (reports[r].at, r)),
+        outputs={r: a.output for r, a in answers.items()},
+        deadline=deadline,
+        stacks=stacks,
+        records={r: a.records for r, a in answers.items() if a.records is not None},
+        fired=fired,
+        unfired={r: a.unfired for r, a in answers.items() if a.unfired},
+        stranded=torchrun_stranded.of_answers(answers, deadline),
+    )
+
+
+def pickled(answer: Answer) -> bytes:
+    """``answer`` as the store carries it (pickled once); a return value that cannot be
+    pickled is this rank's failure, named as such, as for a forked rank."""
+    try:
+        return dumps_on_cpu(answer)
+    except Exception as exc:  # noqa: BLE001
+        failure = _o.unpicklable("returned a value that cannot be pickled", exc)
+        report = _o.Report(failure, answer.report.pid, answer.report.at)
+        return dumps_on_cpu(Answer(report, answer.output, answer.stacks))
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the stream it replaces and keeps a copy: a rank's printed output."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.copy = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def run_here(
+    job: Job,
+    key: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+    since_ns: int = 0,
+) -> Answer:
+    """Run ``fn`` in a thread; wait for it, another rank's failure, a lost worker, a returned
+    rank that strands it (``torchrun_stranded``), or the deadline."""
+    launch, worker = job.launch, os.getpid()
+    box: dict[str, _o.Report] = {}
+    done = threading.Event()
+    child_r, child_w = os.pipe()  # where a forked child that came back reports
+    catcher = Catcher(current_filters())  # this worker's: pytest's for the test
+
+    def rank_function() -> None:  # the name frames_of stops at
+        report = _o.capture(fn, launch.rank, args, kwargs, catcher=catcher)
+        if report.pid != worker:  # a child the function forked came back here
+            os.write(child_w, pickle.dumps(report))
+            os._exit(1)
+        box.setdefault("report", report)
+        done.set()
+
+    def exited(code: int) -> None:  # rank 0's function called os._exit (Job.end_call)
+        box.setdefault("report", _o.Report(_o.Lost(code), worker, time.time()))
+        done.set()
+
+    leftovers.become_subreaper()  # what the function starts stays within reach
+    before = frozenset(proctable.own_children())  # not the function's: spared
+    tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
+    sys.stdout, sys.stderr = tee_out, tee_err
+    # Not a daemon, as a forked rank's main thread is not: the threads the function starts
+    # inherit that, and those are the ones waited for (``caught``). The worker never waits
+    # for it at exit (it leaves through os._exit: ``torchrun_session``).
+    thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=False)
+    job.end_call = exited if launch.rank == 0 else None
+    try:
+        with catcher.recording():
+            thread.start()
+            look = torchrun_stranded.Look(job, key, since_ns, thread.ident, timeout, ENTRY)
+            ended = _wait(job, key, done, timeout, look)
+    finally:
+        job.end_call = None
+        sys.stdout, sys.stderr = tee_out.stream, tee_err.stream
+    output = tee_out.copy.getvalue() + tee_err.copy.getvalue()
+    if ended is None and box["report"].forked:
+        proctable.wait_for_forked_copies(FORK_GRACE)
+    child = _child_report(child_r, child_w)
+    killed = leftovers.kill_leftovers(keep=before)  # an abandoned function's children too
+    if ended is not None:  # still running: where?
+        job.abandoned.append(thread)
+        frames = forensics.frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
+        title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
+        report = _o.Report(ended(forensics.place(frames)), worker, time.time(), killed=killed)
+        stacks = forensics.format_frames(title, frames)
+        return Answer(child or report, output, stacks, standing=standing(thread.ident, ENTRY))
+    report = box["report"]
+    if child is not None and not isinstance(report.outcome, _o.Failure):
+        report = child
+    report = dataclasses.replace(report, killed=killed)
+    announce(job, key, report)
+    return Answer(report, output, standing=standing(None, ENTRY))
+
+
+def _wait(
+    job: Job, key: str, done: threading.Event, timeout: float, look: torchrun_stranded.Look
+) -> type | None:
+    """None once the function has ended; else the outcome class of why the wait ended.
+
+    Fail fast as forked ranks do: a failure elsewhere (or a lost worker) stops the wait at
+    once, and so does a returned rank that strands this one (``look``); a skip elsewhere
+    only after ``SKIP_GRACE`` s (a failure anywhere beats a skip)."""
+    failed, skipped = f"{key}/failed", f"{key}/skipped"
+    stop = time.monotonic() + timeout
+    pause, skip_seen = STORE_POLL_MIN, None
+    while not done.wait(pause):
+        pause = min(pause * 2, STORE_POLL_MAX)
+        if skip_seen is None and job.channel.has(skipped):
+            skip_seen = time.monotonic()
+        late_skip = skip_seen is not None and time.monotonic() - skip_seen > SKIP_GRACE
+        trouble = job.channel.has(failed) or late_skip or job.heartbeats.lost_ranks()
+        if trouble and not done.wait(FINISH_GRACE):
+            return _o.Stopped
+        if look.stranded() and not done.is_set():
+            job.channel.set(failed)  # the others waiting stop too
+            return _o.Stopped
+        if time.monotonic() > stop:
+            job.channel.set(failed)
+            return _o.TimedOut
+    return None
+
+
+def announce(job: Job, key: str, report: _o.Report) -> None:
+    """Tell the other ranks at once how this rank's function ended, if not well."""
+    if isinstance(report.outcome, (_o.Skipped, _o.XFailed)):
+        job.channel.set(f"{key}/skipped")
+    elif not isinstance(report.outcome, _o.Returned):
+        job.channel.set(f"{key}/failed")
+
+
+def _child_report(reader: int, writer: int) -> _o.Report | None:
+    """The report a forked child wrote, if one did; closes the pipe."""
+    os.close(writer)
+    os.set_blocking(reader, False)
+    try:
+        data = os.read(reader, 1 << 16)
+    except BlockingIOError:
+        data = b""
+    finally:
+        os.close(reader)
+    return pickle.loads(data) if data else None
+
+
+class _FromAbandoned(logging.Filter):
+    """Drops the records logged by the rank functions this worker abandoned."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__()
+        self.job = job
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return all(thread.ident != record.thread for thread in self.job.abandoned)
+
+
+class AbandonedLogs:
+    """A pytest plugin of a torchrun worker: in each phase of each test, once a function has
+    been abandoned, every log handler (pytest's capture of this phase, and any logger's own)
+    drops that function's records. Its hooks are plain, not wrappers, so they run inside
+    pytest's logging capture, when this phase's handlers exist."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.filter = _FromAbandoned(job)
+
+    def mute(self) -> None:
+        if not self.job.abandoned:
+            return
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for logger in loggers:
+            for handler in getattr(logger, "handlers", ()):  # placeholders have none
+                if self.filter not in handler.filters:
+                    handler.addFilter(self.filter)
+
+    def pytest_runtest_setup(self) -> None:
+        self.mute()
+
+    def pytest_runtest_call(self) -> None:
+        self.mute()
+
+    def pytest_runtest_teardown(self) -> None:
+        self.mute()

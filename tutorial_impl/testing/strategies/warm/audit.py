@@ -1,0 +1,92 @@
+"""``--warm-audit``: every warm call is run fresh too, and a verdict that differs fails the test.
+
+A warm world promises that a test passes warm if and only if it passes fresh, for everything
+the harness can see (``warm_rank``, ``reuse``). What it cannot see (``docs/harness.md``
+lists it) is where a CI job that wants proof turns this on: each call of a warm test runs in
+its warm world and then on fresh ranks, and the two verdicts (passed, skipped, xfailed, or
+failed with how every rank ended) must agree. Which failing rank's report arrived first is
+not compared: that is a race, and the same test fresh twice may differ in it. It costs a
+fresh run per call (``python -m tutorial_impl bench harness`` measures it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.strategies.protocol import Runner
+from tutorial_impl.testing.verdict import echo
+from tutorial_impl.testing.verdict.errors import (
+    RankCrashed,
+    RankError,
+    RankFailed,
+    RankResults,
+    RankSkipped,
+    RankXFailed,
+)
+
+
+class WarmAuditError(RankError):
+    """A call's verdict in its warm world differs from its verdict on fresh ranks."""
+
+
+def verdict_of(error: BaseException | None) -> tuple[object, ...]:
+    """What must agree between the two runs: the kind of verdict, and for a failure how
+    every rank ended (``ending``), not which rank's report happened to arrive first."""
+    if error is None:
+        return ("passed",)
+    if isinstance(error, RankSkipped):
+        return ("skipped",)
+    if isinstance(error, RankXFailed):
+        return ("xfailed",)
+    if isinstance(error, RankError) and error.outcomes:
+        return ("failed", *(f"rank {r} {ending(o)}" for r, o in sorted(error.outcomes.items())))
+    if isinstance(error, RankFailed):
+        return ("failed", f"rank {error.rank} raised {error.exc_type}")
+    if isinstance(error, RankCrashed):
+        return ("failed", f"rank {error.rank} died")
+    return ("failed", type(error).__name__)
+
+
+def ending(result: _o.Outcome) -> str:
+    """How one rank ended, as the audit compares it: its own exception's type and message,
+    or how it died; a peer's lost connection (``echo``) and a rank stopped for another's
+    failure are both the consequence of that failure, which of the two a matter of timing."""
+    if echo.is_echo(result) or isinstance(result, _o.Stopped):
+        return "ended by another rank's failure"
+    if isinstance(result, _o.Raised):  # an object's address differs from run to run
+        return "raised " + re.sub(r"0x[0-9a-fA-F]+", "0x...", result.summary)
+    if isinstance(result, _o.Died):
+        return result.how
+    return type(result).__name__.lower()
+
+
+def _run(runner: Runner, call: Call) -> tuple[RankResults | None, BaseException | None]:
+    try:
+        return runner.run(call), None
+    except Exception as exc:  # noqa: BLE001 - compared, then raised again
+        return None, exc
+
+
+def audited(warm: Runner, fresh: Runner, call: Call) -> RankResults:
+    """``call`` in its warm world, checked against a fresh run of the same call."""
+    __tracebackhide__ = True
+    results, error = _run(warm, call)
+    fresh_dir = call.log_dir / "fresh" if call.log_dir is not None else None
+    _, fresh_error = _run(fresh, dataclasses.replace(call, log_dir=fresh_dir))
+    warm_verdict, fresh_verdict = verdict_of(error), verdict_of(fresh_error)
+    if warm_verdict != fresh_verdict:
+        shown = ", ".join(str(x) for x in warm_verdict)
+        fresh_shown = ", ".join(str(x) for x in fresh_verdict)
+        message = (
+            f"--warm-audit: the warm world's verdict ({shown}) differs from fresh ranks' "
+            f"({fresh_shown}): the test depends on state a warm world carried over"
+        )
+        outputs = getattr(error, "outputs", {}) or {}
+        raise WarmAuditError(message, outputs) from (error or fresh_error)
+    if error is not None:
+        raise error
+    assert results is not None
+    return results
