@@ -59,8 +59,8 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing import forkserver, run_ranks
-from tutorial_impl.testing.audit import audited
+from tutorial_impl.testing import forkserver, run_ranks, runner
+from tutorial_impl.testing.audit import Audited
 from tutorial_impl.testing.forked import FORKED
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
 from tutorial_impl.testing.torchenv import CHECK_COLLECTIVES
@@ -131,13 +131,13 @@ def time_warm(world_size: int, repeats: int) -> list[float]:
     call = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     for i in range(repeats + 1):
         start = time.perf_counter()
-        results = pool.run(call)
+        results = runner.run(pool, call)
         elapsed = (time.perf_counter() - start) * 1e3
         if results != expected:
             raise AssertionError(f"warm all_reduce gave {results}, expected {expected}")
         if i:  # the first call starts the world: once per module of tests, not per test
             times.append(elapsed)
-    pool.close_all()
+    pool.close()
     return times
 
 
@@ -155,26 +155,27 @@ def time_replace(world_size: int, repeats: int) -> list[float]:
     good = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     poisoned = _call.build(leave_a_group, world_size=world_size, timeout=60)
     for _ in range(repeats):
-        pool.run(good)  # a warm world
-        pool.run(poisoned)  # ... poisoned
+        runner.run(pool, good)  # a warm world
+        runner.run(pool, poisoned)  # ... poisoned
         start = time.perf_counter()
-        pool.run(good)  # ... replaced
+        runner.run(pool, good)  # ... replaced
         times.append((time.perf_counter() - start) * 1e3)
-    pool.close_all()
+    pool.close()
     return times
 
 
 def time_audited(world_size: int, repeats: int) -> list[float]:
     """Milliseconds per warm test under ``--warm-audit``: warm, then fresh, verdicts compared."""
     pool = WarmPool()
+    audited = Audited(pool, FORKED)
     call = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        audited(pool, FORKED, call)
+        runner.run(audited, call)
         if i:  # the first starts the world
             times.append((time.perf_counter() - start) * 1e3)
-    pool.close_all()
+    pool.close()
     return times
 
 

@@ -2,8 +2,8 @@
 
 Markers, options and ``run_ranks`` keyword arguments all end up here: ``build`` checks every
 field (a ``ValueError`` or ``TypeError`` naming the field and what is accepted) and returns
-a frozen ``Call``. Every way of starting ranks takes a ``Call``; a runner that cannot honour
-a field the caller gave (``Call.given``) refuses it by name (``runner.refusal``), it never
+a frozen ``Call``. Every way of starting ranks takes a ``Call``; a strategy that cannot honour
+a field the call sets (``Call.sets``) refuses it by name (``runner.refusal``), it never
 drops it. ``rank_spec`` turns a call into what one rank receives (``RankSpec``).
 
 Nothing here imports torch at import time (the pytest plugin imports this module).
@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -65,39 +65,44 @@ class Call:
     function: FunctionRef
     payload: bytes  # pickle of (a partial's args, args, keywords): unpickled in each rank
     rank_params: int  # how many of (rank, world_size) the function takes first (``shape``)
-    world_size: int
-    backend: str | None
-    init_method: str
-    deadline: float  # seconds for the whole run (``timeout=`` of run_ranks)
-    env: dict[str, str]
-    may_exit: frozenset[int]
-    debug_rank: int | None
-    log_dir: Path | None
-    stream: TextIO | None
-    stream_prefix: bool
-    coverage: dict[str, Any] | None
-    given: frozenset[str] = frozenset()  # the options the caller named itself
+    world_size: int = DEFAULT_WORLD_SIZE
+    backend: str | None = DEFAULT_BACKEND
+    init_method: str = DEFAULT_INIT_METHOD
+    deadline: float = DEFAULT_DEADLINE  # seconds for the whole run (``timeout=`` of run_ranks)
+    env: dict[str, str] = field(default_factory=dict)
+    may_exit: frozenset[int] = frozenset()
+    debug_rank: int | None = None
+    log_dir: Path | None = None  # the caller's directory for the ranks' files
+    stream: TextIO | None = None
+    stream_prefix: bool = True
+    coverage: dict[str, Any] | None = None
     faults: fault_plan.Plan = ()  # what goes wrong on purpose (docs/faults.md)
+    # Where the harness keeps the ranks' files when the caller gave no ``log_dir`` (the
+    # fixture's ``ranks/<test>-<n>``); neither: a temporary directory (``work_dir``).
+    home: Path | None = None
     # Where a debugged rank's "attach to port N" goes (pytest's terminal; else stderr).
     announce: Callable[[str], None] | None = None
     # The test's warning filters at the call (``caught``); None: a rank keeps its own.
     warning_filters: Filters | None = None
+
+    def sets(self, name: str) -> bool:
+        """Whether field ``name`` is away from its default: something a strategy that
+        cannot honour the field must refuse (``runner.refusal``)."""
+        found = _FIELDS[name]
+        default = found.default_factory() if found.default is MISSING else found.default  # type: ignore[misc]
+        return bool(getattr(self, name) != default)
 
     @property
     def debug_env(self) -> dict[str, str]:
         return check_rank(self.debug_rank, self.world_size)
 
 
-def build(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...] = (),
-    *,
-    given: Collection[str] = (),
-    **options: Any,
-) -> Call:
+_FIELDS = {f.name: f for f in fields(Call)}
+
+
+def build(fn: Callable[..., Any], args: tuple[Any, ...] = (), **options: Any) -> Call:
     """Check a call's every field (``options``: run_ranks's keyword options, the others at
-    their ``DEFAULTS``) and pickle what the ranks need. ``given``: the options the caller
-    named itself, which a strategy must honour or refuse."""
+    their ``DEFAULTS``) and pickle what the ranks need."""
     unknown = unknown_options(options)
     if unknown:
         raise TypeError(f"unknown option(s) {unknown}; the options are {', '.join(OPTIONS)}")
@@ -137,7 +142,6 @@ def build(
         stream=o["stream"],
         stream_prefix=bool(o["stream_prefix"]),
         coverage=_coverage.parent_settings(),
-        given=frozenset(given),
         faults=check_faults(o["faults"], world_size),
     )
 
@@ -168,16 +172,15 @@ def _payload(ref: FunctionRef, shape: _shape.Shape, args: tuple[Any, ...]) -> by
 
 @contextlib.contextmanager
 def work_dir(call: Call) -> Iterator[Path]:
-    """The run's directory (logs, stacks, file:// rendezvous): the caller's ``log_dir``, or
-    a temporary one removed afterwards."""
-    own = call.log_dir is None
-    work = Path(tempfile.mkdtemp(prefix="ranks-")) if own else call.log_dir
-    assert work is not None
+    """The run's directory (logs, stacks, file:// rendezvous): the caller's ``log_dir``, else
+    the harness's ``home`` for it, else a temporary one removed afterwards."""
+    given = call.log_dir or call.home
+    work = given or Path(tempfile.mkdtemp(prefix="ranks-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         yield work
     finally:
-        if own:
+        if given is None:
             shutil.rmtree(work, ignore_errors=True)
 
 

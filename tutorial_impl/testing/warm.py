@@ -34,30 +34,32 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import debugging as _debugging
 from tutorial_impl.testing import forkserver, supervise, warm_rank
 from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.errors import RankResults
 from tutorial_impl.testing.rendezvous import AgentStore
-from tutorial_impl.testing.runner import refused_fields
 from tutorial_impl.testing.timing import CHECK_DEADLINE
-from tutorial_impl.testing.verdict import decide
+from tutorial_impl.testing.verdict import Finished
 from tutorial_impl.testing.warm_report import FAILED, WarmStats
 
 MAX_WORLDS = 4  # warm worlds one pool keeps; the least recently used goes first
 MARKER = "warm_world"
-# What a warm world cannot serve: the fresh path honours these.
-NOT_WARM = {
-    "may_exit": "a rank that exits ends its warm world",
-    "debug_rank": "a debugged rank holds its world",
-    "stream": "warm ranks' output is read after the test",
-}
+# What a warm world cannot serve: the fresh path honours these (``runner.refusal``).
+NOT_WARM: Mapping[str, str] = MappingProxyType(
+    {
+        "may_exit": "a rank that exits ends its warm world",
+        "debug_rank": "a debugged rank holds its world",
+        "stream": "warm ranks' output is read after the test",
+    }
+)
 
 
 @dataclass(eq=False)
@@ -103,22 +105,16 @@ class WarmPool:
     """The warm worlds of one pytest session (or one benchmark): the ``warm`` strategy."""
 
     name = "warm"
+    cannot = NOT_WARM
 
     def __init__(self) -> None:
         self.worlds: OrderedDict[tuple[Any, ...], World] = OrderedDict()
         self.served: list[World] = []  # worlds used by the test now running
         self.stats = WarmStats()  # for the session's summary (``warm_report``)
 
-    def refusal(self, call: Call) -> str | None:
-        used = {
-            "may_exit": bool(call.may_exit),
-            "debug_rank": call.debug_rank is not None,
-            "stream": call.stream is not None,
-        }
-        return refused_fields([n for n, on in used.items() if on], "in a warm world", NOT_WARM)
-
-    def run(self, call: Call) -> RankResults:
-        """``run_ranks`` in a warm world: the same call, results and errors."""
+    def gather(self, call: Call) -> Finished:
+        """``run_ranks`` in a warm world: the same call, the same evidence. A world whose
+        run did not go as planned (a verdict other than a pass) is retired at once."""
         __tracebackhide__ = True
         with _call.work_dir(call) as work:
             since_ns = time.time_ns()  # the ranks' records from here on are this test's
@@ -138,12 +134,14 @@ class WarmPool:
                 finished = supervise.supervise(
                     world.procs, deadline, call.deadline, since_ns=since_ns
                 )
-                results = decide(finished)
             except BaseException:
                 self.retire(world, FAILED)
                 raise
-            world.unchecked = True  # the ranks check themselves now; read before next task
-            return results
+            if not finished.as_planned:
+                self.retire(world, FAILED)
+            else:
+                world.unchecked = True  # the ranks check themselves now; read before next task
+            return finished
 
     def _world_for(self, call: Call, specs: list[_call.RankSpec]) -> World:
         """The warm world for ``call``, or a new one started with ``specs`` as its first task."""
@@ -182,7 +180,7 @@ class WarmPool:
             for world in served:
                 self.retire(world, FAILED)
 
-    def close_all(self) -> None:
+    def close(self) -> None:
         """Kill every warm world of this pool (a module that used them ended; session end)."""
         while self.worlds:
             _, world = self.worlds.popitem()
