@@ -255,3 +255,23 @@ def test_a_plan_that_kills_rank_0_is_refused_under_torchrun_only():
     assert runner.refusal(FORKED, killing) is None
     refusal = reporter_killed(killing)
     assert refusal and refusal.startswith("faults cannot be honoured under torchrun")
+
+
+def test_parent_and_rank_name_a_ranks_files_by_one_value(tmp_path):
+    """``RankFiles``: the rank writes where the parent reads, whatever the file."""
+    import pickle
+
+    from tutorial_impl.testing import supervise
+    from tutorial_impl.testing.call import RankFiles, rank_spec
+
+    built = call.build(len, world_size=3)
+    specs = [rank_spec(built, r, tmp_path, {}) for r in range(3)]
+    kinds = ("log", "stacks", "records", "fault", "debugging")
+    paths = [getattr(s.files, kind) for s in specs for kind in kinds]
+    assert len(set(paths)) == 15 and all(p.parent == tmp_path for p in paths)
+    for spec in specs:
+        in_rank = pickle.loads(pickle.dumps(spec)).files  # what the rank unpickles
+        assert in_rank == spec.files == RankFiles(tmp_path, spec.rank)
+        proc = supervise.Proc(spec.rank, None, None, spec.files)  # type: ignore[arg-type]
+        assert proc.stack_path == in_rank.stacks and proc.records_path == in_rank.records
+        assert str(in_rank.log).endswith(f"rank{spec.rank}.log")

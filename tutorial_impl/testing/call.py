@@ -255,6 +255,43 @@ def _check_gpus(backend: str | None, world_size: int, env: dict[str, str] | None
         raise ValueError(shortage)
 
 
+@dataclass(frozen=True)
+class RankFiles:
+    """Where one rank's files are, in its run's directory: the same paths for the parent
+    (``supervise.Proc``) and the rank (``RankSpec``), named here only."""
+
+    directory: Path
+    rank: int
+
+    def _named(self, suffix: str) -> Path:
+        return self.directory / f"rank{self.rank}{suffix}"
+
+    @property
+    def log(self) -> Path:
+        """Everything the rank writes to fd 1 and 2."""
+        return self._named(".log")
+
+    @property
+    def stacks(self) -> Path:
+        """``faulthandler``'s stacks: at a fatal signal, or asked by SIGUSR1 (``forensics``)."""
+        return self._named(".stacks")
+
+    @property
+    def records(self) -> Path:
+        """Its flight-recorder dump when asked (``records``)."""
+        return self._named(".fr")
+
+    @property
+    def fault(self) -> Path:
+        """Each fault that fires in it (``faults.read_fired``)."""
+        return self._named(".fault")
+
+    @property
+    def debugging(self) -> Path:
+        """Present while its debugger waits (``debugging``)."""
+        return self._named(".debugging")
+
+
 @dataclass
 class RankSpec:
     """Everything one rank needs, sent to it by pickle. The function travels *by name*."""
@@ -264,8 +301,7 @@ class RankSpec:
     function: FunctionRef
     payload: bytes  # see Call.payload: unpickled inside the rank, errors reported
     env: dict[str, str]
-    log_path: str
-    stack_path: str
+    files: RankFiles
     backend: str | None = DEFAULT_BACKEND  # None: the function initialises what it needs
     init_method: str = DEFAULT_INIT_METHOD
     tmp_dir: str | None = None
@@ -288,16 +324,6 @@ class RankSpec:
     forkserver: dict[str, Any] | None = None
     start_method: str | None = None  # multiprocessing's default in the parent (None: unset)
 
-    @property
-    def records_path(self) -> str:
-        """Where the rank writes its flight-recorder dump when asked (``records``)."""
-        return self.stack_path.removesuffix(".stacks") + ".fr"
-
-    @property
-    def fault_path(self) -> str:
-        """Where the rank writes each fault that fires (``faults.read_fired``)."""
-        return self.stack_path.removesuffix(".stacks") + ".fault"
-
 
 def rank_spec(
     call: Call,
@@ -318,8 +344,7 @@ def rank_spec(
         payload=call.payload,
         rank_params=call.rank_params,
         env={**rank_env, **call.env, **(extra_env or {})},
-        log_path=str(work / f"rank{rank}.log"),
-        stack_path=str(work / f"rank{rank}.stacks"),
+        files=RankFiles(work, rank),
         backend=call.backend,
         init_method=call.init_method,
         tmp_dir=str(work),

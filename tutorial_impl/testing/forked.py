@@ -93,7 +93,7 @@ def start(spec: _call.RankSpec) -> supervise.Proc:
     process.start()
     writer.close()  # only the rank holds the write end: EOF then means it is gone
     supervise.LIVE.add(process.pid)
-    return supervise.Proc(spec.rank, process, reader, Path(spec.log_path), Path(spec.stack_path))
+    return supervise.Proc(spec.rank, process, reader, spec.files)
 
 
 FORKED = Forked()

@@ -40,6 +40,7 @@ from typing import Any, TextIO
 
 from tutorial_impl.testing import faults, forensics, leftovers, records
 from tutorial_impl.testing import outcome as _o
+from tutorial_impl.testing.call import RankFiles
 from tutorial_impl.testing.debugging import Deadline
 from tutorial_impl.testing.errors import RankExited, prefixed
 from tutorial_impl.testing.recorder import Record
@@ -60,8 +61,7 @@ class Proc:
     rank: int
     process: Any
     conn: Connection
-    log_path: Path
-    stack_path: Path
+    files: RankFiles  # the task's: a warm rank's change with each test
     streamed: int = 0  # characters of its log already relayed
     extra: list[Any] = field(default_factory=list)  # messages after its report (warm checks)
 
@@ -70,16 +70,16 @@ class Proc:
         return self.process.pid
 
     @property
-    def records_path(self) -> Path:  # as ``RankSpec.records_path``
-        return Path(str(self.stack_path).removesuffix(".stacks") + ".fr")
+    def stack_path(self) -> Path:  # for ``forensics.dump_stacks``
+        return self.files.stacks
 
     @property
-    def fault_path(self) -> Path:  # as ``RankSpec.fault_path``
-        return Path(str(self.stack_path).removesuffix(".stacks") + ".fault")
+    def records_path(self) -> Path:  # for ``records.ask``
+        return self.files.records
 
     def output(self) -> str:
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.files.log.read_text(errors="replace")
         except FileNotFoundError:
             return ""
         if _DNS_NOISE in text:
@@ -166,9 +166,9 @@ def supervise(
         fatal=watch.fatal,
         skip_wait=watch.skip_wait,
         records=found,
-        fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.fault_path))},
+        fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.files.fault))},
         swept={rank: killed for rank, killed in swept.items() if killed},
-        unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.fault_path))},
+        unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.files.fault))},
         stranded=watch.stranded or watch.stranded_in(found),
     )
 

@@ -124,7 +124,7 @@ class WarmPool:
             world.last_test = _current_test()
             for p, spec in zip(world.procs, specs, strict=True):
                 spec.env = {**world.rank_env[p.rank], **spec.env}
-                p.log_path, p.stack_path = Path(spec.log_path), Path(spec.stack_path)
+                p.files = spec.files
                 p.streamed, p.extra = 0, []
                 if world.tasks:  # a new world was started with its first task already
                     p.conn.send_bytes(pickle.dumps(spec))
@@ -204,7 +204,7 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
             first = _call.rank_spec(
                 call, spec.rank, home, rank_env[spec.rank], harness_env=store.harness_env()
             )
-            first.log_path, first.stack_path, first.payload = spec.log_path, spec.stack_path, b""
+            first.files, first.payload = spec.files, b""
             first.forkserver = forkserver.SERVER.address()  # for a nested run_ranks
             parent_end, rank_end = ctx.Pipe(duplex=True)
             process = ctx.Process(
@@ -213,7 +213,7 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
             process.start()
             rank_end.close()  # only the rank holds its end: EOF then means it is gone
             supervise.LIVE.add(process.pid)
-            started.append(supervise.Proc(spec.rank, process, parent_end, Path(), Path()))
+            started.append(supervise.Proc(spec.rank, process, parent_end, spec.files))
     except BaseException:
         supervise.LIVE.kill(started)
         store.close()
