@@ -275,3 +275,51 @@ def test_parent_and_rank_name_a_ranks_files_by_one_value(tmp_path):
         proc = supervise.Proc(spec.rank, None, None, spec.files)  # type: ignore[arg-type]
         assert proc.stack_path == in_rank.stacks and proc.records_path == in_rank.records
         assert str(in_rank.log).endswith(f"rank{spec.rank}.log")
+
+
+class _Options:
+    """A stand-in for pytest's parser: the plugin's option and ini names, as it adds them."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def getgroup(self, *args: object, **kwargs: object) -> _Options:
+        return self
+
+    def addoption(self, *flags: str, **kwargs: object) -> None:
+        self.names.update(flag for flag in flags if flag.startswith("--"))
+
+    def addini(self, name: str, *args: object, **kwargs: object) -> None:
+        self.names.add(name)
+
+
+def test_one_list_of_options_the_calls_fields():
+    """Every field of a ``Call`` says where its value comes from (``call.Source``); every
+    name a source gives is one the plugin or run_ranks has; every marker, option and ini
+    value of the plugin sets a field or says what it decides instead."""
+    import dataclasses
+    import inspect
+
+    from tutorial_impl.testing import config, plugin
+    from tutorial_impl.testing.forked import run_ranks
+
+    parser = _Options()
+    plugin.pytest_addoption(parser)  # type: ignore[arg-type]
+    markers = {spec.split("(")[0] for spec in config.MARKERS}
+    markers = {config.DEPRECATED_MARKERS.get(name, name) for name in markers}
+    signature = inspect.signature(run_ranks).parameters
+    keywords = {n: p.default for n, p in signature.items() if p.kind is p.KEYWORD_ONLY}
+    named: set[str] = set()
+    for f in dataclasses.fields(call.Call):
+        source = f.metadata["source"]
+        users = [source.keyword, source.marker, source.option, source.ini]
+        assert any(users) or source.harness, f"{f.name}: no source"
+        assert source.marker is None or source.marker in markers, f.name
+        assert {source.option, source.ini} - {None} <= parser.names, f.name
+        assert source.keyword is None or source.keyword in keywords, f.name
+        named.update(name for name in users if name)
+    assert named | set(config.NOT_A_CALL_FIELD) == parser.names | markers | set(keywords)
+    assert not named & set(config.NOT_A_CALL_FIELD)
+    # run_ranks's signature (for help() and editors) says what the fields say.
+    assert keywords == call.DEFAULTS
+    assert call.OPTIONS == tuple(call.DEFAULTS)

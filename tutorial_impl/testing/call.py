@@ -39,51 +39,72 @@ from tutorial_impl.testing.lookup import FunctionRef, function_ref
 from tutorial_impl.testing.rendezvous import INIT_METHODS
 from tutorial_impl.testing.timing import SECONDS, usable_seconds
 
-# The options of run_ranks, beside the function and its positional arguments, and their
-# defaults (run_ranks's own signature says the same, for help() and editors).
-DEFAULTS: dict[str, Any] = {
-    "world_size": DEFAULT_WORLD_SIZE,
-    "backend": DEFAULT_BACKEND,
-    "init_method": DEFAULT_INIT_METHOD,
-    "timeout": DEFAULT_DEADLINE,
-    "fn_kwargs": None,
-    "env": None,
-    "log_dir": None,
-    "stream": None,
-    "stream_prefix": True,
-    "may_exit": (),
-    "debug_rank": None,
-    "faults": (),
-}
-OPTIONS = tuple(DEFAULTS)
+SAME = object()  # Source.keyword_default: the keyword's default is the field's
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a ``Call`` field's value comes from, by the names a user writes (a field no user
+    names says what the harness puts there instead). The ``Call``'s fields and these are the
+    one list of options: ``DEFAULTS``, the run_ranks keywords, derive from it, and a test holds
+    the markers, command-line options and ini values of the plugin to it."""
+
+    keyword: str | None = None  # run_ranks(fn, ..., keyword=value)
+    marker: str | None = None  # @pytest.mark.<marker>(...), read and checked by ``config``
+    option: str | None = None  # on the command line
+    ini: str | None = None  # in the ini file
+    keyword_default: Any = SAME  # the keyword's default where it is not the field's
+    harness: str = ""  # what the harness puts in a field no user names
+
+
+def _field(default: Any = MISSING, *, factory: Any = MISSING, **source: Any) -> Any:
+    """A ``Call`` field, its default and its ``Source``."""
+    return field(default=default, default_factory=factory, metadata={"source": Source(**source)})
 
 
 @dataclass(frozen=True)
 class Call:
     """One run, checked: the function, where it runs, and for how long."""
 
-    function: FunctionRef
-    payload: bytes  # pickle of (a partial's args, args, keywords): unpickled in each rank
-    rank_params: int  # how many of (rank, world_size) the function takes first (``shape``)
-    world_size: int = DEFAULT_WORLD_SIZE
-    backend: str | None = DEFAULT_BACKEND
-    init_method: str = DEFAULT_INIT_METHOD
-    deadline: float = DEFAULT_DEADLINE  # seconds for the whole run (``timeout=`` of run_ranks)
-    env: dict[str, str] = field(default_factory=dict)
-    may_exit: frozenset[int] = frozenset()
-    debug_rank: int | None = None
-    log_dir: Path | None = None  # the caller's directory for the ranks' files
-    stream: TextIO | None = None
-    stream_prefix: bool = True
-    coverage: dict[str, Any] | None = None
-    faults: fault_plan.Plan = ()  # what goes wrong on purpose (docs/faults.md)
-    # Where the harness keeps the ranks' files when the caller gave no ``log_dir`` (the
-    # fixture's ``ranks/<test>-<n>``); neither: a temporary directory (``work_dir``).
-    home: Path | None = None
-    # Where a debugged rank's "attach to port N" goes (pytest's terminal; else stderr).
-    announce: Callable[[str], None] | None = None
-    # The test's warning filters at the call (``caught``); None: a rank keeps its own.
-    warning_filters: Filters | None = None
+    function: FunctionRef = _field(harness="run_ranks's fn, found by name in the rank (lookup)")
+    # pickle of (a partial's args, args, keywords): unpickled in each rank
+    payload: bytes = _field(keyword="fn_kwargs", keyword_default=None, harness="with the args")
+    rank_params: int = _field(harness="how many of (rank, world_size) fn takes first (shape)")
+    world_size: int = _field(DEFAULT_WORLD_SIZE, keyword="world_size", marker="world_size")
+    backend: str | None = _field(DEFAULT_BACKEND, keyword="backend", marker="dist_backend")
+    init_method: str = _field(DEFAULT_INIT_METHOD, keyword="init_method", option="--init-method")
+    # seconds for the whole run
+    deadline: float = _field(
+        DEFAULT_DEADLINE,
+        keyword="timeout",
+        marker="rank_timeout",
+        option="--rank-timeout",
+        ini="rank_timeout",
+    )
+    # the check_collectives marker and option add TORCH_DISTRIBUTED_DEBUG (``torchenv``)
+    env: dict[str, str] = _field(
+        factory=dict,
+        keyword="env",
+        keyword_default=None,
+        marker="check_collectives",
+        option="--check-collectives",
+    )
+    may_exit: frozenset[int] = _field(frozenset(), keyword="may_exit", keyword_default=())
+    debug_rank: int | None = _field(None, keyword="debug_rank", option="--rank-pdb")
+    log_dir: Path | None = _field(None, keyword="log_dir")  # the caller's, for the ranks' files
+    stream: TextIO | None = _field(None, keyword="stream")
+    stream_prefix: bool = _field(True, keyword="stream_prefix")
+    coverage: dict[str, Any] | None = _field(None, harness="the parent's coverage, if measured")
+    faults: fault_plan.Plan = _field((), keyword="faults")  # docs/faults.md
+    # Where the harness keeps the ranks' files when the caller gave no ``log_dir``;
+    # neither: a temporary directory (``work_dir``).
+    home: Path | None = _field(None, harness="the fixture's ranks/<test>-<n>")
+    announce: Callable[[str], None] | None = _field(
+        None, harness="where a debugged rank's 'attach to port N' goes: pytest's terminal"
+    )
+    warning_filters: Filters | None = _field(
+        None, harness="the test's warning filters at the call (caught); None: the rank's own"
+    )
 
     def sets(self, name: str) -> bool:
         """Whether field ``name`` is away from its default: something a strategy that
@@ -98,6 +119,17 @@ class Call:
 
 
 _FIELDS = {f.name: f for f in fields(Call)}
+SOURCES: dict[str, Source] = {name: f.metadata["source"] for name, f in _FIELDS.items()}
+# The options of run_ranks, beside the function and its positional arguments, and their
+# defaults (run_ranks's own signature says the same, for help() and editors: a test checks).
+DEFAULTS: dict[str, Any] = {
+    source.keyword: _FIELDS[name].default
+    if source.keyword_default is SAME
+    else source.keyword_default
+    for name, source in SOURCES.items()
+    if source.keyword is not None
+}
+OPTIONS = tuple(DEFAULTS)
 
 
 def build(fn: Callable[..., Any], args: tuple[Any, ...] = (), **options: Any) -> Call:

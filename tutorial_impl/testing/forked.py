@@ -72,9 +72,7 @@ class Forked:
                 started.append(start(spec))
             announce = (call.announce or _to_stderr) if call.debug_rank is not None else None
             deadline = _debugging.Deadline(call.deadline, work, announce)
-            return supervise.supervise(
-                started, deadline, call.deadline, call.stream, call.stream_prefix, call.may_exit
-            )
+            return supervise.supervise(started, deadline, call)
         finally:
             supervise.LIVE.kill(started)
             store.close()

@@ -40,7 +40,7 @@ from typing import Any, TextIO
 
 from tutorial_impl.testing import faults, forensics, leftovers, records
 from tutorial_impl.testing import outcome as _o
-from tutorial_impl.testing.call import RankFiles
+from tutorial_impl.testing.call import Call, RankFiles
 from tutorial_impl.testing.debugging import Deadline
 from tutorial_impl.testing.errors import RankExited, prefixed
 from tutorial_impl.testing.recorder import Record
@@ -137,18 +137,14 @@ def kill_group(pid: int) -> None:
 
 
 def supervise(
-    procs: list[Proc],
-    deadline: Deadline,
-    timeout: float,
-    stream: TextIO | None = None,
-    prefix: bool = True,
-    may_exit: frozenset[int] = frozenset(),
-    since_ns: int | None = None,
+    procs: list[Proc], deadline: Deadline, call: Call, since_ns: int | None = None
 ) -> Finished:
-    """Wait for every rank's report (the rules above); what was seen, for ``verdict``.
+    """Wait for every rank's report of ``call`` (the rules above; its ``deadline``,
+    ``stream``, ``stream_prefix`` and ``may_exit``); what was seen, for ``verdict``.
     ``since_ns``: a warm world's task start (its ranks' records of earlier tests are not
     this test's; ``records.this_test``)."""
-    watch = _Watch(procs, stream, prefix, may_exit, since_ns, timeout)
+    timeout = call.deadline
+    watch = _Watch(procs, call.stream, call.stream_prefix, call.may_exit, since_ns, timeout)
     watch.run(deadline)
     watch.late_reports()
     watch.relay()

@@ -131,9 +131,7 @@ class WarmPool:
             world.tasks += 1
             try:
                 deadline = _debugging.Deadline(call.deadline, work)
-                finished = supervise.supervise(
-                    world.procs, deadline, call.deadline, since_ns=since_ns
-                )
+                finished = supervise.supervise(world.procs, deadline, call, since_ns)
             except BaseException:
                 self.retire(world, FAILED)
                 raise
