@@ -196,6 +196,16 @@ def test_the_audit_wrapper_compares_the_two_verdicts():
         differ = Audited(_Gives(warm_run), _Gives(fresh_run))  # type: ignore[arg-type]
         with pytest.raises(WarmAuditError, match="--warm-audit: the warm world's verdict"):
             runner.run(differ, call.build(len))
+    # The error names the warm run's outputs; its cause is the failure of either run.
+    told = _finished(_o.Returned(1), RAISED)
+    told.outputs = {0: "zero said this", 1: "one said that"}
+    with pytest.raises(WarmAuditError) as failed_warm:
+        runner.run(Audited(_Gives(told), _Gives(RUNS[0])), call.build(len))  # type: ignore[arg-type]
+    assert failed_warm.value.outputs == told.outputs
+    assert isinstance(failed_warm.value.__cause__, RankFailed)
+    with pytest.raises(WarmAuditError) as failed_fresh:
+        runner.run(Audited(_Gives(RUNS[0]), _Gives(told)), call.build(len))  # type: ignore[arg-type]
+    assert isinstance(failed_fresh.value.__cause__, RankFailed)
     # Both fail alike: the warm run's own error is the verdict.
     with pytest.raises(RankFailed):
         runner.run(Audited(_Gives(RUNS[1]), _Gives(RUNS[1])), call.build(len))  # type: ignore[arg-type]
@@ -320,6 +330,11 @@ def test_one_list_of_options_the_calls_fields():
         named.update(name for name in users if name)
     assert named | set(config.NOT_A_CALL_FIELD) == parser.names | markers | set(keywords)
     assert not named & set(config.NOT_A_CALL_FIELD)
+    built = call.build(len)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # checked once, then only read
+        built.world_size = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        call.SOURCES["deadline"].keyword = "deadline"  # type: ignore[misc]
     # run_ranks's signature (for help() and editors) says what the fields say.
     assert keywords == call.DEFAULTS
     assert call.OPTIONS == tuple(call.DEFAULTS)
