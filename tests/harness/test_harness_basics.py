@@ -233,14 +233,14 @@ def test_backend_none_leaves_the_group_to_the_function(run_ranks, how):
 INIT_METHOD_SPY = """
 import torch
 import torch.distributed as dist
-from tutorial_impl.testing.strategies.forked import FORKED
+from tutorial_impl.testing.strategies import protocol as runner
 
 seen = []
-real = FORKED.run
+real = runner.run
 
-def spy(call):
+def spy(strategy, call):
     seen.append(call.init_method)
-    return real(call)
+    return real(strategy, call)
 
 def rank_sum(rank, world_size):
     t = torch.tensor([rank + 1.0])
@@ -248,7 +248,7 @@ def rank_sum(rank, world_size):
     return t.item()
 
 def test_uses_the_option(run_ranks, monkeypatch):
-    monkeypatch.setattr(FORKED, "run", spy)
+    monkeypatch.setattr(runner, "run", spy)
     assert run_ranks(rank_sum) == [3.0, 3.0]
     assert seen == [{expected!r}]
 """

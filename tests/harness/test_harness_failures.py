@@ -16,6 +16,7 @@ import threading
 import time
 import types
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from tutorial_impl.testing import (
 )
 from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.rank import main as _ranks
+from tutorial_impl.testing.call import RankFiles
 
 # A deadline far above what any of these runs needs: if a failure were only noticed at the
 # deadline, the elapsed-time assertions below would catch it.
@@ -442,8 +444,7 @@ def test_ranks_never_share_a_gpu(monkeypatch):
         function=None,  # type: ignore[arg-type]
         payload=b"",
         env={},
-        log_path="",
-        stack_path="",
+        files=RankFiles(Path(), 1),
         backend="nccl",
     )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

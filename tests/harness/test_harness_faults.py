@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import RankExited, RankFailed
-from tutorial_impl.testing.diagnose import desync, recorder
-from tutorial_impl.testing.diagnose.recorder import Record
-from tutorial_impl.testing.faults import group as faulty_group
-from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.diagnose import desync
 from tutorial_impl.testing.faults import plan as fault_plan
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.diagnose import recorder
 from tutorial_impl.testing.faults.plan import Close, Delay, Exit, Fault, Hang, Kill, Point, Raise
+from tutorial_impl.testing.diagnose.recorder import Record
 
 GROUP_TIMEOUT = timedelta(seconds=30)  # far above what any run here needs
 
@@ -405,11 +406,10 @@ def test_run_ranks_refuses_a_bad_faults_option_before_any_rank_starts():
     # Under torchrun rank 0 reports for the job: a kill there would leave no one to report
     # it, so it is refused by name before anything runs; elsewhere it runs, and an exit on
     # rank 0 ends only its function (conformance case c27e).
-    from tutorial_impl.testing.strategies.torchrun.worker import Launched
+    from tutorial_impl.testing.strategies.torchrun.worker import reporter_killed
 
-    torchrun = Launched(job=None)  # type: ignore[arg-type] - refusal reads only the call
     for plan in (Fault(0, Kill()), [Fault(1, Raise()), Fault({0, 1}, Kill())]):
-        refusal = torchrun.refusal(call.build(join, ((),), faults=plan))
+        refusal = reporter_killed(call.build(join, ((),), faults=plan))
         assert refusal and "a kill on rank 0" in refusal, plan
     for plan in (Fault(1, Kill()), Fault(0, Hang()), Fault(0, Raise()), Fault(0, Exit(3))):
-        assert torchrun.refusal(call.build(join, ((),), faults=plan)) is None, plan
+        assert reporter_killed(call.build(join, ((),), faults=plan)) is None, plan

@@ -248,13 +248,13 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
 # A user's test file whose run_ranks records the deadline the fixture chose, starting no rank.
 SPY = """
 import pytest
-from tutorial_impl.testing.strategies.forked import FORKED
 from tutorial_impl.testing import RankResults
+from tutorial_impl.testing.strategies import protocol as runner
 
 def echo(rank, world_size):
     pass
 
-def spy(call):
+def spy(strategy, call):
     # Record the deadline the fixture chose instead of starting ranks.
     results = RankResults([call.deadline])
     results.outputs = []
@@ -262,7 +262,7 @@ def spy(call):
 
 @pytest.fixture(autouse=True)
 def _spy(monkeypatch):
-    monkeypatch.setattr(FORKED, "run", spy)
+    monkeypatch.setattr(runner, "run", spy)
 """
 
 DEADLINES = (

@@ -18,9 +18,8 @@ It also prices ``--check-collectives`` (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL
 check, the slowest rank's mean over ``--collectives`` calls, and their ratio (JSON keys
 ``collective_us``, ``checked_collective_us``, ``check_ratio``).
 
-And warm worlds (``testing/strategies/warm/pool.py``): the same test in a world whose ranks
-and group served the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms,
-both in this run),
+And warm worlds (``testing/strategies/warm/pool.py``): the same test in a world whose ranks and group served
+the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms, both in this run),
 the same warm test under ``--warm-audit`` (``audit_ms``: it runs fresh too; ``audit_cost`` =
 audit_ms / warm_ms), the same test as one of a torchrun job's tests (``torchrun_ms``: every
 worker of ``torchrun --standalone --nproc-per-node=N -m pytest`` runs it in lockstep; the
@@ -62,10 +61,11 @@ import torch.multiprocessing
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import run_ranks
 from tutorial_impl.testing.forkserver import server as forkserver
-from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
-from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
+from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies.warm.audit import Audited
 from tutorial_impl.testing.strategies.forked import FORKED
-from tutorial_impl.testing.strategies.warm.audit import audited
+from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
+from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.strategies.warm.pool import WarmPool
 
 
@@ -125,21 +125,21 @@ def time_harness(world_size: int, repeats: int) -> list[float]:
 
 
 def time_warm(world_size: int, repeats: int) -> list[float]:
-    """Milliseconds per test in a warm world (``testing/strategies/warm/pool.py``): the same
-    all_reduce test, its ranks and group kept from the test before, checked after each test."""
+    """Milliseconds per test in a warm world (``testing/strategies/warm/pool.py``): the same all_reduce
+    test, its ranks and group kept from the test before, checked after each test."""
     expected = [world_size * (world_size + 1) / 2] * world_size
     times = []
     pool = WarmPool()
     call = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     for i in range(repeats + 1):
         start = time.perf_counter()
-        results = pool.run(call)
+        results = runner.run(pool, call)
         elapsed = (time.perf_counter() - start) * 1e3
         if results != expected:
             raise AssertionError(f"warm all_reduce gave {results}, expected {expected}")
         if i:  # the first call starts the world: once per module of tests, not per test
             times.append(elapsed)
-    pool.close_all()
+    pool.close()
     return times
 
 
@@ -157,26 +157,27 @@ def time_replace(world_size: int, repeats: int) -> list[float]:
     good = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     poisoned = _call.build(leave_a_group, world_size=world_size, timeout=60)
     for _ in range(repeats):
-        pool.run(good)  # a warm world
-        pool.run(poisoned)  # ... poisoned
+        runner.run(pool, good)  # a warm world
+        runner.run(pool, poisoned)  # ... poisoned
         start = time.perf_counter()
-        pool.run(good)  # ... replaced
+        runner.run(pool, good)  # ... replaced
         times.append((time.perf_counter() - start) * 1e3)
-    pool.close_all()
+    pool.close()
     return times
 
 
 def time_audited(world_size: int, repeats: int) -> list[float]:
     """Milliseconds per warm test under ``--warm-audit``: warm, then fresh, verdicts compared."""
     pool = WarmPool()
+    audited = Audited(pool, FORKED)
     call = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        audited(pool, FORKED, call)
+        runner.run(audited, call)
         if i:  # the first starts the world
             times.append((time.perf_counter() - start) * 1e3)
-    pool.close_all()
+    pool.close()
     return times
 
 

@@ -2,8 +2,8 @@
 
 Markers, options and ``run_ranks`` keyword arguments all end up here: ``build`` checks every
 field (a ``ValueError`` or ``TypeError`` naming the field and what is accepted) and returns
-a frozen ``Call``. Every way of starting ranks takes a ``Call``; a runner that cannot honour
-a field the caller gave (``Call.given``) refuses it by name (``runner.refusal``), it never
+a frozen ``Call``. Every way of starting ranks takes a ``Call``; a strategy that cannot honour
+a field the call sets (``Call.sets``) refuses it by name (``runner.refusal``), it never
 drops it. ``rank_spec`` turns a call into what one rank receives (``RankSpec``).
 
 Nothing here imports torch at import time (the pytest plugin imports this module).
@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -40,65 +40,102 @@ from tutorial_impl.testing.settings.config import (
 )
 from tutorial_impl.testing.settings.timing import SECONDS, usable_seconds
 
-# The options of run_ranks, beside the function and its positional arguments, and their
-# defaults (run_ranks's own signature says the same, for help() and editors).
-DEFAULTS: dict[str, Any] = {
-    "world_size": DEFAULT_WORLD_SIZE,
-    "backend": DEFAULT_BACKEND,
-    "init_method": DEFAULT_INIT_METHOD,
-    "timeout": DEFAULT_DEADLINE,
-    "fn_kwargs": None,
-    "env": None,
-    "log_dir": None,
-    "stream": None,
-    "stream_prefix": True,
-    "may_exit": (),
-    "debug_rank": None,
-    "faults": (),
-}
-OPTIONS = tuple(DEFAULTS)
+SAME = object()  # Source.keyword_default: the keyword's default is the field's
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a ``Call`` field's value comes from, by the names a user writes (a field no user
+    names says what the harness puts there instead). The ``Call``'s fields and these are the
+    one list of options: ``DEFAULTS``, the run_ranks keywords, derive from it, and a test holds
+    the markers, command-line options and ini values of the plugin to it."""
+
+    keyword: str | None = None  # run_ranks(fn, ..., keyword=value)
+    marker: str | None = None  # @pytest.mark.<marker>(...), read and checked by ``config``
+    option: str | None = None  # on the command line
+    ini: str | None = None  # in the ini file
+    keyword_default: Any = SAME  # the keyword's default where it is not the field's
+    harness: str = ""  # what the harness puts in a field no user names
+
+
+def _field(default: Any = MISSING, *, factory: Any = MISSING, **source: Any) -> Any:
+    """A ``Call`` field, its default and its ``Source``."""
+    return field(default=default, default_factory=factory, metadata={"source": Source(**source)})
 
 
 @dataclass(frozen=True)
 class Call:
     """One run, checked: the function, where it runs, and for how long."""
 
-    function: FunctionRef
-    payload: bytes  # pickle of (a partial's args, args, keywords): unpickled in each rank
-    rank_params: int  # how many of (rank, world_size) the function takes first (``shape``)
-    world_size: int
-    backend: str | None
-    init_method: str
-    deadline: float  # seconds for the whole run (``timeout=`` of run_ranks)
-    env: dict[str, str]
-    may_exit: frozenset[int]
-    debug_rank: int | None
-    log_dir: Path | None
-    stream: TextIO | None
-    stream_prefix: bool
-    coverage: dict[str, Any] | None
-    given: frozenset[str] = frozenset()  # the options the caller named itself
-    faults: fault_plan.Plan = ()  # what goes wrong on purpose (docs/faults.md)
-    # Where a debugged rank's "attach to port N" goes (pytest's terminal; else stderr).
-    announce: Callable[[str], None] | None = None
-    # The test's warning filters at the call (``caught``); None: a rank keeps its own.
-    warning_filters: Filters | None = None
+    function: FunctionRef = _field(harness="run_ranks's fn, found by name in the rank (lookup)")
+    # pickle of (a partial's args, args, keywords): unpickled in each rank
+    payload: bytes = _field(keyword="fn_kwargs", keyword_default=None, harness="with the args")
+    rank_params: int = _field(harness="how many of (rank, world_size) fn takes first (shape)")
+    world_size: int = _field(DEFAULT_WORLD_SIZE, keyword="world_size", marker="world_size")
+    backend: str | None = _field(DEFAULT_BACKEND, keyword="backend", marker="dist_backend")
+    init_method: str = _field(DEFAULT_INIT_METHOD, keyword="init_method", option="--init-method")
+    # seconds for the whole run
+    deadline: float = _field(
+        DEFAULT_DEADLINE,
+        keyword="timeout",
+        marker="rank_timeout",
+        option="--rank-timeout",
+        ini="rank_timeout",
+    )
+    # the check_collectives marker and option add TORCH_DISTRIBUTED_DEBUG (``torchenv``)
+    env: dict[str, str] = _field(
+        factory=dict,
+        keyword="env",
+        keyword_default=None,
+        marker="check_collectives",
+        option="--check-collectives",
+    )
+    may_exit: frozenset[int] = _field(frozenset(), keyword="may_exit", keyword_default=())
+    debug_rank: int | None = _field(None, keyword="debug_rank", option="--rank-pdb")
+    log_dir: Path | None = _field(None, keyword="log_dir")  # the caller's, for the ranks' files
+    stream: TextIO | None = _field(None, keyword="stream")
+    stream_prefix: bool = _field(True, keyword="stream_prefix")
+    coverage: dict[str, Any] | None = _field(None, harness="the parent's coverage, if measured")
+    faults: fault_plan.Plan = _field((), keyword="faults")  # docs/faults.md
+    # Where the harness keeps the ranks' files when the caller gave no ``log_dir``;
+    # neither: a temporary directory (``work_dir``).
+    home: Path | None = _field(None, harness="the fixture's ranks/<test>-<n>")
+    announce: Callable[[str], None] | None = _field(
+        None, harness="where a debugged rank's 'attach to port N' goes: pytest's terminal"
+    )
+    warning_filters: Filters | None = _field(
+        None, harness="the test's warning filters at the call (caught); None: the rank's own"
+    )
+
+    def sets(self, name: str) -> bool:
+        """Whether field ``name`` is away from its default: something a strategy that
+        cannot honour the field must refuse (``runner.refusal``)."""
+        found = _FIELDS[name]
+        default = found.default_factory() if found.default is MISSING else found.default  # type: ignore[misc]
+        return bool(getattr(self, name) != default)
 
     @property
     def debug_env(self) -> dict[str, str]:
         return check_rank(self.debug_rank, self.world_size)
 
 
-def build(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...] = (),
-    *,
-    given: Collection[str] = (),
-    **options: Any,
-) -> Call:
+_FIELDS = {f.name: f for f in fields(Call)}
+SOURCES: dict[str, Source] = {name: f.metadata["source"] for name, f in _FIELDS.items()}
+# The options of run_ranks, beside the function and its positional arguments, and their
+# defaults (run_ranks's own signature says the same, for help() and editors: a test checks).
+DEFAULTS: dict[str, Any] = {
+    source.keyword: _FIELDS[name].default
+    if source.keyword_default is SAME
+    else source.keyword_default
+    for name, source in SOURCES.items()
+    if source.keyword is not None
+}
+OPTIONS = tuple(DEFAULTS)
+
+
+def build(fn: Callable[..., Any], args: tuple[Any, ...] = (), **options: Any) -> Call:
     """Check a call's every field (``options``: run_ranks's keyword options, the others at
-    their ``DEFAULTS``) and pickle what the ranks need. ``given``: the options the caller
-    named itself, which a strategy must honour or refuse."""
+    their ``DEFAULTS``) and pickle what the ranks need."""
     unknown = unknown_options(options)
     if unknown:
         raise TypeError(f"unknown option(s) {unknown}; the options are {', '.join(OPTIONS)}")
@@ -138,7 +175,6 @@ def build(
         stream=o["stream"],
         stream_prefix=bool(o["stream_prefix"]),
         coverage=_coverage.parent_settings(),
-        given=frozenset(given),
         faults=check_faults(o["faults"], world_size),
     )
 
@@ -169,16 +205,15 @@ def _payload(ref: FunctionRef, shape: _shape.Shape, args: tuple[Any, ...]) -> by
 
 @contextlib.contextmanager
 def work_dir(call: Call) -> Iterator[Path]:
-    """The run's directory (logs, stacks, file:// rendezvous): the caller's ``log_dir``, or
-    a temporary one removed afterwards."""
-    own = call.log_dir is None
-    work = Path(tempfile.mkdtemp(prefix="ranks-")) if own else call.log_dir
-    assert work is not None
+    """The run's directory (logs, stacks, file:// rendezvous): the caller's ``log_dir``, else
+    the harness's ``home`` for it, else a temporary one removed afterwards."""
+    given = call.log_dir or call.home
+    work = given or Path(tempfile.mkdtemp(prefix="ranks-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         yield work
     finally:
-        if own:
+        if given is None:
             shutil.rmtree(work, ignore_errors=True)
 
 
@@ -253,6 +288,43 @@ def _check_gpus(backend: str | None, world_size: int, env: dict[str, str] | None
         raise ValueError(shortage)
 
 
+@dataclass(frozen=True)
+class RankFiles:
+    """Where one rank's files are, in its run's directory: the same paths for the parent
+    (``supervise.Proc``) and the rank (``RankSpec``), named here only."""
+
+    directory: Path
+    rank: int
+
+    def _named(self, suffix: str) -> Path:
+        return self.directory / f"rank{self.rank}{suffix}"
+
+    @property
+    def log(self) -> Path:
+        """Everything the rank writes to fd 1 and 2."""
+        return self._named(".log")
+
+    @property
+    def stacks(self) -> Path:
+        """``faulthandler``'s stacks: at a fatal signal, or asked by SIGUSR1 (``forensics``)."""
+        return self._named(".stacks")
+
+    @property
+    def records(self) -> Path:
+        """Its flight-recorder dump when asked (``records``)."""
+        return self._named(".fr")
+
+    @property
+    def fault(self) -> Path:
+        """Each fault that fires in it (``faults.read_fired``)."""
+        return self._named(".fault")
+
+    @property
+    def debugging(self) -> Path:
+        """Present while its debugger waits (``debugging``)."""
+        return self._named(".debugging")
+
+
 @dataclass
 class RankSpec:
     """Everything one rank needs, sent to it by pickle. The function travels *by name*."""
@@ -262,8 +334,7 @@ class RankSpec:
     function: FunctionRef
     payload: bytes  # see Call.payload: unpickled inside the rank, errors reported
     env: dict[str, str]
-    log_path: str
-    stack_path: str
+    files: RankFiles
     backend: str | None = DEFAULT_BACKEND  # None: the function initialises what it needs
     init_method: str = DEFAULT_INIT_METHOD
     tmp_dir: str | None = None
@@ -286,16 +357,6 @@ class RankSpec:
     forkserver: dict[str, Any] | None = None
     start_method: str | None = None  # multiprocessing's default in the parent (None: unset)
 
-    @property
-    def records_path(self) -> str:
-        """Where the rank writes its flight-recorder dump when asked (``records``)."""
-        return self.stack_path.removesuffix(".stacks") + ".fr"
-
-    @property
-    def fault_path(self) -> str:
-        """Where the rank writes each fault that fires (``faults.read_fired``)."""
-        return self.stack_path.removesuffix(".stacks") + ".fault"
-
 
 def rank_spec(
     call: Call,
@@ -316,8 +377,7 @@ def rank_spec(
         payload=call.payload,
         rank_params=call.rank_params,
         env={**rank_env, **call.env, **(extra_env or {})},
-        log_path=str(work / f"rank{rank}.log"),
-        stack_path=str(work / f"rank{rank}.stacks"),
+        files=RankFiles(work, rank),
         backend=call.backend,
         init_method=call.init_method,
         tmp_dir=str(work),

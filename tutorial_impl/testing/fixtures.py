@@ -2,7 +2,7 @@
 
 ``run_ranks(fn, *args, **options)`` is the whole path of a test's call, one way in and one
 verdict out: the test's settings (``config``, read once at collection) and the call's own
-keyword options become one checked ``call.Call``; the strategy is chosen (``Session.runner``:
+keyword options become one checked ``call.Call``; the strategy is chosen (``Session.strategy``:
 under torchrun the job, a warm world when asked for and possible, else fresh ranks), runs it
 and returns the results or raises the run's one error (``verdict``); a skip or an xfail
 becomes pytest's own, and what the ranks caught (warnings, exceptions in their threads)
@@ -25,43 +25,61 @@ from typing import Any, NoReturn
 import pytest
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing.rank import caught, leftovers
-from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
-from tutorial_impl.testing.settings import config as _config
+from tutorial_impl.testing.rank import caught
+from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.settings import matrix
+from tutorial_impl.testing.settings import config as _config
+from tutorial_impl.testing.strategies import protocol as _runner
 from tutorial_impl.testing.settings import shadowing as _shadowing
-from tutorial_impl.testing.strategies.forked import FORKED, IN_TEST, RUNNING
-from tutorial_impl.testing.strategies.protocol import Runner
-from tutorial_impl.testing.strategies.warm.pool import WarmPool
+from tutorial_impl.testing.strategies.warm.audit import Audited
 from tutorial_impl.testing.verdict.errors import RankError, RankResults, RankSkipped, RankXFailed
+from tutorial_impl.testing.strategies.forked import FORKED, IN_TEST, RUNNING
+from tutorial_impl.testing.strategies.protocol import Strategy
+from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.strategies.warm.pool import WarmPool
 
 RunRanks = Callable[..., RankResults]
 
 
 @dataclasses.dataclass
 class Session:
-    """What one pytest session's calls share: the warm pool, the torchrun job (if this
-    pytest is one of its workers), and the session's options. On ``config.stash``."""
+    """What one pytest session's calls share: its strategies (in order of preference: the
+    torchrun job; else a warm world, wrapped by ``--warm-audit``, then fresh ranks), the warm
+    pool and the torchrun job behind them, and the session's options. On ``config.stash``."""
 
     pool: WarmPool
-    launched: Runner | None  # torchrun.Launched
+    launched: Any  # torchrun.Launched, if this pytest is a worker of a torchrun job
     default_deadline: float
     init_method: str | None  # --init-method, if given
     warm_worlds: bool  # --warm-worlds / the warm_worlds ini value
     warm_audit: bool  # --warm-audit
     check_collectives: bool  # --check-collectives
     debug_rank: int | None  # --rank-pdb
+    strategies: tuple[Strategy, ...] = ()
 
-    def runner(self, settings: _config.Settings, call: _call.Call) -> Runner:
-        """The strategy for ``call``: the job under torchrun; a warm world when asked for
-        (marker or --warm-worlds, not warm_world(False)) and it can serve the call, with
-        no GPUs leased; else fresh ranks."""
-        if self.launched is not None:
-            return self.launched
+    def __post_init__(self) -> None:
+        warm: Strategy = Audited(self.pool, FORKED) if self.warm_audit else self.pool
+        self.strategies = self.strategies or (warm, FORKED)
+
+    def join(self, launched: Strategy) -> None:
+        """This pytest is a worker of a torchrun job: every call is the job's."""
+        self.launched, self.strategies = launched, (launched,)
+
+    def strategy(self, settings: _config.Settings, call: _call.Call) -> Strategy:
+        """The strategy for ``call``: the first that can honour it (``runner.choose``) of the
+        session's, the warm one offered only when asked for (marker or --warm-worlds, not
+        warm_world(False)) and no GPUs are leased; under torchrun, the job's."""
         wanted = settings.warm if settings.warm is not None else self.warm_worlds
-        if wanted and not settings.gpus and self.pool.refusal(call) is None:
-            return self.pool
-        return FORKED
+        offered = self.strategies if wanted and not settings.gpus else self.strategies[-1:]
+        return _runner.choose(offered, call)
+
+    def test_ended(self, failed: bool) -> None:
+        for strategy in self.strategies:
+            strategy.test_ended(failed)
+
+    def close(self) -> None:
+        for strategy in self.strategies:
+            strategy.close()
 
 
 SESSION = pytest.StashKey[Session]()
@@ -160,15 +178,15 @@ class RunRanksOfTest:
         as_pytest: bool,
     ) -> RankResults:
         __tracebackhide__ = True
-        runner, call = self.prepare(fn, args, options)
+        strategy, call = self.prepare(fn, args, options)
         # Fresh ranks may run side by side for threads of one test; a warm world or the
         # torchrun job is one set of ranks, which the calls of its threads take in turn.
-        with self._one_at_a_time if runner is not FORKED else contextlib.nullcontext():
-            return _outcome(runner, call, self.session, as_pytest=as_pytest)
+        with self._one_at_a_time if strategy is not FORKED else contextlib.nullcontext():
+            return _outcome(strategy, call, self.session, as_pytest=as_pytest)
 
     def prepare(
         self, fn: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]
-    ) -> tuple[Runner, _call.Call]:
+    ) -> tuple[Strategy, _call.Call]:
         """The checked call (the test's settings, the call's own options on top) and the
         strategy that runs it."""
         __tracebackhide__ = True
@@ -179,14 +197,14 @@ class RunRanksOfTest:
         call = dataclasses.replace(
             call,
             deadline=min(call.deadline, self.item.stash.get(DEADLINE_CAP, float("inf"))),
-            log_dir=call.log_dir or self.next_dir(),
+            home=None if call.log_dir is not None else self.next_dir(),
             announce=_terminal_line(self.config),
             warning_filters=caught.current_filters(),  # pytest's for this test, now
         )
-        runner = self.session.runner(self.settings, call)
-        if runner is self.session.launched and call.world_size != world_size_of_job(runner):
+        launched = self.session.launched
+        if launched is not None and call.world_size != world_size_of_job(launched):
             pytest.skip(f"needs world_size {call.world_size}; this torchrun job has another")
-        return runner, call
+        return self.session.strategy(self.settings, call), call
 
 
 # --- the public run_ranks inside a test ----------------------------------------------------
@@ -279,8 +297,8 @@ def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
     return line
 
 
-def world_size_of_job(runner: Runner) -> int:
-    return runner.job.launch.world_size  # type: ignore[attr-defined]
+def world_size_of_job(launched: Any) -> int:
+    return launched.job.launch.world_size  # type: ignore[no-any-return]
 
 
 def _build(
@@ -292,9 +310,6 @@ def _build(
     world_size: int,
 ) -> _call.Call:
     """The checked call: the test's settings, then the call's own options on top."""
-    given = set(options)
-    if session.init_method is not None:
-        given.add("init_method")
     fields: dict[str, Any] = {
         "world_size": world_size,
         "backend": settings.backend,
@@ -307,24 +322,19 @@ def _build(
     try:
         if session.check_collectives or settings.check_collectives:  # the caller's env= wins
             fields["env"] = {**CHECK_COLLECTIVES, **_call.check_env(options.get("env"))}
-        return _call.build(fn, args, given=given, **fields)
+        return _call.build(fn, args, **fields)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"run_ranks: {exc}") from None
 
 
 def _outcome(
-    runner: Runner, call: _call.Call, session: Session, as_pytest: bool = True
+    strategy: Strategy, call: _call.Call, session: Session, as_pytest: bool = True
 ) -> RankResults:
     """Run ``call``: its results, or its verdict as pytest's (a failure, skip or xfail:
     ``reported``), or with ``as_pytest=False`` the ``RankError`` itself."""
     __tracebackhide__ = True
     try:
-        if runner is session.pool and session.warm_audit:
-            from tutorial_impl.testing.strategies.warm.audit import audited
-
-            results = audited(session.pool, FORKED, call)
-        else:
-            results = runner.run(call)
+        results = _runner.run(strategy, call)
     except RankError as error:
         leftovers.warn(error.killed)  # here, not in ``reported``: a caught error names them too
         if as_pytest:

@@ -177,7 +177,7 @@ def _join_the_job(config: pytest.Config, session: Session, launch: where.Launch)
             "rendezvous; drop the option (or use --launcher fork)"
         )
     the_job = Job(launch, session.default_deadline)
-    session.launched = Launched(the_job)
+    session.join(Launched(the_job))
     config.pluginmanager.register(
         LaunchedSession(config, the_job, _deadline_of), "tutorial-impl-launched-session"
     )
@@ -374,7 +374,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if stack is not None:
         stack.close()
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
-        item.config.stash[SESSION].pool.close_all()
+        item.config.stash[SESSION].close()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -386,7 +386,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """No warm rank outlives the session."""
     found = session.config.stash.get(SESSION, None)
     if found is not None:
-        found.pool.close_all()
+        found.close()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -394,7 +394,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """Lead a failed multi-rank test's report with its cause; details in sections (``report``)."""
     rep = yield
     if call.when == "call":  # a failed test's warm world is not reused
-        item.config.stash[SESSION].pool.test_ended(failed=rep.failed)
+        item.config.stash[SESSION].test_ended(failed=rep.failed)
     problem = item.stash.get(_bad_config, None)
     crash = getattr(rep.longrepr, "reprcrash", None)
     if call.when == "setup" and problem is not None and crash is not None:

@@ -113,10 +113,10 @@ def _announce(message: str) -> None:
 class Debugging:
     """What a rank does about debugging: nothing, unless it is the debugged rank."""
 
-    def __init__(self, rank: int, log_dir: str, attach_within: float) -> None:
+    def __init__(self, rank: int, marker: Path, attach_within: float) -> None:
         self.rank = rank
         self.attach_within = max(attach_within, ATTACH_WINDOW)
-        self.marker = Path(log_dir) / f"rank{rank}.debugging"
+        self.marker = marker  # ``RankFiles.debugging``
         self.active = debug_rank() == rank
         self._pdb: RemotePdb | None = None
         # Any other rank has no terminal: its stdin is pytest's, its output a log file, so a

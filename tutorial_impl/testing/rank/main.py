@@ -115,7 +115,7 @@ def _watch_owner(owner: int) -> None:
 
 def _redirect_output(spec: RankSpec) -> None:
     """Point this rank's fd 1 and 2 at its own log file (C++ and subprocess output too)."""
-    fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(spec.files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -207,8 +207,8 @@ def take_task(spec: RankSpec) -> None:
     log and stack files, and sees the parent's environment as it is at that test's call.
     """
     _redirect_output(spec)
-    records.answer_to(spec.records_path)
-    stacks = open(spec.stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
+    records.answer_to(str(spec.files.records))
+    stacks = open(spec.files.stacks, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=stacks, all_threads=True)  # segfaults, aborts
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the deadline
     if _open.get("stacks") is not None:
@@ -254,7 +254,7 @@ def run_task(
     ``baseline`` (a warm rank's ``reuse.Baseline``) refreshes its snapshot right before the
     function; the warm rank checks against it once the report is sent (``warm_rank``)."""
     rank_pid = os.getpid()
-    debugging = _debugging.Debugging(spec.rank, os.path.dirname(spec.log_path), spec.timeout)
+    debugging = _debugging.Debugging(spec.rank, spec.files.debugging, spec.timeout)
     if _debugging.debug_rank() is not None:
         spec.timeout = _debugging.HOLD  # hold every rank while one is debugged
     cov = _coverage.start_in_rank(spec.coverage)
@@ -305,7 +305,7 @@ def _set_up_and_call(
     args, kwargs = arguments(spec.payload, spec.rank_params, spec.rank, spec.world_size)
     _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
     # Before any group, on every task (no plan: disarmed; a warm world counts from 1 again).
-    _faults.arm(spec.faults, spec.rank, report_to=spec.fault_path)
+    _faults.arm(spec.faults, spec.rank, report_to=str(spec.files.fault))
     if join_group and spec.backend is not None:
         init_process_group(spec)
     if baseline is not None:

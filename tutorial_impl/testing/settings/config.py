@@ -74,6 +74,21 @@ MARKERS = {
     "(TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks): a mismatch fails in seconds, not at the "
     "deadline",
 }
+# The markers, options and ini values that set no field of a call (``call.Source`` names the
+# ones that do): what each decides instead (a deprecated marker is its new name's). A test
+# holds the plugin to the two lists.
+NOT_A_CALL_FIELD = {
+    "dist_gpu": "the GPUs leased for the test (backends.lease); skipped without them",
+    "warm_world": "which strategy runs the test's calls (fixtures.Session.strategy)",
+    "--warm-worlds": "which strategy runs the test's calls (fixtures.Session.strategy)",
+    "warm_worlds": "which strategy runs the test's calls (fixtures.Session.strategy)",
+    "--warm-audit": "the warm strategy wrapped by audit.Audited",
+    "--launcher": "whether this pytest is a worker of a torchrun job",
+    "--require-gpu": "a GPU test that cannot run here fails instead of skipping",
+    "rank_preload": "what the forkserver imports (preload)",
+    "rank_preload_test_imports": "what the forkserver imports (preload)",
+    "rank_preload_exclude": "what the forkserver imports (preload)",
+}
 HELP_RANK_TIMEOUT = (
     "harness deadline in seconds for every multi-rank test without its own rank_timeout "
     "marker (default: the rank_timeout ini value, else 60). At the deadline every live rank's "

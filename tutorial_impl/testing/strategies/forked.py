@@ -2,8 +2,9 @@
 
 ``run_ranks(fn, *args, world_size=2)`` forks ``world_size`` ranks from the forkserver, each
 joins a process group on a store the parent owns (``rendezvous``), runs ``fn`` through the
-one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` decides, and a
-``finally`` kills every rank's process group whatever happened, Ctrl-C included. During a
+one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` decides
+(``runner.run``), and a ``finally`` kills every rank's process group whatever happened,
+Ctrl-C included. During a
 pytest test's body, ``run_ranks`` hands the call to that test's own (``IN_TEST``, set by the
 plugin: ``fixtures.in_test``; ``RUNNING`` for a thread the test started), so a helper that
 calls it runs with the test's settings.
@@ -16,47 +17,53 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ParamSpec, TextIO
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.faults.plan import Fault
-from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.rank import debugging as _debugging
+from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import main as rank
-from tutorial_impl.testing.rank.outcome import IN_RANK
-from tutorial_impl.testing.rendezvous import AgentStore
+from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import supervise
+from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.settings.config import (
     DEFAULT_BACKEND,
     DEFAULT_DEADLINE,
     DEFAULT_INIT_METHOD,
     DEFAULT_WORLD_SIZE,
 )
-from tutorial_impl.testing.strategies import supervise
-from tutorial_impl.testing.verdict.decision import decide
 from tutorial_impl.testing.verdict.errors import RankError, RankResults
+from tutorial_impl.testing.faults.plan import Fault
+from tutorial_impl.testing.rank.outcome import IN_RANK
+from tutorial_impl.testing.rendezvous import AgentStore
+from tutorial_impl.testing.verdict.decision import Finished
 
 P = ParamSpec("P")
 
 
 class Forked:
-    """Fresh ranks per call: honours every field of a call."""
+    """Fresh ranks per call: honours every field of a call, keeps nothing between calls."""
 
     name = "forked"
+    cannot: Mapping[str, str] = MappingProxyType({})
 
-    def refusal(self, call: Call) -> str | None:
-        return None
-
-    def run(self, call: Call) -> RankResults:
+    def gather(self, call: Call) -> Finished:
         __tracebackhide__ = True
         with _call.work_dir(call) as work:
-            return self._run_in(call, work)
+            return self._gather_in(call, work)
 
-    def _run_in(self, call: Call, work: Path) -> RankResults:
+    def test_ended(self, failed: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _gather_in(self, call: Call, work: Path) -> Finished:
         __tracebackhide__ = True
         _debugging.forget(work)  # an earlier run's debugger files would pause this deadline
         store = AgentStore(timeout=call.deadline)
@@ -69,10 +76,7 @@ class Forked:
                 started.append(start(spec))
             announce = (call.announce or _to_stderr) if call.debug_rank is not None else None
             deadline = _debugging.Deadline(call.deadline, work, announce)
-            finished = supervise.supervise(
-                started, deadline, call.deadline, call.stream, call.stream_prefix, call.may_exit
-            )
-            return decide(finished)
+            return supervise.supervise(started, deadline, call)
         finally:
             supervise.LIVE.kill(started)
             store.close()
@@ -91,7 +95,7 @@ def start(spec: _call.RankSpec) -> supervise.Proc:
     process.start()
     writer.close()  # only the rank holds the write end: EOF then means it is gone
     supervise.LIVE.add(process.pid)
-    return supervise.Proc(spec.rank, process, reader, Path(spec.log_path), Path(spec.stack_path))
+    return supervise.Proc(spec.rank, process, reader, spec.files)
 
 
 FORKED = Forked()
@@ -214,7 +218,7 @@ def run_ranks(
     __tracebackhide__ = True
     options = {name: value for name, value in locals().items() if name in _call.OPTIONS}
     try:
-        results = FORKED.run(_call.build(fn, args, **options))
+        results = runner.run(FORKED, _call.build(fn, args, **options))
     except RankError as error:
         leftovers.warn(error.killed)  # what the ranks left running, named (``leftovers``)
         raise

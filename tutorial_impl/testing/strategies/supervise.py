@@ -38,17 +38,18 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TextIO
 
-from tutorial_impl.testing.diagnose import records
+from tutorial_impl.testing.faults import inject as faults
 from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.rank import leftovers
+from tutorial_impl.testing.diagnose import records
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.call import Call, RankFiles
+from tutorial_impl.testing.rank.debugging import Deadline
+from tutorial_impl.testing.verdict.errors import RankExited, prefixed
 from tutorial_impl.testing.diagnose.recorder import Record
 from tutorial_impl.testing.diagnose.stranded import POLL, Standing, Stranded, find
-from tutorial_impl.testing.faults import inject as faults
-from tutorial_impl.testing.rank import leftovers
-from tutorial_impl.testing.rank import outcome as _o
-from tutorial_impl.testing.rank.debugging import Deadline
 from tutorial_impl.testing.settings.timing import CRASH_GRACE, REAP_GRACE, SKIP_GRACE
 from tutorial_impl.testing.verdict.decision import Finished
-from tutorial_impl.testing.verdict.errors import RankExited, prefixed
 
 # c10d's warning when it cannot name a peer for a log message (rendezvous.py explains why
 # that lookup may be refused); it says nothing about the test, so rank output omits it.
@@ -63,8 +64,7 @@ class Proc:
     rank: int
     process: Any
     conn: Connection
-    log_path: Path
-    stack_path: Path
+    files: RankFiles  # the task's: a warm rank's change with each test
     streamed: int = 0  # characters of its log already relayed
     extra: list[Any] = field(default_factory=list)  # messages after its report (warm checks)
 
@@ -73,16 +73,16 @@ class Proc:
         return self.process.pid
 
     @property
-    def records_path(self) -> Path:  # as ``RankSpec.records_path``
-        return Path(str(self.stack_path).removesuffix(".stacks") + ".fr")
+    def stack_path(self) -> Path:  # for ``forensics.dump_stacks``
+        return self.files.stacks
 
     @property
-    def fault_path(self) -> Path:  # as ``RankSpec.fault_path``
-        return Path(str(self.stack_path).removesuffix(".stacks") + ".fault")
+    def records_path(self) -> Path:  # for ``records.ask``
+        return self.files.records
 
     def output(self) -> str:
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.files.log.read_text(errors="replace")
         except FileNotFoundError:
             return ""
         if _DNS_NOISE in text:
@@ -140,18 +140,14 @@ def kill_group(pid: int) -> None:
 
 
 def supervise(
-    procs: list[Proc],
-    deadline: Deadline,
-    timeout: float,
-    stream: TextIO | None = None,
-    prefix: bool = True,
-    may_exit: frozenset[int] = frozenset(),
-    since_ns: int | None = None,
+    procs: list[Proc], deadline: Deadline, call: Call, since_ns: int | None = None
 ) -> Finished:
-    """Wait for every rank's report (the rules above); what was seen, for ``verdict``.
+    """Wait for every rank's report of ``call`` (the rules above; its ``deadline``,
+    ``stream``, ``stream_prefix`` and ``may_exit``); what was seen, for ``verdict``.
     ``since_ns``: a warm world's task start (its ranks' records of earlier tests are not
     this test's; ``records.this_test``)."""
-    watch = _Watch(procs, stream, prefix, may_exit, since_ns, timeout)
+    timeout = call.deadline
+    watch = _Watch(procs, call.stream, call.stream_prefix, call.may_exit, since_ns, timeout)
     watch.run(deadline)
     watch.late_reports()
     watch.relay()
@@ -169,9 +165,9 @@ def supervise(
         fatal=watch.fatal,
         skip_wait=watch.skip_wait,
         records=found,
-        fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.fault_path))},
+        fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.files.fault))},
         swept={rank: killed for rank, killed in swept.items() if killed},
-        unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.fault_path))},
+        unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.files.fault))},
         stranded=watch.stranded or watch.stranded_in(found),
     )
 

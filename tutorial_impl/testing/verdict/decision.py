@@ -66,6 +66,15 @@ class Finished:
     swept: dict[int, tuple[_o.Leftover, ...]] = field(default_factory=dict)
     unfired: dict[int, list[Unfired]] = field(default_factory=dict)  # faults never reached
     stranded: Stranded | None = None  # ranks waiting for a returned one (``stranded``)
+    # --warm-audit: the same call gathered on fresh ranks (``audit.Audited``), judged too.
+    audit: Finished | None = None
+
+    @property
+    def as_planned(self) -> bool:
+        """Every rank returned and reached every fault planned for it: exactly the runs
+        ``decide`` passes (a warm world that served another is not reused)."""
+        returned = all(isinstance(o, _o.Returned) for o in self.outcomes.values())
+        return returned and not any(self.unfired.values())
 
     @property
     def outcomes(self) -> dict[int, _o.Outcome]:

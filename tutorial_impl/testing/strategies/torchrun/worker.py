@@ -11,10 +11,10 @@ process group. What makes that safe:
   Any of the last three ends the wait with the place this rank's function was in, read
   from its live frames (``forensics``), passed through the job's store.
 * **One verdict for every rank.** Each rank publishes its report (the value, or the
-  exception as text) and reads everyone's; ``verdict.decide`` turns them into the same
-  results or the same error on every rank, by the rules forked ranks are judged by.
+  exception as text) and reads everyone's; ``verdict.decide`` (``runner.run``) turns them into
+  the same results or the same error on every rank, by the rules forked ranks are judged by.
 * **Nothing asked for is dropped.** A field of the call the job cannot honour
-  (``NOT_HONOURED``) is refused by name, before anything runs.
+  (``NOT_HONOURED``, the strategy's ``cannot``) is refused by name, before anything runs.
 * **A fault that ends its worker ends the job, after the verdict.** A ``Kill`` or an
   ``Exit`` fires in this worker as it would in a forked rank, but first the worker tells its
   peers through the store how it leaves and which fault fired (``Job.leave``), shuts its
@@ -38,24 +38,28 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from tutorial_impl.testing import proctable
-from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.diagnose import records
-from tutorial_impl.testing.diagnose import stacks as forensics
-from tutorial_impl.testing.diagnose.recorder import Record
-from tutorial_impl.testing.diagnose.stranded import Standing, standing
-from tutorial_impl.testing.faults import group as faulty_group
 from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.rank import leftovers
+from tutorial_impl.testing.diagnose import records
+from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
 from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.rank.caught import Catcher, current_filters
+from tutorial_impl.testing.strategies.torchrun.job import Job
 from tutorial_impl.testing.rank.lookup import resolve
 from tutorial_impl.testing.rank.main import dumps_on_cpu
+from tutorial_impl.testing.diagnose.recorder import Record
 from tutorial_impl.testing.rank.shape import arguments
+from tutorial_impl.testing.diagnose.stranded import Standing, standing
 from tutorial_impl.testing.settings.timing import (
     ANSWER_GRACE,
     FINISH_GRACE,
@@ -64,23 +68,31 @@ from tutorial_impl.testing.settings.timing import (
     STORE_POLL_MAX,
     STORE_POLL_MIN,
 )
-from tutorial_impl.testing.strategies.protocol import refused_fields
-from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
-from tutorial_impl.testing.strategies.torchrun.job import Job
-from tutorial_impl.testing.verdict.decision import Finished, decide
-from tutorial_impl.testing.verdict.errors import RankResults
+from tutorial_impl.testing.verdict.decision import Finished
 
 ENTRY = "rank_function"  # the harness frame below a rank function's own frames
-NOT_HONOURED = {
-    "init_method": "the job has torchrun's own rendezvous",
-    "log_dir": "a worker's output goes where torchrun sends it",
-    "stream": "a worker's output goes where torchrun sends it",
-    "stream_prefix": "a worker's output goes where torchrun sends it",
-    "may_exit": "a worker that exits ends the whole job; run this test forked",
-    "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
-    "faults": "a kill on rank 0 leaves the job without the rank that reports it; put it on "
-    "another rank, or run this test forked",
-}
+NOT_HONOURED: Mapping[str, str] = MappingProxyType(
+    {
+        "init_method": "the job has torchrun's own rendezvous",
+        "log_dir": "a worker's output goes where torchrun sends it",
+        "stream": "a worker's output goes where torchrun sends it",
+        "stream_prefix": "a worker's output goes where torchrun sends it",
+        "may_exit": "a worker that exits ends the whole job; run this test forked",
+        "debug_rank": "debugging one rank is for forked runs (--rank-pdb)",
+    }
+)
+# A plan is honoured but for one value: a kill of the rank that reports for the job.
+KILLS_REPORTER = (
+    "a kill on rank 0 leaves the job without the rank that reports it; put it on another "
+    "rank, or run this test forked"
+)
+
+
+def reporter_killed(call: Call) -> str | None:
+    """The refusal of a plan that kills rank 0, which reports for the job; else None."""
+    if any(f.action.name == "kill" and 0 in f.ranks for f in call.faults):
+        return runner.refused(["faults"], Launched.name, {"faults": KILLS_REPORTER})
+    return None
 
 
 @dataclass
@@ -100,22 +112,15 @@ class Launched:
     """This worker as one rank of the job: the ``torchrun`` strategy."""
 
     name = "torchrun"
+    cannot = NOT_HONOURED
 
     def __init__(self, job: Job) -> None:
         self.job = job
 
-    def refusal(self, call: Call) -> str | None:
-        used = set(call.given) - {"faults"}  # refused only where rank 0 would be killed
-        kills_rank_0 = [f for f in call.faults if f.action.name == "kill" and 0 in f.ranks]
-        used |= {"faults"} if kills_rank_0 else set()
-        used |= {"may_exit"} if call.may_exit else set()
-        used |= {"debug_rank"} if call.debug_rank is not None else set()
-        return refused_fields(sorted(used), "under torchrun", NOT_HONOURED)
-
-    def run(self, call: Call) -> RankResults:
+    def gather(self, call: Call) -> Finished:
         __tracebackhide__ = True
         job, launch = self.job, self.job.launch
-        refusal = self.refusal(call)
+        refusal = runner.refusal(self, call) or reporter_killed(call)
         if refusal or call.world_size != launch.world_size:
             raise ValueError(
                 refusal or f"world_size={call.world_size}, the job has {launch.world_size}"
@@ -158,7 +163,13 @@ class Launched:
             job.stale.append(host)  # a failed call's port stays reserved: a rank may still use it
         elif host is not None:
             host.close()
-        return decide(finished)
+        return finished
+
+    def test_ended(self, failed: bool) -> None:
+        pass  # a dirty job's group is made anew by its next call (``Job.dirty``)
+
+    def close(self) -> None:
+        pass  # the job ends with the session (``torchrun_session``)
 
     def _leave(self, status: int) -> None:
         """Before a fault ends this worker (``status``: the exit code, or minus the signal):

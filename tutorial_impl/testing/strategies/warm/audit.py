@@ -6,18 +6,19 @@ lists it) is where a CI job that wants proof turns this on: each call of a warm 
 its warm world and then on fresh ranks, and the two verdicts (passed, skipped, xfailed, or
 failed with how every rank ended) must agree. Which failing rank's report arrived first is
 not compared: that is a race, and the same test fresh twice may differ in it. It costs a
-fresh run per call (``python -m tutorial_impl bench harness`` measures it).
+fresh run per call (``python -m tutorial_impl bench harness`` measures it). ``Audited`` is the
+warm strategy wrapped so; ``runner.run`` decides both runs and ``agree`` compares them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
-from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.rank import outcome as _o
-from tutorial_impl.testing.strategies.protocol import Runner
 from tutorial_impl.testing.verdict import echo
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.verdict.errors import (
     RankCrashed,
     RankError,
@@ -26,6 +27,10 @@ from tutorial_impl.testing.verdict.errors import (
     RankSkipped,
     RankXFailed,
 )
+from tutorial_impl.testing.verdict.decision import Finished
+
+if TYPE_CHECKING:
+    from tutorial_impl.testing.strategies.protocol import Strategy
 
 
 class WarmAuditError(RankError):
@@ -63,30 +68,59 @@ def ending(result: _o.Outcome) -> str:
     return type(result).__name__.lower()
 
 
-def _run(runner: Runner, call: Call) -> tuple[RankResults | None, BaseException | None]:
-    try:
-        return runner.run(call), None
-    except Exception as exc:  # noqa: BLE001 - compared, then raised again
-        return None, exc
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One run's verdict: its results, or the error ``verdict.decide`` raised."""
+
+    results: RankResults | None
+    error: BaseException | None
+
+    def result(self) -> RankResults:
+        """The results, or raise the run's error."""
+        __tracebackhide__ = True
+        if self.error is not None:
+            raise self.error
+        assert self.results is not None
+        return self.results
 
 
-def audited(warm: Runner, fresh: Runner, call: Call) -> RankResults:
-    """``call`` in its warm world, checked against a fresh run of the same call."""
-    __tracebackhide__ = True
-    results, error = _run(warm, call)
-    fresh_dir = call.log_dir / "fresh" if call.log_dir is not None else None
-    _, fresh_error = _run(fresh, dataclasses.replace(call, log_dir=fresh_dir))
-    warm_verdict, fresh_verdict = verdict_of(error), verdict_of(fresh_error)
-    if warm_verdict != fresh_verdict:
-        shown = ", ".join(str(x) for x in warm_verdict)
-        fresh_shown = ", ".join(str(x) for x in fresh_verdict)
-        message = (
-            f"--warm-audit: the warm world's verdict ({shown}) differs from fresh ranks' "
-            f"({fresh_shown}): the test depends on state a warm world carried over"
+def agree(warm: Verdict, fresh: Verdict) -> Verdict:
+    """The warm run's verdict if the fresh run's agrees (``verdict_of``), else a
+    ``WarmAuditError`` that names both."""
+    warm_verdict, fresh_verdict = verdict_of(warm.error), verdict_of(fresh.error)
+    if warm_verdict == fresh_verdict:
+        return warm
+    shown = ", ".join(str(x) for x in warm_verdict)
+    fresh_shown = ", ".join(str(x) for x in fresh_verdict)
+    message = (
+        f"--warm-audit: the warm world's verdict ({shown}) differs from fresh ranks' "
+        f"({fresh_shown}): the test depends on state a warm world carried over"
+    )
+    outputs = getattr(warm.error, "outputs", {}) or {}
+    error = WarmAuditError(message, outputs)
+    error.__cause__ = warm.error or fresh.error
+    return Verdict(None, error)
+
+
+class Audited:
+    """``--warm-audit``: the warm strategy ``warm``, each call gathered on ``fresh`` ranks too
+    (in ``fresh/`` under the call's directory); ``runner.run`` compares the two verdicts."""
+
+    def __init__(self, warm: Strategy, fresh: Strategy) -> None:
+        self.warm, self.fresh = warm, fresh
+        self.name, self.cannot = warm.name, warm.cannot
+
+    def gather(self, call: Call) -> Finished:
+        finished = self.warm.gather(call)
+        fresh = dataclasses.replace(
+            call,
+            log_dir=call.log_dir / "fresh" if call.log_dir is not None else None,
+            home=call.home / "fresh" if call.home is not None else None,
         )
-        outputs = getattr(error, "outputs", {}) or {}
-        raise WarmAuditError(message, outputs) from (error or fresh_error)
-    if error is not None:
-        raise error
-    assert results is not None
-    return results
+        return dataclasses.replace(finished, audit=self.fresh.gather(fresh))
+
+    def test_ended(self, failed: bool) -> None:
+        self.warm.test_ended(failed)
+
+    def close(self) -> None:
+        self.warm.close()

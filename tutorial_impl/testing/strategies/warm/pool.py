@@ -34,32 +34,34 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.rank import debugging as _debugging
+from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.strategies import supervise
+from tutorial_impl.testing.strategies.warm import loop as warm_rank
+from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
-from tutorial_impl.testing.strategies import supervise
-from tutorial_impl.testing.strategies.protocol import refused_fields
-from tutorial_impl.testing.strategies.warm import loop as warm_rank
+from tutorial_impl.testing.verdict.decision import Finished
 from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats
-from tutorial_impl.testing.verdict.decision import decide
-from tutorial_impl.testing.verdict.errors import RankResults
 
 MAX_WORLDS = 4  # warm worlds one pool keeps; the least recently used goes first
 MARKER = "warm_world"
-# What a warm world cannot serve: the fresh path honours these.
-NOT_WARM = {
-    "may_exit": "a rank that exits ends its warm world",
-    "debug_rank": "a debugged rank holds its world",
-    "stream": "warm ranks' output is read after the test",
-}
+# What a warm world cannot serve: the fresh path honours these (``runner.refusal``).
+NOT_WARM: Mapping[str, str] = MappingProxyType(
+    {
+        "may_exit": "a rank that exits ends its warm world",
+        "debug_rank": "a debugged rank holds its world",
+        "stream": "warm ranks' output is read after the test",
+    }
+)
 
 
 @dataclass(eq=False)
@@ -105,22 +107,16 @@ class WarmPool:
     """The warm worlds of one pytest session (or one benchmark): the ``warm`` strategy."""
 
     name = "warm"
+    cannot = NOT_WARM
 
     def __init__(self) -> None:
         self.worlds: OrderedDict[tuple[Any, ...], World] = OrderedDict()
         self.served: list[World] = []  # worlds used by the test now running
         self.stats = WarmStats()  # for the session's summary (``warm_report``)
 
-    def refusal(self, call: Call) -> str | None:
-        used = {
-            "may_exit": bool(call.may_exit),
-            "debug_rank": call.debug_rank is not None,
-            "stream": call.stream is not None,
-        }
-        return refused_fields([n for n, on in used.items() if on], "in a warm world", NOT_WARM)
-
-    def run(self, call: Call) -> RankResults:
-        """``run_ranks`` in a warm world: the same call, results and errors."""
+    def gather(self, call: Call) -> Finished:
+        """``run_ranks`` in a warm world: the same call, the same evidence. A world whose
+        run did not go as planned (a verdict other than a pass) is retired at once."""
         __tracebackhide__ = True
         with _call.work_dir(call) as work:
             since_ns = time.time_ns()  # the ranks' records from here on are this test's
@@ -130,22 +126,22 @@ class WarmPool:
             world.last_test = _current_test()
             for p, spec in zip(world.procs, specs, strict=True):
                 spec.env = {**world.rank_env[p.rank], **spec.env}
-                p.log_path, p.stack_path = Path(spec.log_path), Path(spec.stack_path)
+                p.files = spec.files
                 p.streamed, p.extra = 0, []
                 if world.tasks:  # a new world was started with its first task already
                     p.conn.send_bytes(pickle.dumps(spec))
             world.tasks += 1
             try:
                 deadline = _debugging.Deadline(call.deadline, work)
-                finished = supervise.supervise(
-                    world.procs, deadline, call.deadline, since_ns=since_ns
-                )
-                results = decide(finished)
+                finished = supervise.supervise(world.procs, deadline, call, since_ns)
             except BaseException:
                 self.retire(world, FAILED)
                 raise
-            world.unchecked = True  # the ranks check themselves now; read before next task
-            return results
+            if not finished.as_planned:
+                self.retire(world, FAILED)
+            else:
+                world.unchecked = True  # the ranks check themselves now; read before next task
+            return finished
 
     def _world_for(self, call: Call, specs: list[_call.RankSpec]) -> World:
         """The warm world for ``call``, or a new one started with ``specs`` as its first task."""
@@ -184,7 +180,7 @@ class WarmPool:
             for world in served:
                 self.retire(world, FAILED)
 
-    def close_all(self) -> None:
+    def close(self) -> None:
         """Kill every warm world of this pool (a module that used them ended; session end)."""
         while self.worlds:
             _, world = self.worlds.popitem()
@@ -208,7 +204,7 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
             first = _call.rank_spec(
                 call, spec.rank, home, rank_env[spec.rank], harness_env=store.harness_env()
             )
-            first.log_path, first.stack_path, first.payload = spec.log_path, spec.stack_path, b""
+            first.files, first.payload = spec.files, b""
             first.forkserver = forkserver.SERVER.address()  # for a nested run_ranks
             parent_end, rank_end = ctx.Pipe(duplex=True)
             process = ctx.Process(
@@ -217,7 +213,7 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
             process.start()
             rank_end.close()  # only the rank holds its end: EOF then means it is gone
             supervise.LIVE.add(process.pid)
-            started.append(supervise.Proc(spec.rank, process, parent_end, Path(), Path()))
+            started.append(supervise.Proc(spec.rank, process, parent_end, spec.files))
     except BaseException:
         supervise.LIVE.kill(started)
         store.close()
