@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_impl.testing import forkserver, importscan, lookup, preload
+from tutorial_impl.testing import forkserver, importscan, lookup, preload, proctable
 from tutorial_impl.testing.forkserver import PLAN_ENV
 
 pytest_plugins = ["pytester"]
@@ -293,3 +293,135 @@ def test_a_test_module_the_server_imported_plainly_runs_with_rewritten_asserts(t
         assert lookup.resolve(plain_ref) is fn  # no code sent: the loaded module as it is
     finally:
         sys.modules.pop(name, None)
+
+
+# The forkserver started behind collection (``preload.start_early``), as a stranger meets it:
+# a project with the installed package only, run in fresh pytest processes (a fresh session
+# is the point: in this one the server has started long ago). One project, four sessions,
+# shared by the tests below (each one claim). Each session notes what it saw in EARLY_DIR.
+EARLY_PROJECT = """
+import os, time
+import pytest
+from tutorial_impl.testing import proctable
+
+NOTES = os.environ["EARLY_DIR"]
+
+
+def note(name, value):
+    with open(os.path.join(NOTES, name), "a") as f:
+        f.write(f"{value}\\n")
+
+
+def forkservers():  # this pytest's forkserver children, from the OS process table
+    return [p for p in proctable.children(os.getpid()) if "forkserver" in proctable.command(p)]
+
+
+def started(pid):  # the kernel's start time of ``pid``, seconds since boot
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+for pid in forkservers():
+    proctable.record(NOTES, f"at_import{pid}", pid)
+note("at_import", len(forkservers()))
+time.sleep(0.3)  # a test module's heavy import (torch's, say): the server starts meanwhile
+IMPORTED = time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def who(rank, world_size):
+    proctable.record_self(NOTES, f"rank{rank}-{world_size}")
+    return os.getppid()
+
+
+def test_first(run_ranks):
+    (server,) = forkservers()
+    proctable.record(NOTES, "forkserver", server)
+    note("lead", IMPORTED - started(server))  # > 0: started before this module was imported
+    assert run_ranks(who, world_size=2) == [server, server]
+
+
+@pytest.mark.warm_world
+def test_warm(run_ranks):
+    assert run_ranks(who, world_size=3) == forkservers() * 3
+
+
+def test_plain():
+    note("plain", len(forkservers()))
+"""
+PLAIN_PROJECT = """
+import os
+from tutorial_impl.testing import proctable
+
+
+def test_only_plain():
+    with open(os.path.join(os.environ["EARLY_DIR"], "plain_only"), "w") as f:
+        f.write(str(proctable.children(os.getpid())))
+"""
+
+
+@pytest.fixture(scope="module")
+def early_sessions(tmp_path_factory):
+    """The project's sessions: the whole file; ``--collect-only``; ``-k plain`` (only plain
+    tests selected); a plain project. Each one's outcomes and notes, by name."""
+    root = tmp_path_factory.mktemp("early")
+    write(root, {"test_mixed.py": EARLY_PROJECT, "plain/test_plain_only.py": PLAIN_PROJECT})
+    runs = {
+        "whole": ["test_mixed.py"],
+        "collect": ["test_mixed.py", "--collect-only"],
+        "plain": ["test_mixed.py", "-k", "plain"],
+        "plain_only": ["plain"],
+    }
+    sessions = {}
+    for name, args in runs.items():
+        notes = root / f"notes-{name}"
+        notes.mkdir()
+        env = {**os.environ, "EARLY_DIR": str(notes)}
+        env.pop("PYTEST_XDIST_WORKER", None)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        sessions[name] = (done, notes)
+    return sessions
+
+
+def _notes(notes: Path, name: str) -> list[str]:
+    path = notes / name
+    return path.read_text().split() if path.exists() else []
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_the_first_test_finds_the_forkserver_started_behind_collection(early_sessions):
+    done, notes = early_sessions["whole"]
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "3 passed" in done.stdout
+    # Started at the session's start, before its test module's import ended (0.3 s long).
+    assert float(_notes(notes, "lead")[0]) > 0.05
+    assert _notes(notes, "plain") == ["1"]  # kept for the session, one for forked and warm
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_no_forkserver_starts_for_collect_only_or_plain_test_files(early_sessions):
+    collect, collect_notes = early_sessions["collect"]
+    assert collect.returncode == 0 and "3 tests collected" in collect.stdout, collect.stdout
+    assert _notes(collect_notes, "at_import") == ["0"]
+    plain_only, plain_notes = early_sessions["plain_only"]
+    assert plain_only.returncode == 0, plain_only.stdout[-3000:]
+    assert _notes(plain_notes, "plain_only") == ["[]"]  # no process at all: no forkserver
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_a_selection_of_plain_tests_kills_the_forkserver_collection_started(early_sessions):
+    done, notes = early_sessions["plain"]
+    assert done.returncode == 0 and "1 passed, 2 deselected" in done.stdout, done.stdout
+    assert _notes(notes, "at_import") == ["1"]  # the files name run_ranks: started early
+    assert _notes(notes, "plain") == ["0"]  # no test selected needs it: gone before the first
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_no_process_of_the_early_forkserver_outlives_its_session(early_sessions):
+    whole, whole_notes = early_sessions["whole"]
+    plain, plain_notes = early_sessions["plain"]
+    names = {*proctable.recorded(whole_notes), *proctable.recorded(plain_notes)}
+    assert {"forkserver", "rank0-2", "rank1-2", "rank2-3"} <= names
+    assert any(name.startswith("at_import") for name in proctable.recorded(plain_notes))
+    assert proctable.wait_until_gone(whole_notes, 10.0) == {}
+    assert proctable.wait_until_gone(plain_notes, 10.0) == {}
