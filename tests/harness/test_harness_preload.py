@@ -17,6 +17,7 @@ is the library benchmark (``tests/bench/test_bench_library.py``).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -378,7 +379,9 @@ def early_sessions(tmp_path_factory):
         env = {**os.environ, "EARLY_DIR": str(notes)}
         env.pop("PYTEST_XDIST_WORKER", None)
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            command, cwd=root, env=env, capture_output=True, text=True, timeout=300
+        )
         sessions[name] = (done, notes)
     return sessions
 
@@ -425,3 +428,55 @@ def test_no_process_of_the_early_forkserver_outlives_its_session(early_sessions)
     assert any(name.startswith("at_import") for name in proctable.recorded(plain_notes))
     assert proctable.wait_until_gone(whole_notes, 10.0) == {}
     assert proctable.wait_until_gone(plain_notes, 10.0) == {}
+
+
+FAILING_START = """
+def one(rank, world_size):
+    return rank
+
+
+def test_first(run_ranks):
+    assert run_ranks(one, world_size=2) == [0, 1]
+
+
+def test_plain():
+    pass
+"""
+
+
+def test_a_forkserver_that_cannot_start_fails_the_first_test_that_needs_it(pytester, monkeypatch):
+    """The server a session starts behind collection cannot start (here the kernel refuses
+    it a file): the session goes on, and the first test that needs ranks fails, saying so."""
+
+    def refused(self):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(forkserver, "SERVER", forkserver.RankServer())  # none started yet
+    monkeypatch.setattr(forkserver._PlannedForkServer, "ensure_running", refused)
+    pytester.makepyfile(test_start=FAILING_START)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "E *ForkServerStartError: the rank forkserver could not be started when the "
+            "session started: OSError: *Too many open files",
+            "FAILED *::test_first - *",
+        ]
+    )
+
+
+def test_a_session_inside_another_keeps_the_outer_sessions_plan(pytester, monkeypatch):
+    """An in-process pytester run inside a session whose server has not started yet (it may
+    start it) must not replace the outer session's plan: the server is the process's, and
+    the outer session's ranks come from it after."""
+    server = forkserver.RankServer()
+    monkeypatch.setattr(forkserver, "SERVER", server)
+    outer = pytester.parseconfig("-o", "rank_preload=outer_module")
+    preload.configure(outer, [])
+    inner = pytester.parseconfig("-o", "rank_preload=inner_module")
+    preload.configure(inner, [])
+    assert server.plan["rank_preload"] == ["outer_module"]
+    inner._ensure_unconfigure()
+    assert server.plan["rank_preload"] == ["outer_module"]
+    outer._ensure_unconfigure()
+    assert server.plan is None
