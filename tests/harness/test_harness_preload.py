@@ -301,7 +301,7 @@ def test_a_test_module_the_server_imported_plainly_runs_with_rewritten_asserts(t
 # is the point: in this one the server has started long ago). One project, four sessions,
 # shared by the tests below (each one claim). Each session notes what it saw in EARLY_DIR.
 EARLY_PROJECT = """
-import os, time
+import atexit, os, time
 import pytest
 from tutorial_impl.testing import proctable
 
@@ -325,6 +325,7 @@ def started(pid):  # the kernel's start time of ``pid``, seconds since boot
 for pid in forkservers():
     proctable.record(NOTES, f"at_import{pid}", pid)
 note("at_import", len(forkservers()))
+atexit.register(lambda: note("at_exit", len(forkservers())))  # pytest's end, after all hooks
 time.sleep(0.3)  # a test module's heavy import (torch's, say): the server starts meanwhile
 IMPORTED = time.clock_gettime(time.CLOCK_BOOTTIME)
 
@@ -350,13 +351,20 @@ def test_plain():
     note("plain", len(forkservers()))
 """
 PLAIN_PROJECT = """
-import os
+import atexit, os
 from tutorial_impl.testing import proctable
 
 
+def note():
+    with open(os.path.join(os.environ["EARLY_DIR"], "plain_only"), "a") as f:
+        f.write(f"{proctable.children(os.getpid())}\\n")
+
+
+atexit.register(note)
+
+
 def test_only_plain():
-    with open(os.path.join(os.environ["EARLY_DIR"], "plain_only"), "w") as f:
-        f.write(str(proctable.children(os.getpid())))
+    note()
 """
 
 
@@ -399,16 +407,18 @@ def test_the_first_test_finds_the_forkserver_started_behind_collection(early_ses
     # Started at the session's start, before its test module's import ended (0.3 s long).
     assert float(_notes(notes, "lead")[0]) > 0.05
     assert _notes(notes, "plain") == ["1"]  # kept for the session, one for forked and warm
+    assert _notes(notes, "at_exit") == ["1"]
 
 
 @pytest.mark.xdist_group("early_forkserver")
 def test_no_forkserver_starts_for_collect_only_or_plain_test_files(early_sessions):
     collect, collect_notes = early_sessions["collect"]
     assert collect.returncode == 0 and "3 tests collected" in collect.stdout, collect.stdout
-    assert _notes(collect_notes, "at_import") == ["0"]
+    assert _notes(collect_notes, "at_import") == _notes(collect_notes, "at_exit") == ["0"]
     plain_only, plain_notes = early_sessions["plain_only"]
     assert plain_only.returncode == 0, plain_only.stdout[-3000:]
-    assert _notes(plain_notes, "plain_only") == ["[]"]  # no process at all: no forkserver
+    assert _notes(plain_notes, "plain_only") == ["[]", "[]"]  # no process at all, in the test
+    # and at the end
 
 
 @pytest.mark.xdist_group("early_forkserver")
@@ -417,6 +427,7 @@ def test_a_selection_of_plain_tests_kills_the_forkserver_collection_started(earl
     assert done.returncode == 0 and "1 passed, 2 deselected" in done.stdout, done.stdout
     assert _notes(notes, "at_import") == ["1"]  # the files name run_ranks: started early
     assert _notes(notes, "plain") == ["0"]  # no test selected needs it: gone before the first
+    assert _notes(notes, "at_exit") == ["0"]
 
 
 @pytest.mark.xdist_group("early_forkserver")

@@ -54,6 +54,7 @@ HELP_EARLY = (
     "first test does not wait for it (false: at the first test that needs ranks)"
 )
 HARNESS_WORD = b"run_ranks"  # a test file that may start ranks names the fixture or function
+NO_TEST_RUN = ("collectonly", "showfixtures", "show_fixtures_per_test", "setuponly", "setupplan")
 _started_early = pytest.StashKey[bool]()  # this session started the process's server
 
 
@@ -135,7 +136,10 @@ class EarlyStart:
         start_early(session.config)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        start_or_stop(session.config, any(_needs_ranks(item) for item in session.items))
+        config = session.config
+        stops = session.testsfailed and not config.option.continue_on_collection_errors
+        needs = not stops and any(_needs_ranks(item) for item in session.items)
+        start_or_stop(config, needs)  # (a collection error stops the session: none needed)
 
 
 def _needs_ranks(item: pytest.Item) -> bool:
@@ -146,7 +150,7 @@ def start_early(config: pytest.Config) -> None:
     """At the session's start (its plan set by ``configure``): start the process's server
     now, behind collection, if the session may need ranks: not ``--collect-only``, and the
     files it will collect name ``run_ranks`` (read, not imported: milliseconds)."""
-    if not config.getini("rank_forkserver_early") or config.option.collectonly:
+    if not config.getini("rank_forkserver_early") or _runs_no_test(config):
         return
     server = forkserver.SERVER
     if config.pluginmanager.get_plugin("dsession") is not None:
@@ -161,11 +165,17 @@ def start_or_stop(config: pytest.Config, needs_ranks: bool) -> None:
     """After collection, when the session knows whether a selected test ``needs_ranks``:
     start the server the files did not announce, or kill the one no test will use."""
     server = forkserver.SERVER
-    if needs_ranks and config.getini("rank_forkserver_early"):
+    if needs_ranks and config.getini("rank_forkserver_early") and not _runs_no_test(config):
         server.start()  # nothing if started (or failed: the first test says why)
     elif not needs_ranks and config.stash.get(_started_early, False):
         server.stop()
         server.failed = None  # a failure nobody will meet
+
+
+def _runs_no_test(config: pytest.Config) -> bool:
+    """``--collect-only``, ``--fixtures``, ``--fixtures-per-test``, ``--setup-only`` and
+    ``--setup-plan`` collect, but run no test's body."""
+    return any(getattr(config.option, name, False) for name in NO_TEST_RUN)
 
 
 def _may_start_ranks(config: pytest.Config) -> bool:
