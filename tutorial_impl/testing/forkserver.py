@@ -4,7 +4,8 @@ Spawning a fresh interpreter per rank costs seconds here, almost all of it ``imp
 So we use multiprocessing's *forkserver*: one clean, single-threaded server process is
 started once per pytest session, imports torch once (the "preload"), and then forks a copy
 of itself for every rank. Forking an interpreter that has already imported torch takes a few
-milliseconds.
+milliseconds. A session starts it behind its collection (``start``, from ``preload``), so
+that the first test does not wait for the preload; a failed start is the first rank's error.
 
 **One server per xdist session.** Under ``pytest -n N`` the xdist *controller* starts the
 server before its workers exist (``start_shared_forkserver``, from the plugin's
