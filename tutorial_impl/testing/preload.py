@@ -36,6 +36,7 @@ import pytest
 
 from tutorial_impl.testing import forkserver, importscan
 from tutorial_impl.testing.config import uses_the_harness
+from tutorial_impl.testing.fixtures import SETTINGS
 
 HELP_PRELOAD = (
     "modules the rank forkserver imports once, besides what the test files import, so each "
@@ -143,7 +144,10 @@ class EarlyStart:
 
 
 def _needs_ranks(item: pytest.Item) -> bool:
-    return uses_the_harness(item) and item.get_closest_marker("skip") is None
+    """A test of the harness whose markers it read and found runnable here (``SETTINGS``:
+    not failed in its setup for a marker it cannot honour), not skipped."""
+    skipped = item.get_closest_marker("skip") is not None
+    return SETTINGS in item.stash and uses_the_harness(item) and not skipped
 
 
 def start_early(config: pytest.Config) -> None:
