@@ -29,7 +29,6 @@ rank instead, as before. A start that fails is raised by the first ``run_ranks``
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -183,10 +182,13 @@ def _runs_no_test(config: pytest.Config) -> bool:
 
 
 def _may_start_ranks(config: pytest.Config) -> bool:
+    """Whether a file the session will collect names ``run_ranks`` (the first that does ends
+    the walk; ``importscan`` bounds it: files, bytes)."""
     for file in importscan.test_files(_walk(config)):
         try:
-            if HARNESS_WORD in Path(file).read_bytes():
-                return True
+            with open(file, "rb") as f:
+                if HARNESS_WORD in f.read(importscan.MAX_BYTES):
+                    return True
         except OSError:
             continue  # pytest reports a file it cannot read
     return False
