@@ -491,3 +491,41 @@ def test_a_session_inside_another_keeps_the_outer_sessions_plan(pytester, monkey
     assert server.plan["rank_preload"] == ["outer_module"]
     outer._ensure_unconfigure()
     assert server.plan is None
+
+
+def test_a_server_the_files_did_not_announce_starts_after_collection(pytester, monkeypatch):
+    """A test reaches ``run_ranks`` through a conftest fixture, so its file does not name it:
+    the server starts when collection shows the test, before the test. (Started here by a
+    stand-in that records it: the real one would cost a torch import.)"""
+    starts = []
+
+    def started(self):
+        starts.append(self.plan["rank_preload"])
+        self._forkserver_pid = os.getpid()  # "running": later calls only check on it
+
+    monkeypatch.setattr(forkserver, "SERVER", forkserver.RankServer())
+    monkeypatch.setattr(forkserver._PlannedForkServer, "ensure_running", started)
+    pytester.makeconftest("import pytest\n\n@pytest.fixture\ndef ranks(run_ranks):\n    return 1\n")
+    test = "from tutorial_impl.testing import forkserver\n\ndef test_it(ranks):\n"
+    pytester.makepyfile(test_unannounced=test + "    assert forkserver.SERVER.started\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-o", "rank_preload=x")
+    result.assert_outcomes(passed=1)
+    assert starts == [["x"]]  # once, with this session's plan
+
+
+def test_a_session_with_no_rank_test_leaves_a_running_server_alone(pytester, monkeypatch):
+    """The process's server, started before this session (by an outer one), serves on:
+    only a server the session itself started early is killed for want of rank tests."""
+    stand_in = subprocess.Popen(["sleep", "60"])  # the running server, as far as pids go
+    try:
+        server = forkserver.RankServer()
+        server.server = forkserver._PlannedForkServer()
+        server.server._forkserver_pid = stand_in.pid
+        server._context = object()
+        monkeypatch.setattr(forkserver, "SERVER", server)
+        pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+        pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+        assert stand_in.poll() is None and server.started
+    finally:
+        stand_in.kill()
+        stand_in.wait()
