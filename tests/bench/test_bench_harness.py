@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tutorial_impl.bench import harness, recorder_cost
+from tutorial_impl.bench import first_test, harness, recorder_cost
 
 
 @pytest.mark.slow
@@ -27,6 +27,8 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     argv += ["--collectives", "20", "--torchrun-tests", "0"]
     # One round of the recorder's three worlds, one SIGKILL: the rows, not their precision.
     argv += ["--recorder-rounds", "1", "--recorder-calls", "5", "--kill-runs", "1"]
+    # No fresh sessions (each imports torch twice): the row's arithmetic is checked below.
+    argv += ["--first-test-runs", "0"]
     assert harness.main(argv) == 0
     figures = json.loads(path.read_text())
     assert list(figures) == ["1"]  # keyed by world size, as a string (JSON keys are)
@@ -38,7 +40,9 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
         *("audit_ms", "audit_cost", "torchrun_ms"),  # --warm-audit's price; under torchrun
         *recorder_cost.HARNESS_KEYS,  # the flight recorder off, on, and DETAIL
         *("kill_verdict_ms", "kill_verdict_runs_ms", "kill_verdict_running"),
+        *first_test.HARNESS_KEYS,  # a session's first test: not run, None
     }
+    assert {row[key] for key in first_test.HARNESS_KEYS} == {None}
     assert row["harness_ms"] > 0 and row["spawn_ms"] > 0
     assert row["ratio"] == pytest.approx(row["spawn_ms"] / row["harness_ms"])
     assert row["collective_us"] > 0 and row["checked_collective_us"] > 0
@@ -65,9 +69,25 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     assert f"on/off {row['fr_recorder_ratio']:5.3f}x" in printed
     assert f"DETAIL/off {row['fr_detail_ratio']:5.1f}x" in printed
     assert f"SIGKILL to verdict {row['kill_verdict_ms']:6.1f} ms" in printed
+    assert "world 1: first test of a session: not run" in printed
 
 
-def test_bench_refuses_nonsense_arguments():
+def test_the_first_test_row_is_the_median_of_each_way_and_their_difference():
+    times = {"early": [900.0, 700.0, 800.0], "late": [4000.0, 2000.0, 3000.0]}
+    row = first_test.figures(times)
+    assert row == {
+        "first_test_ms": 800.0,
+        "first_test_late_ms": 3000.0,
+        "first_test_saved_ms": 2200.0,
+        "first_test_runs_ms": times,
+    }
+    assert set(row) == set(first_test.HARNESS_KEYS)
+    line = first_test.harness_line(2, row)
+    assert "first test of a session   0.80 s" in line and "by the test   3.00 s" in line
+    assert "saved  2.20 s" in line and "medians of 3 pairs" in line
+
+
+def test_bench_refuses_nonsense_arguments(capsys):
     with pytest.raises(SystemExit, match="at least 1"):
         harness.main(["--repeats", "0"])
     with pytest.raises(SystemExit, match="--collectives"):
@@ -79,3 +99,7 @@ def test_bench_refuses_nonsense_arguments():
             harness.main([option, value])
     with pytest.raises(SystemExit, match="--kill-runs"):
         harness.main(["--kill-runs", "-1"])
+    with pytest.raises(SystemExit):  # argparse's exit, naming the option, before any run
+        harness.build_parser().parse_args(["--first-test-runs", "-1"])
+    assert "--first-test-runs: must be 0 (none) or more, not -1" in capsys.readouterr().err
+    assert harness.build_parser().parse_args([]).first_test_runs == 3

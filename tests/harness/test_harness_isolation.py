@@ -215,7 +215,9 @@ def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-p", "no:randomly", "--rank-timeout", "10",
         "--check-collectives", "-o", "rank_preload=preloaded_probe",
-        "-o", "rank_preload=second_probe", timeout=300,
+        "-o", "rank_preload=second_probe",
+        "-o", "rank_forkserver_early=false",  # else ours starts before the test's Pool
+        timeout=300,
     )  # fmt: skip
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["FAILED *::test_unmarked*"])

@@ -17,6 +17,7 @@ is the library benchmark (``tests/bench/test_bench_library.py``).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -30,11 +31,12 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_impl.testing.forkserver import importscan
-from tutorial_impl.testing.forkserver import plan as preload
+from tutorial_impl.testing import proctable
 from tutorial_impl.testing.forkserver import server as forkserver
-from tutorial_impl.testing.forkserver.server import PLAN_ENV
+from tutorial_impl.testing.forkserver import importscan
 from tutorial_impl.testing.rank import lookup
+from tutorial_impl.testing.forkserver import plan as preload
+from tutorial_impl.testing.forkserver.server import PLAN_ENV
 
 pytest_plugins = ["pytester"]
 
@@ -296,3 +298,238 @@ def test_a_test_module_the_server_imported_plainly_runs_with_rewritten_asserts(t
         assert lookup.resolve(plain_ref) is fn  # no code sent: the loaded module as it is
     finally:
         sys.modules.pop(name, None)
+
+
+# The forkserver started behind collection (``preload.start_early``), as a stranger meets it:
+# a project with the installed package only, run in fresh pytest processes (a fresh session
+# is the point: in this one the server has started long ago). One project, four sessions,
+# shared by the tests below (each one claim). Each session notes what it saw in EARLY_DIR.
+EARLY_PROJECT = """
+import atexit, os, time
+import pytest
+from tutorial_impl.testing import proctable
+
+NOTES = os.environ["EARLY_DIR"]
+
+
+def note(name, value):
+    with open(os.path.join(NOTES, name), "a") as f:
+        f.write(f"{value}\\n")
+
+
+def forkservers():  # this pytest's forkserver children, from the OS process table
+    return [p for p in proctable.children(os.getpid()) if "forkserver" in proctable.command(p)]
+
+
+def started(pid):  # the kernel's start time of ``pid``, seconds since boot
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+for pid in forkservers():
+    proctable.record(NOTES, f"at_import{pid}", pid)
+note("at_import", len(forkservers()))
+atexit.register(lambda: note("at_exit", len(forkservers())))  # pytest's end, after all hooks
+time.sleep(0.3)  # a test module's heavy import (torch's, say): the server starts meanwhile
+IMPORTED = time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def who(rank, world_size):
+    proctable.record_self(NOTES, f"rank{rank}-{world_size}")
+    return os.getppid()
+
+
+def test_first(run_ranks):
+    (server,) = forkservers()
+    proctable.record(NOTES, "forkserver", server)
+    note("lead", IMPORTED - started(server))  # > 0: started before this module was imported
+    assert run_ranks(who, world_size=2) == [server, server]
+
+
+@pytest.mark.warm_world
+def test_warm(run_ranks):
+    assert run_ranks(who, world_size=3) == forkservers() * 3
+
+
+def test_plain():
+    note("plain", len(forkservers()))
+"""
+PLAIN_PROJECT = """
+import atexit, os
+from tutorial_impl.testing import proctable
+
+
+def note():
+    with open(os.path.join(os.environ["EARLY_DIR"], "plain_only"), "a") as f:
+        f.write(f"{proctable.children(os.getpid())}\\n")
+
+
+atexit.register(note)
+
+
+def test_only_plain():
+    note()
+"""
+
+
+@pytest.fixture(scope="module")
+def early_sessions(tmp_path_factory):
+    """The project's sessions: the whole file; ``--collect-only``; ``-k plain`` (only plain
+    tests selected); a plain project. Each one's outcomes and notes, by name."""
+    root = tmp_path_factory.mktemp("early")
+    write(root, {"test_mixed.py": EARLY_PROJECT, "plain/test_plain_only.py": PLAIN_PROJECT})
+    runs = {
+        "whole": ["test_mixed.py"],
+        "collect": ["test_mixed.py", "--collect-only"],
+        "plain": ["test_mixed.py", "-k", "plain"],
+        "plain_only": ["plain"],
+    }
+    sessions = {}
+    for name, args in runs.items():
+        notes = root / f"notes-{name}"
+        notes.mkdir()
+        env = {**os.environ, "EARLY_DIR": str(notes)}
+        env.pop("PYTEST_XDIST_WORKER", None)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+        done = subprocess.run(
+            command, cwd=root, env=env, capture_output=True, text=True, timeout=300
+        )
+        sessions[name] = (done, notes)
+    return sessions
+
+
+def _notes(notes: Path, name: str) -> list[str]:
+    path = notes / name
+    return path.read_text().split() if path.exists() else []
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_the_first_test_finds_the_forkserver_started_behind_collection(early_sessions):
+    done, notes = early_sessions["whole"]
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "3 passed" in done.stdout
+    # Started at the session's start, before its test module's import ended (0.3 s long).
+    assert float(_notes(notes, "lead")[0]) > 0.05
+    assert _notes(notes, "plain") == ["1"]  # kept for the session, one for forked and warm
+    assert _notes(notes, "at_exit") == ["1"]
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_no_forkserver_starts_for_collect_only_or_plain_test_files(early_sessions):
+    collect, collect_notes = early_sessions["collect"]
+    assert collect.returncode == 0 and "3 tests collected" in collect.stdout, collect.stdout
+    assert _notes(collect_notes, "at_import") == _notes(collect_notes, "at_exit") == ["0"]
+    plain_only, plain_notes = early_sessions["plain_only"]
+    assert plain_only.returncode == 0, plain_only.stdout[-3000:]
+    assert _notes(plain_notes, "plain_only") == ["[]", "[]"]  # no process at all, in the test
+    # and at the end
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_a_selection_of_plain_tests_kills_the_forkserver_collection_started(early_sessions):
+    done, notes = early_sessions["plain"]
+    assert done.returncode == 0 and "1 passed, 2 deselected" in done.stdout, done.stdout
+    assert _notes(notes, "at_import") == ["1"]  # the files name run_ranks: started early
+    assert _notes(notes, "plain") == ["0"]  # no test selected needs it: gone before the first
+    assert _notes(notes, "at_exit") == ["0"]
+
+
+@pytest.mark.xdist_group("early_forkserver")
+def test_no_process_of_the_early_forkserver_outlives_its_session(early_sessions):
+    whole, whole_notes = early_sessions["whole"]
+    plain, plain_notes = early_sessions["plain"]
+    names = {*proctable.recorded(whole_notes), *proctable.recorded(plain_notes)}
+    assert {"forkserver", "rank0-2", "rank1-2", "rank2-3"} <= names
+    assert any(name.startswith("at_import") for name in proctable.recorded(plain_notes))
+    assert proctable.wait_until_gone(whole_notes, 10.0) == {}
+    assert proctable.wait_until_gone(plain_notes, 10.0) == {}
+
+
+FAILING_START = """
+def one(rank, world_size):
+    return rank
+
+
+def test_first(run_ranks):
+    assert run_ranks(one, world_size=2) == [0, 1]
+
+
+def test_plain():
+    pass
+"""
+
+
+def test_a_forkserver_that_cannot_start_fails_the_first_test_that_needs_it(pytester, monkeypatch):
+    """The server a session starts behind collection cannot start (here the kernel refuses
+    it a file): the session goes on, and the first test that needs ranks fails, saying so."""
+
+    def refused(self):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(forkserver, "SERVER", forkserver.RankServer())  # none started yet
+    monkeypatch.setattr(forkserver._PlannedForkServer, "ensure_running", refused)
+    pytester.makepyfile(test_start=FAILING_START)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "E *ForkServerStartError: the rank forkserver could not be started when the "
+            "session started: OSError: *Too many open files",
+            "FAILED *::test_first - *",
+        ]
+    )
+
+
+def test_a_session_inside_another_keeps_the_outer_sessions_plan(pytester, monkeypatch):
+    """An in-process pytester run inside a session whose server has not started yet (it may
+    start it) must not replace the outer session's plan: the server is the process's, and
+    the outer session's ranks come from it after."""
+    server = forkserver.RankServer()
+    monkeypatch.setattr(forkserver, "SERVER", server)
+    outer = pytester.parseconfig("-o", "rank_preload=outer_module")
+    preload.configure(outer, [])
+    inner = pytester.parseconfig("-o", "rank_preload=inner_module")
+    preload.configure(inner, [])
+    assert server.plan["rank_preload"] == ["outer_module"]
+    inner._ensure_unconfigure()
+    assert server.plan["rank_preload"] == ["outer_module"]
+    outer._ensure_unconfigure()
+    assert server.plan is None
+
+
+def test_a_server_the_files_did_not_announce_starts_after_collection(pytester, monkeypatch):
+    """A test reaches ``run_ranks`` through a conftest fixture, so its file does not name it:
+    the server starts when collection shows the test, before the test. (Started here by a
+    stand-in that records it: the real one would cost a torch import.)"""
+    starts = []
+
+    def started(self):
+        starts.append(self.plan["rank_preload"])
+        self._forkserver_pid = os.getpid()  # "running": later calls only check on it
+
+    monkeypatch.setattr(forkserver, "SERVER", forkserver.RankServer())
+    monkeypatch.setattr(forkserver._PlannedForkServer, "ensure_running", started)
+    pytester.makeconftest("import pytest\n\n@pytest.fixture\ndef ranks(run_ranks):\n    return 1\n")
+    test = "from tutorial_impl.testing.forkserver import server as forkserver\n\ndef test_it(ranks):\n"
+    pytester.makepyfile(test_unannounced=test + "    assert forkserver.SERVER.started\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-o", "rank_preload=x")
+    result.assert_outcomes(passed=1)
+    assert starts == [["x"]]  # once, with this session's plan
+
+
+def test_a_session_with_no_rank_test_leaves_a_running_server_alone(pytester, monkeypatch):
+    """The process's server, started before this session (by an outer one), serves on:
+    only a server the session itself started early is killed for want of rank tests."""
+    stand_in = subprocess.Popen(["sleep", "60"])  # the running server, as far as pids go
+    try:
+        server = forkserver.RankServer()
+        server.server = forkserver._PlannedForkServer()
+        server.server._forkserver_pid = stand_in.pid
+        server._context = object()
+        monkeypatch.setattr(forkserver, "SERVER", server)
+        pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+        pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+        assert stand_in.poll() is None and server.started
+    finally:
+        stand_in.kill()
+        stand_in.wait()

@@ -37,8 +37,9 @@ rounds of fresh worlds (``--recorder-rounds`` of ``--recorder-calls`` small all_
 ``_cpu_us``, ``fr_recorder_ratio`` = on/off and ``fr_detail_ratio`` = DETAIL/off with their
 ``_cpu_`` forms, medians of each round's ratio, and ``fr_rounds``), and the time from an
 injected SIGKILL to the verdict (``--kill-runs``; ``bench/kill_verdict.py``: keys
-``kill_verdict_ms``, the median, ``kill_verdict_runs_ms`` and ``kill_verdict_running``,
-the peers still in their collective at each verdict). 0 rounds or runs: None.
+``kill_verdict_ms``, the median, ``kill_verdict_runs_ms`` and ``kill_verdict_running``, the
+peers still in their collective at each verdict); a session's first test (``--first-test-runs``,
+``bench/first_test.py``: keys ``first_test_*``). 0 rounds or runs: None.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
+from tutorial_impl.bench import first_test
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import run_ranks
 from tutorial_impl.testing.forkserver import server as forkserver
@@ -252,6 +254,7 @@ def measure(
     recorder_rounds: int = 7,
     recorder_calls: int = 500,
     kill_runs: int = 5,
+    first_test_runs: int = 3,
 ) -> dict[str, dict]:
     # Imported here, not by the ranks: a warm rank checks every global of the modules it has.
     from tutorial_impl.bench import kill_verdict, recorder_cost
@@ -286,7 +289,7 @@ def measure(
         }
         faults = recorder_cost.harness_figures(world_size, recorder_rounds, recorder_calls)
         faults |= kill_verdict.harness_figures(world_size, kill_runs)
-        figures[str(world_size)] |= faults
+        figures[str(world_size)] |= faults | first_test.harness_figures(world_size, first_test_runs)
         print_rows(world_size, figures[str(world_size)], (repeats, spawn_repeats, collectives))
     return figures
 
@@ -298,11 +301,8 @@ def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None
 
     repeats, spawn_repeats, collectives = counts
     harness_ms, spawn_ms, warm_ms = row["harness_ms"], row["spawn_ms"], row["warm_ms"]
-    plain_us, checked_us, torchrun_ms = (
-        row["collective_us"],
-        row["checked_collective_us"],
-        row["torchrun_ms"],
-    )
+    plain_us, checked_us = row["collective_us"], row["checked_collective_us"]
+    torchrun_ms = row["torchrun_ms"]
     lines = [
         f"harness {harness_ms:7.1f} ms  spawn {spawn_ms:8.1f} ms  "
         f"ratio {spawn_ms / harness_ms:6.1f}x   (medians of {repeats} and {spawn_repeats})",
@@ -315,8 +315,8 @@ def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None
     ]
     for line in lines:
         print(f"world {world_size}: {line}", flush=True)
-    print(recorder_cost.harness_line(world_size, row), flush=True)
-    print(kill_verdict.harness_line(world_size, row), flush=True)
+    rows = (recorder_cost, kill_verdict, first_test)  # each module's own line
+    print(*(m.harness_line(world_size, row) for m in rows), sep="\n", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kill-runs", type=int, default=5, help="runs timed from SIGKILL to verdict (0: none)"
     )
+    parser.add_argument("--first-test-runs", type=first_test.runs, default=3, help=first_test.HELP)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
@@ -388,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         args.recorder_rounds,
         args.recorder_calls,
         args.kill_runs,
+        args.first_test_runs,
     )
     if args.json:
         with open(args.json, "w") as f:

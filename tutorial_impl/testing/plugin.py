@@ -21,11 +21,11 @@ What pytest calls, in the order it calls it:
 ``pytest_cmdline_main``
     under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
-    registers the markers (for ``--strict-markers`` and ``pytest --markers``) and sets up
-    what ranks preload (``preload``; in an xdist worker: which forkserver they come from)
-    and the warm worlds' summary line (``warm_report``); under torchrun (``--launcher``),
-    joins the job and registers ``torchrun_session.LaunchedSession`` instead, whose hooks
-    keep the ranks in lockstep and let rank 0 report for all.
+    registers the markers (for ``--strict-markers`` and ``pytest --markers``), sets up what
+    ranks preload and when their forkserver starts (``preload``: behind collection; an xdist
+    worker's is the controller's) and the warm worlds' summary (``warm_report``); under
+    torchrun (``--launcher``), joins the job and registers ``torchrun_session.LaunchedSession``
+    instead, whose hooks keep the ranks in lockstep and let rank 0 report for all.
 ``pytest_configure_node``
     xdist's hook, in the controller: starts one rank forkserver for all its workers.
 ``pytest_generate_tests``

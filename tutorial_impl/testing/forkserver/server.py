@@ -4,7 +4,8 @@ Spawning a fresh interpreter per rank costs seconds here, almost all of it ``imp
 So we use multiprocessing's *forkserver*: one clean, single-threaded server process is
 started once per pytest session, imports torch once (the "preload"), and then forks a copy
 of itself for every rank. Forking an interpreter that has already imported torch takes a few
-milliseconds.
+milliseconds. A session starts it behind its collection (``start``, from ``preload``), so
+that the first test does not wait for the preload; a failed start is the first rank's error.
 
 **One server per xdist session.** Under ``pytest -n N`` the xdist *controller* starts the
 server before its workers exist (``start_shared_forkserver``, from the plugin's
@@ -36,9 +37,11 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
 import threading
+import time
 import types
 import warnings
 from multiprocessing import forkserver as _mp_forkserver
@@ -74,12 +77,22 @@ class ForkServerFallbackWarning(RuntimeWarning):
     one of its own (the run goes on, at the cost of one more torch import)."""
 
 
+class ForkServerStartError(RuntimeError):
+    """The rank forkserver this session started early (``RankServer.start``) could not be
+    started: raised by the first ``run_ranks`` after it, which the test reports."""
+
+
+STOP_WITHIN = 5.0  # seconds for a killed server to be reaped (SIGKILL: at once, but loaded)
+
+
 class RankServer:
     """This process's rank forkserver: what it preloads, and the server once started.
 
     ``context()`` starts it lazily (in an xdist worker given the controller's server, a
-    client of that one); ``add_preload`` and ``plan`` only count before that. ``plan``: what
-    the server reads to preload what the test files import (``preload.plan``), or None."""
+    client of that one); a pytest session starts it earlier, behind its collection
+    (``start``; ``preload.start_early``). ``add_preload`` and ``plan`` only count before
+    that. ``plan``: what the server reads to preload what the test files import
+    (``preload.plan``), or None."""
 
     def __init__(self) -> None:
         self.preload: list[str] = list(DEFAULT_PRELOAD)
@@ -89,6 +102,7 @@ class RankServer:
         self.shared: dict[str, Any] | None = None  # an xdist worker: the controller's
         self._context: Any = None
         self.popen: Any = None
+        self.failed: Exception | None = None  # why ``start`` could not start it (once)
 
     def add_preload(self, modules: list[str]) -> None:
         """Ask the forkserver to import ``modules`` once, before it forks any rank."""
@@ -98,6 +112,12 @@ class RankServer:
 
     def context(self) -> Any:
         """The multiprocessing context ranks are started with."""
+        if self.failed is not None:  # said once, by the first rank's test; later ones retry
+            failed, self.failed = self.failed, None
+            raise ForkServerStartError(
+                "the rank forkserver could not be started when the session started: "
+                f"{type(failed).__name__}: {failed}"
+            ) from failed
         if self._context is None:
             self.server = _SharedForkServer(self.shared) if self.shared else self._own_server()
             self.popen = _own_popen()
@@ -122,6 +142,43 @@ class RankServer:
         ready = "tutorial_impl.testing.forkserver.ready"
         server.set_forkserver_preload([*self.preload, *measuring, *planned, ready])
         return server
+
+    @property
+    def started(self) -> bool:
+        """Whether this process has a server to take ranks from (its own, or a shared one)."""
+        return self._context is not None
+
+    def start(self) -> None:
+        """Start this process's own server now, not at its first rank: ``ensure_running``
+        only spawns it (milliseconds), and the server imports its preload while the caller
+        goes on. A failure is kept for the first rank to raise (``context``): a test reports
+        it, not the hook that called this."""
+        if self.started or self.shared or self.failed is not None:
+            return
+        try:
+            self.address()
+        except Exception as exc:  # noqa: BLE001 - raised again by the first rank's test
+            self._forget()
+            self.failed = exc
+
+    def stop(self) -> None:
+        """Kill the server ``start`` started for ranks that did not come (it has forked
+        none: its preload is cut short) and reap it; the next rank starts a new one."""
+        server = self.server
+        pid = getattr(server, "_forkserver_pid", None)
+        if self.shared or pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _reap(pid, STOP_WITHIN)
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        with contextlib.suppress(OSError, TypeError):
+            os.unlink(server._forkserver_address)
+        self._forget()
+
+    def _forget(self) -> None:
+        self.server = self._context = self.popen = self.report_path = None
 
     def report(self) -> dict[str, Any] | None:
         """What the server preloaded from the plan and what it dropped, and why (see
@@ -198,6 +255,20 @@ def context() -> Any:
 
 def forkserver_pid() -> int | None:
     return SERVER.pid
+
+
+def _reap(pid: int, within: float) -> None:
+    """Wait for child ``pid`` to end, at most ``within`` seconds (it was sent SIGKILL)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return  # reaped already
+        if time.monotonic() >= deadline:
+            return  # not reaped: a zombie until pytest exits, never a process that runs
+        time.sleep(0.01)
 
 
 def _report_path() -> str:
