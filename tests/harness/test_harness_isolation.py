@@ -11,6 +11,7 @@ from __future__ import annotations
 # Imported here, in the outer pytest: pytester's in-process runs drop every module they
 # imported afterwards, and torch cannot be imported twice in one process.
 import os
+from multiprocessing import forkserver as mp_forkserver
 
 import pytest
 import torch.distributed  # noqa: F401
@@ -139,8 +140,8 @@ def test_mismatched_collectives_fail_in_seconds_naming_both(pytester, monkeypatc
     assert "Detected mismatch between collectives" in checked.stdout.str()
 
 
-# multiprocessing's own forkserver started first, by the test (torchenv-free, in a fresh
-# pytest: the rank forkserver of this process started long ago).
+# multiprocessing's own forkserver started first, by the test, in a session whose rank
+# forkserver is not started yet (a fresh ``forkserver.SERVER``, as a new pytest process has).
 POOL_FIRST_TESTS = """
 import gc
 import multiprocessing as mp
@@ -173,6 +174,7 @@ def facts(rank, world_size, pid_dir):
 
 
 def test_a_pool_starts_the_global_forkserver_before_any_rank(run_ranks, tmp_path):
+    assert rank_server.forkserver_pid() is None  # the rank forkserver is not started yet
     with mp.get_context("forkserver").Pool(1) as pool:
         assert pool.map(abs, [-3]) == [3]
     global_server = forkserver._forkserver._forkserver_pid
@@ -196,14 +198,30 @@ def test_unmarked(run_ranks):
 """
 
 
+@pytest.fixture
+def fresh_rank_server(monkeypatch):
+    """A rank forkserver not yet started, as in a new pytest process (this process's own
+    stays untouched); stopped afterwards as that process's exit would stop it (its "alive"
+    pipe closed), and multiprocessing's global forkserver too if the test started it."""
+    server = forkserver.RankServer()
+    monkeypatch.setattr(forkserver, "SERVER", server)
+    global_server = mp_forkserver._forkserver
+    was_running = global_server._forkserver_pid is not None
+    yield server
+    if server.server is not None:
+        server.server._stop()
+    if not was_running:
+        global_server._stop()
+
+
 @pytest.mark.slow
 def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
-    pytester, tmp_path, monkeypatch
+    pytester, tmp_path, monkeypatch, fresh_rank_server
 ):
-    """A fresh pytest (the only costly run here) whose first test starts multiprocessing's
-    forkserver with a Pool; it also runs with --check-collectives, for the option's sake, and
-    shows a fresh session's forkserver importing what its test file imports and both
-    ``-o rank_preload`` values."""
+    """A pytest session (in-process, with a rank forkserver of its own to start) whose first
+    test starts multiprocessing's forkserver with a Pool; it also runs with
+    --check-collectives, for the option's sake, and shows the session's forkserver importing
+    what its test file imports and both ``-o rank_preload`` values."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     monkeypatch.setenv("PID_DIR", str(pid_dir))
@@ -212,18 +230,17 @@ def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
     probe = "import os\n\nIMPORTED_IN = os.getpid()\n"
     pytester.makepyfile(preloaded_probe=probe, second_probe=probe, scanned_probe=probe)
     pytester.makeini("[pytest]\n")
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest_inprocess(
         "-p", "no:cacheprovider", "-p", "no:randomly", "--rank-timeout", "10",
         "--check-collectives", "-o", "rank_preload=preloaded_probe",
         "-o", "rank_preload=second_probe",
-        "-o", "rank_forkserver_early=false",  # else ours starts before the test's Pool
-        timeout=300,
     )  # fmt: skip
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["FAILED *::test_unmarked*"])
     assert "Detected mismatch between collectives" in result.stdout.str()
-    # pytest has exited: its ranks and their forkserver with it.
+    # Once the server is stopped (as when pytest exits), its ranks and itself are gone.
     assert set(proctable.recorded(pid_dir)) == {"rank0", "rank1", "forkserver0", "forkserver1"}
+    fresh_rank_server.server._stop()
     assert proctable.wait_until_gone(pid_dir, 10.0) == {}
 
 

@@ -2,8 +2,8 @@
 
 Each rank writes its pid and kernel start time (``proctable``) while it runs; afterwards the
 test asks the kernel whether any of those processes still exists. That covers every way a
-run can end, a rank's own child process, and the pytest run itself being interrupted
-(Ctrl-C) or killed outright (SIGKILL), where no ``finally`` of ours can run.
+run can end and a rank's own child process; the pytest run itself interrupted (Ctrl-C) or
+killed (SIGKILL), where no ``finally`` of ours can run, is ``test_harness_interrupted``'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +30,6 @@ from tutorial_impl.testing import (
     run_ranks,
 )
 from tutorial_impl.testing.strategies import supervise
-
-pytest_plugins = ["pytester"]
 
 GONE_WITHIN = 5.0  # seconds; the kill is immediate, this is slack for a loaded machine
 
@@ -188,107 +185,6 @@ def test_a_skip_leaves_nothing_behind(tmp_path, monkeypatch):
     assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
 
 
-def _wait_until_gone(pid_dir: Path, names: set[str], timeout: float) -> dict[str, int]:
-    """Like ``proctable.wait_until_gone``, for the records ``names`` only."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = {name: pid for name, pid in proctable.alive(pid_dir).items() if name in names}
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
-
-
-# A throwaway test run in a separate pytest process that we then interrupt or kill. Each
-# rank records itself, its parent (the forkserver) and a child of its own, then hangs.
-HANGING_TEST = """
-import faulthandler, os, signal, subprocess, sys, time
-from tutorial_impl.testing import proctable
-
-faulthandler.register(signal.SIGUSR2, all_threads=True)  # for the report, should this fail
-
-def family_then_hang(rank, world_size, pid_dir):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    proctable.record(pid_dir, f"grandchild{{rank}}", child.pid)
-    proctable.record(pid_dir, "forkserver", os.getppid())
-    proctable.record_self(pid_dir, f"rank{{rank}}")  # last: then every record is written
-    while True:
-        time.sleep(0.05)
-
-def test_hangs(run_ranks):
-    run_ranks(family_then_hang, {pid_dir!r}, world_size=2, timeout=120)
-"""
-
-
-# pytest, with Ctrl-C restored: a shell's background job (`cmd &` without job control, as in
-# many CI scripts) starts with SIGINT ignored, its children inherit that, and Python then
-# never turns a SIGINT into KeyboardInterrupt: the "interrupted" run would just go on.
-CTRL_C_ABLE_PYTEST = (
-    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "sys.exit(pytest.main(sys.argv[1:]))"
-)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
-def test_nothing_survives_an_interrupted_or_killed_pytest_run(tmp_path, how):
-    """Ctrl-C (SIGINT) lets the harness's ``finally`` kill the ranks. SIGKILL gives pytest
-    no chance at all: then the forkserver sees its owner go, kills the ranks' process
-    groups (ranks, grandchildren) on its way out, and any rank left dies with it through
-    PR_SET_PDEATHSIG. Either way every recorded process, forkserver included, is gone."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    (tmp_path / "test_hangs.py").write_text(HANGING_TEST.format(pid_dir=str(pid_dir)))
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            CTRL_C_ABLE_PYTEST,
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        # a session of its own, so our signal reaches only that run (as Ctrl-C would)
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    expected = {"rank0", "rank1", "grandchild0", "grandchild1", "forkserver"}
-    try:
-        deadline = time.monotonic() + 60
-        while set(proctable.recorded(pid_dir)) < expected:  # ranks record themselves last
-            assert run.poll() is None, run.stdout.read().decode()
-            assert time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.1)
-        assert set(proctable.alive(pid_dir)) == expected  # all running: the check can fail
-        run.send_signal(getattr(signal, how))
-        # First the ranks and their children: after Ctrl-C the harness's finally kills them
-        # at once, after SIGKILL the forkserver does as soon as it sees pytest gone.
-        left = _wait_until_gone(pid_dir, expected - {"forkserver"}, GONE_WITHIN)
-        if not left:
-            # Then the forkserver, once pytest has exited (after Ctrl-C pytest first writes
-            # its report; a loaded machine takes seconds to tear down an interpreter).
-            output = run.communicate(timeout=60)[0].decode()
-            left = proctable.wait_until_gone(pid_dir, GONE_WITHIN)
-        elif run.poll() is None:
-            run.send_signal(signal.SIGUSR2)  # where is pytest? (faulthandler, see HANGING_TEST)
-            time.sleep(1)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            output = run.communicate()[0].decode()
-    assert left == {}, f"still alive: {left}; output of the pytest run:\n{output}"
-    if how == "SIGINT":
-        assert "KeyboardInterrupt" in output  # pytest saw the Ctrl-C and reported it
-    else:
-        assert run.returncode == -signal.SIGKILL
-    # Prove the check above had something to find: the pids were real, distinct processes.
-    assert len({pid for pid, _ in proctable.recorded(pid_dir).values()}) == 5
-
-
 def test_an_environment_mark_finds_a_process_that_left_its_session():
     """What the torchrun tests rely on: a grandchild in a session of its own (as torchrun
     starts its workers) is found by the mark it inherited, and only it; then it is killed."""
@@ -368,81 +264,3 @@ def test_an_empty_environment_or_a_zombie_is_not_waited_for():
         empty.kill()
         empty.wait()
         zombie.wait()
-
-
-# A stranger's project (no conftest) run with two xdist workers. Each worker's test records
-# the worker's pid, and its ranks record themselves and their parent, the forkserver; gw0's
-# ranks then hang, gw1's return and gw1 waits for the go to finish (keeping the controller,
-# and so the shared forkserver, alive while gw0 is killed).
-TWO_WORKERS = """
-import os, time
-from tutorial_impl.testing import proctable
-
-PIDS = os.environ["PID_DIR"]
-
-
-def record(rank, world_size, worker):
-    proctable.record(PIDS, f"{worker}-server{rank}", os.getppid())
-    proctable.record_self(PIDS, f"{worker}-rank{rank}")  # last: then every record is written
-    while worker == "gw0":
-        time.sleep(0.05)
-
-
-def test_on_each_worker(run_ranks):
-    worker = os.environ["PYTEST_XDIST_WORKER"]
-    proctable.record_self(PIDS, worker)
-    run_ranks(record, worker, timeout=120)
-    while not os.path.exists(os.path.join(PIDS, "go")):
-        time.sleep(0.05)
-"""
-
-
-@pytest.mark.slow
-def test_xdist_workers_share_one_forkserver_and_ranks_die_with_their_worker(
-    pytester, tmp_path, monkeypatch
-):
-    """Under ``-n 2`` both workers' ranks come from one forkserver, the controller's child;
-    SIGKILL of one worker, while its ranks hang and the controller (so the server) lives
-    on, leaves none of that worker's ranks alive: each rank watches the worker that asked
-    for it (``ranks._die_with_owner``)."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    monkeypatch.setenv("PID_DIR", str(pid_dir))
-    pytester.makepyfile(test_two_workers=TWO_WORKERS)
-    run = pytester.popen(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "each", "--max-worker-restart",
-         "0", "-p", "no:cacheprovider", "-p", "no:randomly"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    ranks_of = {w: {f"{w}-rank0", f"{w}-rank1"} for w in ("gw0", "gw1")}
-    expected = {"gw0", "gw1", *ranks_of["gw0"], *ranks_of["gw1"]}
-    output = b""
-    try:
-        deadline = time.monotonic() + 120
-        while not expected <= set(proctable.recorded(pid_dir)):  # (servers are recorded too)
-            assert run.poll() is None, "the run ended before its ranks started"
-            assert time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.1)
-        records = {name: pid for name, (pid, _) in proctable.recorded(pid_dir).items()}
-        servers = {pid for name, pid in records.items() if "-server" in name}
-        assert len(servers) == 1, records  # one forkserver for both workers...
-        (server,) = servers
-        parent = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert parent == run.pid not in (records["gw0"], records["gw1"])  # ...the controller's
-        assert set(proctable.alive(pid_dir)) >= ranks_of["gw0"]  # hanging: the check can fail
-        os.kill(records["gw0"], signal.SIGKILL)
-        left = _wait_until_gone(pid_dir, ranks_of["gw0"], GONE_WITHIN)
-        session_alive = run.poll() is None and proctable.running(server)
-        assert left == {}, f"gw0's ranks outlived it: {left}"
-        assert session_alive  # they died with their worker, not with the session
-    finally:
-        (pid_dir / "go").touch()
-        try:
-            output = run.communicate(timeout=60 if sys.exc_info()[0] is None else 10)[0]
-        except subprocess.TimeoutExpired:  # a check above failed and gw0 still hangs
-            os.killpg(run.pid, signal.SIGKILL)
-            output = run.communicate()[0]
-        print(output.decode(errors="replace"))  # in the report's captured output
-    assert "worker 'gw0' crashed" in output.decode(), output.decode()
-    assert proctable.wait_until_gone(pid_dir, GONE_WITHIN) == {}  # the server too

@@ -2,10 +2,11 @@
 
 This is where harnesses that "find a free port" break: two groups starting at the same
 moment pick the same port. Here every group's store is bound to port 0 by its parent, and
-file:// uses a fresh file, so nothing can collide. Three cases, one per init method (xdist
-spreads them over its workers), each run 30 groups from three threads at once: 90 groups,
-three of the same init method starting together all the time (a collision needs only two),
-more alive across the cases.
+file:// uses a fresh file, so nothing can collide. One run (a module-scoped fixture) starts
+``GROUPS_PER_METHOD`` groups of each init method, interleaved, from ``THREADS`` threads at
+once: nine groups starting together all the time, three of each init method (a collision
+needs only two), and env:// and tcp:// groups drawing their ports side by side. Each init
+method's groups are then checked by a test of its own.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import run_ranks
+from tutorial_impl.testing.rendezvous import INIT_METHODS
 
-GROUPS_PER_CASE = 30
-THREADS = 3  # groups of one case alive at the same time, on top of xdist's parallelism
+GROUPS_PER_METHOD = 12
+THREADS = 9  # groups alive at the same time
+WORLD_SIZE = 2
 
 
 def group_sum(rank: int, world_size: int, base: int) -> int:
@@ -29,26 +32,50 @@ def group_sum(rank: int, world_size: int, base: int) -> int:
     return int(t.item())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("init_method", ["env", "tcp", "file"])
-def test_many_concurrent_groups_all_rendezvous(tmp_path, init_method):
-    """Group i sums ``i * 1000 + rank`` over its ranks, so a rank that joined the wrong
-    group (a collided rendezvous) or a group that lost a member gives a wrong sum."""
+def expected_sum(base: int) -> int:
+    return WORLD_SIZE * base + sum(range(WORLD_SIZE))
 
-    world_size = 2
 
-    def one_group(i: int) -> list[int]:
-        return run_ranks(
-            group_sum,
-            i * 1000,
-            world_size=world_size,
-            init_method=init_method,
-            timeout=60,
-            log_dir=tmp_path / f"group{i}",
-        )
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, list[tuple[int, object]]]:
+    """Every group's base and what its ``run_ranks`` returned (or raised), by init method.
+    Group ``n`` (over all methods) sums ``n * 1000 + rank`` over its ranks, so a rank that
+    joined the wrong group (a collided rendezvous) or a group that lost a member gives a
+    wrong sum."""
+    work = tmp_path_factory.mktemp("groups")
+    jobs = [(method, i) for i in range(GROUPS_PER_METHOD) for method in INIT_METHODS]
+
+    def one_group(n: int) -> tuple[str, int, object]:
+        method, i = jobs[n]
+        base = n * 1000
+        try:
+            got: object = run_ranks(
+                group_sum,
+                base,
+                world_size=WORLD_SIZE,
+                init_method=method,
+                timeout=60,
+                log_dir=work / f"{method}{i}",
+            )
+        except Exception as exc:  # reported by the test of its init method
+            got = exc
+        return method, base, got
 
     with ThreadPoolExecutor(THREADS) as pool:
-        results = list(pool.map(one_group, range(GROUPS_PER_CASE)))
-    for i, got in enumerate(results):
-        expected = world_size * i * 1000 + sum(range(world_size))
-        assert got == [expected] * world_size, f"group {i}"
+        done = list(pool.map(one_group, range(len(jobs))))
+    by_method: dict[str, list[tuple[int, object]]] = {method: [] for method in INIT_METHODS}
+    for method, base, got in done:
+        by_method[method].append((base, got))
+    return by_method
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("stress-groups")
+@pytest.mark.parametrize("init_method", ["env", "tcp", "file"])
+def test_many_concurrent_groups_all_rendezvous(outcomes, init_method):
+    """Every group of this init method, started among groups of all three, summed exactly
+    its own ranks' contributions."""
+    groups = outcomes[init_method]
+    assert len(groups) == GROUPS_PER_METHOD
+    for base, got in groups:
+        assert got == [expected_sum(base)] * WORLD_SIZE, f"group {base // 1000}: {got!r}"
