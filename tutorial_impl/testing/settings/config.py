@@ -88,6 +88,7 @@ NOT_A_CALL_FIELD = {
     "rank_preload": "what the forkserver imports (preload)",
     "rank_preload_test_imports": "what the forkserver imports (preload)",
     "rank_preload_exclude": "what the forkserver imports (preload)",
+    "rank_forkserver_early": "when the forkserver starts (forkserver.plan: with the session)",
 }
 HELP_RANK_TIMEOUT = (
     "harness deadline in seconds for every multi-rank test without its own rank_timeout "
