@@ -153,6 +153,22 @@ def test_a_hang_in_different_collectives_says_so():
     assert ended.endswith("rank 0 in all_reduce at t.py:3; rank 1 had returned")
 
 
+def test_a_hang_the_records_explain_names_only_the_ranks_outside_a_collective():
+    """With the records' line (``desync``), the stacks add where the ranks were that neither
+    wait in a collective (the records said those) nor sit in one: here rank 1 only."""
+    where = {
+        0: Place("t.py", 3, "f", "all_reduce"),  # in a collective: the records speak for it
+        1: Place("t.py", 5, "f", "compute"),  # outside any: only its stack says where
+        2: Place("t.py", 7, "f", "compute"),  # waiting, by its records
+    }
+    said = "rank 0 waits in all_reduce #2 at t.py:3; rank 2 never reached #2"
+    line = words.hang([0, 1, 2], 5, where, explained=said, waiting=frozenset({2}))
+    assert line == (
+        "rank(s) 0, 1, 2 still running after the harness deadline of 5 s: "
+        f"{said}; rank 1 in compute at t.py:5"
+    )
+
+
 # torchmetrics' setup_ddp (a library frame) in torch's env:// rendezvous, as faulthandler shows it
 FORMING = """Current thread 0x00007e (most recent call first):
   File "{v}/torch/distributed/rendezvous.py", line 190 in _create_c10d_store
