@@ -10,6 +10,7 @@ module and no other. Each bar is pure: the files are parsed, never imported.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -174,8 +175,11 @@ SENTENCES = [
 ]
 
 
-def literals(tree: ast.AST) -> list[str]:
-    """Every string literal of ``tree`` but docstrings (an f-string's constant parts too)."""
+@functools.cache
+def literals(module: str) -> list[str]:
+    """Every string literal of ``module`` but docstrings (an f-string's constant parts too),
+    read once for all the sentences."""
+    tree = TREES[module]
     docs = {
         id(node.body[0].value)
         for node in ast.walk(tree)
@@ -194,9 +198,7 @@ def literals(tree: ast.AST) -> list[str]:
 @pytest.mark.parametrize("sentence", SENTENCES)
 def test_each_sentence_of_a_first_line_is_written_in_one_module(sentence):
     homes = sorted(
-        name(path)
-        for path in MODULES
-        if any(sentence in text for text in literals(TREES[dotted(path)]))
+        name(path) for path in MODULES if any(sentence in text for text in literals(dotted(path)))
     )
     assert homes == ["verdict/words.py"], f"{sentence!r} is written in {homes}"
 
