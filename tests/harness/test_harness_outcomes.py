@@ -20,7 +20,7 @@ from tutorial_impl.testing import proctable, run_ranks
 from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.diagnose.stacks import Place
 from tutorial_impl.testing.rank import outcome
-from tutorial_impl.testing.verdict import errors
+from tutorial_impl.testing.verdict import errors, words
 from tutorial_impl.testing.verdict.errors import RankCrashed, RankFailed, RankSkipped, RankXFailed
 
 # --- 1. outcomes and the exceptions built from them ------------------------------------------
@@ -136,21 +136,37 @@ def test_where_reads_the_innermost_user_line_and_the_call_it_sits_in():
 
 def test_a_hang_in_different_collectives_says_so():
     where = {0: Place("t.py", 3, "f", "all_reduce"), 1: Place("t.py", 5, "f", "broadcast")}
-    line = errors.hang_headline([0, 1], 5, where)
+    line = words.hang([0, 1], 5, where)
     assert line.startswith("rank(s) 0, 1 still running after the harness deadline of 5 s: ")
     assert "rank 0 in all_reduce at t.py:3, rank 1 in broadcast at t.py:5" in line
-    assert "the ranks are in different collectives (" + errors.CHECK_COLLECTIVES in line
-    same = errors.hang_headline([0, 1], 5, {0: where[0], 1: Place("t.py", 3, "f", "all_reduce")})
+    assert "the ranks are in different collectives (" + words.CHECK_COLLECTIVES in line
+    same = words.hang([0, 1], 5, {0: where[0], 1: Place("t.py", 3, "f", "all_reduce")})
     assert "different collectives" not in same
     # A rank sitting in something that is no collective (a debugger's trace_dispatch) is
     # not in "a different collective": only torch.distributed's calls count.
     debugging = {0: where[0], 1: Place("t.py", 5, "f", "trace_dispatch")}
-    assert "different collectives" not in errors.hang_headline([0, 1], 5, debugging)
+    assert "different collectives" not in words.hang([0, 1], 5, debugging)
     three = {**where, 2: Place("t.py", 9, "spin")}  # ranks 0 and 1 still differ
-    assert "different collectives" in errors.hang_headline([0, 1, 2], 5, three)
+    assert "different collectives" in words.hang([0, 1, 2], 5, three)
     # Ranks that had already ended are named, so a rank that returned early is seen.
-    ended = errors.hang_headline([0], 5, {0: where[0]}, {1: "returned"})
+    ended = words.hang([0], 5, {0: where[0]}, {1: "returned"})
     assert ended.endswith("rank 0 in all_reduce at t.py:3; rank 1 had returned")
+
+
+def test_a_hang_the_records_explain_names_only_the_ranks_outside_a_collective():
+    """With the records' line (``desync``), the stacks add where the ranks were that neither
+    wait in a collective (the records said those) nor sit in one: here rank 1 only."""
+    where = {
+        0: Place("t.py", 3, "f", "all_reduce"),  # in a collective: the records speak for it
+        1: Place("t.py", 5, "f", "compute"),  # outside any: only its stack says where
+        2: Place("t.py", 7, "f", "compute"),  # waiting, by its records
+    }
+    said = "rank 0 waits in all_reduce #2 at t.py:3; rank 2 never reached #2"
+    line = words.hang([0, 1, 2], 5, where, explained=said, waiting=frozenset({2}))
+    assert line == (
+        "rank(s) 0, 1, 2 still running after the harness deadline of 5 s: "
+        f"{said}; rank 1 in compute at t.py:5"
+    )
 
 
 # torchmetrics' setup_ddp (a library frame) in torch's env:// rendezvous, as faulthandler shows it
@@ -172,16 +188,16 @@ def test_a_group_that_cannot_form_says_why():
     assert place == Place("test_ddp.py", 7, "test_fn", "setup_ddp", "init_process_group(env://)")
     assert forensics.where(DUMP.format(op="all_reduce", line=3, fn="f")).joining is None
     stuck = {0: place, 1: place}
-    line = errors.hang_headline([0, 1], 5, stuck)
+    line = words.hang([0, 1], 5, stuck)
     assert line.endswith(
         "rank 1 in setup_ddp at test_ddp.py:7: the group did not form in "
-        "init_process_group(env://): " + errors.NEVER_MET
+        "init_process_group(env://): " + words.NEVER_MET
     )
-    assert "TORCHELASTIC_USE_AGENT_STORE=True" in errors.NEVER_MET
+    assert "TORCHELASTIC_USE_AGENT_STORE=True" in words.NEVER_MET
     elsewhere = {0: place, 1: Place("t.py", 5, "f", "all_reduce")}
-    absent = errors.hang_headline([0, 1], 5, elsewhere, {2: "returned"})
+    absent = words.hang([0, 1], 5, elsewhere, {2: "returned"})
     assert absent.endswith("init_process_group(env://): rank(s) 1, 2 never joined")
-    assert errors.unformed_group([0], {0: Place("t.py", 5, "f", "barrier")}, {1: "returned"}) == ""
+    assert words.unformed_group([0], {0: Place("t.py", 5, "f", "barrier")}, {1: "returned"}) == ""
 
 
 # --- 4. a result the parent cannot unpickle ---------------------------------------------------

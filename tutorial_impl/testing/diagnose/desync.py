@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from tutorial_impl.testing.diagnose.recorder import Record, collectives
 from tutorial_impl.testing.diagnose.stacks import Place
 from tutorial_impl.testing.diagnose.userops import user_op
+from tutorial_impl.testing.verdict import words
 
 DEFAULT_DESC = "default_pg"
 # Collectives whose inputs may differ from rank to rank: the root's list against nothing, a
@@ -149,7 +150,7 @@ def _parted(
     if len(ops) > 1:
         parts = sorted(kinds.values(), key=lambda rs: (-len(rs), rs))
         said = "; ".join(_in(rs, [present[r] for r in rs]) for rs in parts)
-        return f"{said}: the ranks are in different collectives"
+        return f"{said}: {words.DIFFERENT_COLLECTIVES}"
     if len(kinds) > 1:
         shown = ", ".join(f"rank {r} {present[r].inputs}" for r in sorted(present))
         name = next(iter(present.values())).name

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tutorial_impl.testing.rank.caught import Catcher, Caught
+from tutorial_impl.testing.verdict import words
 
 if TYPE_CHECKING:
     from tutorial_impl.testing.diagnose.stacks import Place
@@ -85,8 +86,8 @@ class Exited:
     exitcode: int | None
     # How it is said: forked or warm, the parent saw the process end; ``Lost`` is a torchrun
     # worker its peers found gone (it said so through the store, or its heartbeat stopped).
-    UNKNOWN: ClassVar[str] = "closed its result pipe but is still running"
-    KNOWN: ClassVar[str] = "exited with code {} (os._exit or a crash)"
+    UNKNOWN: ClassVar[str] = words.EXITED_UNKNOWN
+    KNOWN: ClassVar[str] = words.EXITED
 
     @property
     def how(self) -> str:
@@ -103,7 +104,7 @@ class Killed:
 
     @property
     def how(self) -> str:
-        return f"was killed by signal {signal.Signals(self.signal).name}"
+        return words.killed(signal.Signals(self.signal).name)
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,8 @@ class Lost(Exited):
     so first, else unknown (its heartbeat stopped; the code is its agent's)."""
 
     exitcode: int | None = None
-    UNKNOWN: ClassVar[str] = "exited (its worker process is gone: no heartbeat in the job's store)"
-    KNOWN: ClassVar[str] = "exited with code {} (os._exit)"
+    UNKNOWN: ClassVar[str] = words.LOST_UNKNOWN
+    KNOWN: ClassVar[str] = words.LOST
 
 
 @dataclass(frozen=True)
@@ -282,8 +283,7 @@ def capture(
 def _late_failure(text: str, exc: BaseException) -> Raised:
     """A thread's exception after the rank function returned, as the rank's failure."""
     name = text.splitlines()[0].removeprefix("Exception in thread ")
-    message = f"{exc} (in thread {name!r}, after the rank function had returned)"
-    return Raised(_type_name(exc), message, text)
+    return Raised(_type_name(exc), words.after_return(str(exc), name), text)
 
 
 def forked_child(rank: int, pid: int) -> Raised:

@@ -12,6 +12,7 @@ instead of gloo's "typically caused by a remote worker crashing".
 from __future__ import annotations
 
 from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.verdict import words
 
 # What a rank's collective raises when a peer's end of the connection is gone (gloo's words;
 # "reset" when data sent to it was still unread, "closed" when not: a matter of timing).
@@ -62,11 +63,7 @@ def returned_headline(headline: str, result: _o.Outcome, returned: list[int]) ->
     crashed, saying instead which peers had returned."""
     summary = result.summary if isinstance(result, _o.Raised) else ""
     advice = summary[summary.find(GLOO_ADVICE) :] if GLOO_ADVICE in summary else ""
-    names = ", ".join(map(str, returned))
-    said = (
-        f"(rank(s) {names} had returned and closed the connection, while this rank was still "
-        "in a collective with it: no rank crashed)"
-    )
+    said = words.peers_returned(returned)
     if advice:
         return headline.replace(advice, said, 1)
     return f"{headline} {said}"

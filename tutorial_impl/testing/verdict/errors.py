@@ -20,24 +20,9 @@ from typing import Any
 from tutorial_impl.testing.diagnose.stacks import Place
 from tutorial_impl.testing.faults.inject import Fired
 from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.verdict import words
 
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
-# The advice a hang between different collectives gets (``--check-collectives`` is the option
-# that turns on torch's collective fingerprint checks; see the README).
-CHECK_COLLECTIVES = (
-    "rerun with --check-collectives (or @pytest.mark.check_collectives) to have torch "
-    "compare every collective across ranks and fail at the first mismatch"
-)
-
-
-# torch.distributed's communication calls, as a rank's stack names them: two ranks of one
-# hang in two different ones are in different collectives.
-COLLECTIVES = frozenset(
-    "all_reduce all_gather all_gather_into_tensor all_gather_object all_to_all "
-    "all_to_all_single barrier monitored_barrier broadcast broadcast_object_list gather "
-    "gather_object reduce reduce_scatter reduce_scatter_tensor scatter scatter_object_list "
-    "send recv isend irecv batch_isend_irecv".split()
-)
 
 
 def _rebuild(cls: type, args: tuple, state: dict[str, Any]) -> RankError:
@@ -160,7 +145,7 @@ class RankSkipped(RankError):
     """A rank called ``pytest.skip``; the pytest plugin turns this into a skipped test."""
 
     def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
-        super().__init__(f"rank {rank} skipped: {reason}", outputs)
+        super().__init__(words.skipped(rank, reason), outputs)
         self.rank = rank
         self.reason = reason
 
@@ -169,7 +154,7 @@ class RankXFailed(RankError):
     """A rank called ``pytest.xfail``; the pytest plugin turns this into an expected failure."""
 
     def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
-        super().__init__(f"rank {rank} xfailed: {reason}", outputs)
+        super().__init__(words.xfailed(rank, reason), outputs)
         self.rank = rank
         self.reason = reason
 
@@ -239,64 +224,6 @@ def _others_section(failed: int, stacks: dict[int, str]) -> str:
     )
 
 
-def hang_headline(
-    pending: list[int],
-    timeout: float,
-    where: dict[int, Place],
-    ended: dict[int, str] | None = None,
-    explained: str | None = None,
-    waiting: frozenset[int] = frozenset(),
-) -> str:
-    """``rank(s) 0, 1 still running after the harness deadline of 5 s: rank 0 in all_reduce
-    at t.py:9, rank 1 in broadcast at t.py:11: the ranks are in different collectives (...)``;
-    ``ended`` says how the ranks that were no longer running had ended (``returned``).
-    ``explained``: where the ranks' collectives part, from their records (``desync``: ``rank
-    0 waits in all_reduce #2 at t.py:9; rank 1 never reached #2``), in place of the stacks'
-    guesses; the stacks say where the ranks not ``waiting`` in a collective were."""
-    names = ", ".join(str(r) for r in sorted(pending))
-    line = f"rank(s) {names} still running after the harness deadline of {timeout:g} s"
-    places = [f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r)]
-    if explained:  # the records' line, then where the ranks outside a collective were
-        outside = [
-            r
-            for r in sorted(pending)
-            if where.get(r) and r not in waiting and where[r].call not in COLLECTIVES
-        ]
-        line += ": " + "; ".join([explained, *(f"rank {r} {where[r]}" for r in outside)])
-    elif places:
-        line += ": " + ", ".join(places)
-    if ended:
-        line += "; " + ", ".join(f"rank {r} had {how}" for r, how in sorted(ended.items()))
-    calls = {where[r].call for r in pending if where.get(r) and where[r].call in COLLECTIVES}
-    if len(calls) > 1 and not explained:
-        line += f": the ranks are in different collectives ({CHECK_COLLECTIVES})"
-    return line + unformed_group(pending, where, ended or {})
-
-
-# Why ranks that all wait in one group-forming call never meet (the parent cannot see which).
-NEVER_MET = (
-    "every rank waits there, so they disagree on where to meet (MASTER_ADDR/MASTER_PORT, the "
-    "tcp:// or file:// address) or on the world size, or no rank hosts the store "
-    "(TORCHELASTIC_USE_AGENT_STORE=True makes rank 0 a client too)"
-)
-
-
-def unformed_group(pending: list[int], where: dict[int, Place], ended: dict[int, str]) -> str:
-    """``: the group did not form in init_process_group(env://): rank(s) 1 never joined``
-    when ranks hang in a call that forms a group (``Place.joining``), else empty. A rank
-    that had ended, or hangs elsewhere, never joined it; if every rank is in it, they do not
-    agree on where to meet."""
-    joining = [r for r in pending if where.get(r) and where[r].joining]
-    if not joining:
-        return ""
-    calls = ", ".join(sorted({str(where[r].joining) for r in joining}))
-    absent = sorted([*ended, *(r for r in pending if where.get(r) and r not in joining)])
-    if absent:
-        names = ", ".join(map(str, absent))
-        return f": the group did not form in {calls}: rank(s) {names} never joined"
-    return f": the group did not form in {calls}: {NEVER_MET}"
-
-
 def timeout_error(
     pending: list[int],
     timeout: float,
@@ -309,9 +236,9 @@ def timeout_error(
     waiting: frozenset[int] = frozenset(),
 ) -> RankTimeout:
     """The deadline passed with ``pending`` ranks unfinished; ``stacks`` are their dumps;
-    ``explained``, ``waiting``: see ``hang_headline``; ``fired``: the faults injected."""
+    ``explained``, ``waiting``: see ``words.hang``; ``fired``: the faults injected."""
     where = where or {}
-    message = hang_headline(pending, timeout, where, ended, explained, waiting)
+    message = words.hang(pending, timeout, where, ended, explained, waiting)
     if fired:
         message += f" ({fired})"
     return RankTimeout(stacks, message, outputs, list(pending), where, timeout)
@@ -339,13 +266,7 @@ def skip_outlived_error(
 ) -> RankTimeout:
     """Rank ``skipped`` skipped, and ``pending`` were still running ``waited`` s later: not a
     skip (the others might still have failed), a failure that says why."""
-    names = ", ".join(str(r) for r in sorted(pending))
-    places = ", ".join(f"rank {r} {where[r]}" for r in sorted(pending) if where.get(r))
-    message = (
-        f"rank {skipped} skipped ({reason}) but rank(s) {names} were still running "
-        f"{waited:g} s later" + (f": {places}" if places else "") + "; a skip must be taken "
-        "by every rank (or before the ranks start), so this test is failed, not skipped"
-    )
+    message = words.skip_outlived(skipped, reason, pending, waited, where)
     return RankTimeout(stacks, message, outputs, list(pending), where, None)
 
 
@@ -376,14 +297,14 @@ def error_for(
     # ``named``: the others that failed of their own accord (default: all of ``also``); a
     # death's consequences (its peers' "Connection closed by peer") are shown, not named.
     own = sorted(also if named is None else named)
-    named_text = f" (rank(s) {', '.join(map(str, own))} failed too)" if own else ""
+    named_text = words.failed_too(own)
     others = "".join(
-        f"\n\n----- rank {r} failed too: {_describe(o)} -----\n"
+        words.also_failed(r, _describe(o))
         + (o.traceback.rstrip() if isinstance(o, _o.Raised) else "")
         for r, o in sorted(also.items())
     )
     if isinstance(result, _o.Raised):
-        message = f"rank {rank} raised {result.summary}{named_text}\n\n{result.traceback.rstrip()}"
+        message = f"{words.raised(rank, result.summary)}{named_text}\n\n{result.traceback.rstrip()}"
         error: RankError = RankFailed(
             rank,
             result.traceback,
@@ -397,7 +318,7 @@ def error_for(
         extra = ""
         if fatal_stack.strip():
             extra = f"\n\n----- fatal-signal stack of rank {rank} -----\n{fatal_stack}"
-        message = f"rank {rank} {result.how} before returning a result{named_text}" + extra
+        message = words.died(rank, result.how) + named_text + extra
         error = RankCrashed(rank, result.exitcode, message + others, outputs, stacks)
     else:
         raise TypeError(f"rank {rank}: {result!r} is not a failure")

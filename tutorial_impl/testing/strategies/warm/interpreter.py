@@ -84,13 +84,18 @@ def python_settings() -> list[Setting]:
 
 
 def torch_settings(t: Any) -> list[Setting]:
-    """torch's process-wide settings (those this build has)."""
-    c, options = t._C, t._tensor_str.PRINT_OPTS
+    """torch's process-wide settings (those this build has), in the order they are reset."""
+    return [*_torch_modes(t), *_torch_autograd(t), *_torch_backends(t)]
+
+
+def _torch_modes(t: Any) -> list[Setting]:
+    """Modes and defaults: grad, dtype, threads, precision, determinism, device, printing."""
+    options = t._tensor_str.PRINT_OPTS
     det = t.are_deterministic_algorithms_enabled, t.is_deterministic_algorithms_warn_only_enabled
     anomaly = t.is_anomaly_enabled, t.is_anomaly_check_nan_enabled
-    found = [
+    return [
         Setting("torch grad mode", t.is_grad_enabled, t.set_grad_enabled),
-        Setting("torch forward-mode AD", c._is_fwd_grad_enabled, c._set_fwd_grad_enabled),
+        Setting("torch forward-mode AD", t._C._is_fwd_grad_enabled, t._C._set_fwd_grad_enabled),
         Setting("torch default dtype", t.get_default_dtype, t.set_default_dtype),
         Setting("torch intra-op threads", t.get_num_threads, t.set_num_threads),
         Setting("torch warn_always", t.is_warn_always_enabled, t.set_warn_always),
@@ -111,6 +116,13 @@ def torch_settings(t: Any) -> list[Setting]:
             lambda v: t.set_default_device(v and v.device),
         ),
         Setting("torch print options", lambda: dict(vars(options)), vars(options).update),
+    ]
+
+
+def _torch_autograd(t: Any) -> list[Setting]:
+    """Autograd's and the dispatcher's switches, autocast, fast paths, the c10d debug level."""
+    c = t._C
+    return [
         Setting(
             "torch autograd multithreading",
             c._is_multithreading_enabled,
@@ -148,6 +160,11 @@ def torch_settings(t: Any) -> list[Setting]:
             t._C._distributed_c10d.set_debug_level,
         ),
     ]
+
+
+def _torch_backends(t: Any) -> list[Setting]:
+    """``torch.backends``' flags this build has (CUDA's linalg library and SDP kernels)."""
+    found = []
     cuda = t.backends.cuda
     if cuda.is_built():  # a CPU build has one linalg library: nothing to set
         library = cuda.preferred_linalg_library
