@@ -101,9 +101,19 @@ def test_no_module_or_function_is_over_its_bar():
 def imports(tree: ast.AST, known: set[str]) -> set[str]:
     """The harness modules ``tree`` imports, anywhere in it (a lazy import inside a function
     is still an arrow). ``from pkg import sub`` is an arrow to the submodule; importing a
-    submodule is not counted as an arrow to its package's ``__init__``."""
+    submodule is not counted as an arrow to its package's ``__init__``. An import under
+    ``if TYPE_CHECKING:`` is for the type checker only, never run: not an arrow."""
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
     found = set()
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

@@ -473,7 +473,7 @@ def test_a_forkserver_that_cannot_start_fails_the_first_test_that_needs_it(pytes
     result.assert_outcomes(passed=1, failed=1)
     said = [line for line in result.outlines if line.startswith("E ") and "ForkServer" in line]
     assert said == [
-        "E           tutorial_impl.testing.forkserver.ForkServerStartError: the rank forkserver "
+        "E           tutorial_impl.testing.forkserver.server.ForkServerStartError: the rank forkserver "
         "could not be started when the session started: OSError: [Errno 24] Too many open files"
     ]  # once, the first failure itself (not one of starting again after it)
 
