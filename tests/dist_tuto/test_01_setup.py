@@ -18,6 +18,7 @@ Read in this order:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import runpy
 import signal
@@ -37,9 +38,10 @@ from tutorial_impl.dist_tuto.process import init_process, rank_device, select_gp
 from tutorial_impl.testing import proctable
 
 
-def run_py_as_a_script(rank: int, size: int, port: int) -> list[int | None]:
+def run_py_as_a_script(rank: int, size: int, port: int) -> tuple[str | None, list[int | None]]:
     """``python -m tutorial_impl.dist_tuto.run``, in this rank: run.py's ``__main__`` block, run
-    by ``runpy`` as ``-m`` runs it. Returns the exit status of each process it spawned.
+    by ``runpy`` as ``-m`` runs it. Returns the start method it chose for its processes and
+    the exit status of each process it started.
 
     The rendezvous is the store the test hosts on a port the kernel picked, handed over as
     torchrun would (``MASTER_PORT`` plus ``TORCHELASTIC_USE_AGENT_STORE``), instead of hoping
@@ -50,7 +52,8 @@ def run_py_as_a_script(rank: int, size: int, port: int) -> list[int | None]:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ["OMP_NUM_THREADS"] = "1"
     script = runpy.run_module("tutorial_impl.dist_tuto.run", run_name="__main__", alter_sys=True)
-    return [p.exitcode for p in script["processes"]]
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    return chosen, [p.exitcode for p in script["processes"]]
 
 
 @pytest.mark.slow
@@ -67,7 +70,9 @@ def test_the_tutorials_run_py_as_written(run_ranks):
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = run_ranks(run_py_as_a_script, store.port, world_size=1, backend=None, timeout=120)
-    assert results[0] == [0, 0]  # both spawned ranks exited cleanly
+    start_method, exit_codes = results[0]
+    assert start_method == "spawn"  # fresh interpreters, not forks of the rank
+    assert exit_codes == [0, 0]  # both spawned ranks exited cleanly
     # The tutorial's ``print('Rank ', rank, ' has data ', tensor[0])`` writes its pieces one
     # by one, and both processes share one stdout: the two lines may interleave mid-line
     # ("Rank Rank  0  has data   1 ..."; process.print_line is the cure). So count pieces.
