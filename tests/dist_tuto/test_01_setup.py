@@ -18,7 +18,9 @@ Read in this order:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -36,35 +38,45 @@ from tutorial_impl.dist_tuto.process import init_process, rank_device, select_gp
 from tutorial_impl.testing import proctable
 
 
+def run_py_as_a_script(rank: int, size: int, port: int) -> tuple[str | None, list[int | None]]:
+    """``python -m tutorial_impl.dist_tuto.run``, in this rank: run.py's ``__main__`` block, run
+    by ``runpy`` as ``-m`` runs it. Returns the start method it chose for its processes and
+    the exit status of each process it started.
+
+    The rendezvous is the store the test hosts on a port the kernel picked, handed over as
+    torchrun would (``MASTER_PORT`` plus ``TORCHELASTIC_USE_AGENT_STORE``), instead of hoping
+    29500 is free; the spawned ranks inherit this environment.
+    """
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    script = runpy.run_module("tutorial_impl.dist_tuto.run", run_name="__main__", alter_sys=True)
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    return chosen, [p.exitcode for p in script["processes"]]
+
+
 @pytest.mark.slow
-def test_the_tutorials_run_py_as_written(tmp_path):
+@pytest.mark.warm_world(False)  # run.py sets the process-wide start method to spawn
+def test_the_tutorials_run_py_as_written(run_ranks):
     """``run.py`` itself: two spawned interpreters join a group and rank 0's 1.0 reaches rank 1.
 
-    The one test that pays for spawn (three interpreters import torch, seconds): every
-    other test starts its ranks through the harness. The test hosts the rendezvous store on
-    a port the kernel picks and hands it over as torchrun would (``MASTER_PORT`` plus
-    ``TORCHELASTIC_USE_AGENT_STORE``), instead of hoping 29500 is free.
+    The one test that pays for spawn (each spawned rank is a fresh interpreter that imports
+    torch: seconds): every other test starts its ranks through the harness. Of the three
+    interpreters a learner's ``python -m tutorial_impl.dist_tuto.run`` starts, the first
+    only spawns the ranks and waits for them; here that part of the script runs in a rank
+    the harness forked (``run_py_as_a_script``), torch imported already, and the two ranks
+    it spawns are fresh interpreters, as the tutorial wrote.
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "OMP_NUM_THREADS": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tutorial_impl.dist_tuto.run"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = run_ranks(run_py_as_a_script, store.port, world_size=1, backend=None, timeout=120)
+    start_method, exit_codes = results[0]
+    assert start_method == "spawn"  # fresh interpreters, not forks of the rank
+    assert exit_codes == [0, 0]  # both spawned ranks exited cleanly
     # The tutorial's ``print('Rank ', rank, ' has data ', tensor[0])`` writes its pieces one
-    # by one, and both processes share our pipe: the two lines may interleave mid-line
+    # by one, and both processes share one stdout: the two lines may interleave mid-line
     # ("Rank Rank  0  has data   1 ..."; process.print_line is the cure). So count pieces.
-    out = proc.stdout
+    out = results.outputs[0]
     assert out.count("has data") == 2  # both ranks ran ``run``
     assert out.count("tensor(1.)") == 2  # the sender's 1.0, and the receiver's copy of it
     assert "tensor(0.)" not in out  # the receiver's zeros were overwritten by recv

@@ -191,12 +191,18 @@ def test_n_ranks_reach_the_parameters_of_one_process(
 
 
 def test_synthetic_data_is_learnable_and_replicas_stay_identical(run_ranks) -> None:
-    """The default demo (``python -m tutorial_impl train``): 2 ranks, 4096 samples, 3 epochs.
+    """The tutorial's loop (``sgd.run``) on 2 ranks, 3 epochs of synthetic data.
 
     The loss must fall every epoch, and clearly overall (an untrained 10-class model sits at
     ln 10 = 2.30), and both ranks must end with bitwise-identical parameters.
+
+    How much training that takes is a number of steps, not of samples: at the tutorial's
+    learning rate the default demo (``python -m tutorial_impl train``: 4096 samples in
+    global batches of 128, 32 steps an epoch) falls from 2.28 to 1.93 in its three epochs,
+    and so does this run (2.29 to 1.93, measured here), which takes the same 96 steps on
+    global batches of 8 (4 samples a rank): a fraction of the compute.
     """
-    results = run_ranks(sgd.run, sgd.TrainConfig(epochs=3, samples=4096))
+    results = run_ranks(sgd.run, sgd.TrainConfig(epochs=3, samples=256, global_batch=8))
     for rank, result in enumerate(results):
         losses = result.losses
         assert len(losses) == 3, f"rank {rank} trained {len(losses)} epochs"
