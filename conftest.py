@@ -82,6 +82,20 @@ def pytest_configure(config: pytest.Config) -> None:
     # with the chunk of 1 above does. Only when -n chose "load" and no --dist was given.
     if getattr(config.option, "dist", None) == "load" and not _dist_given(config):
         config.option.dist = "loadgroup"
+    # A worker parses only the command line, so it does not see the switch above: without
+    # ``loadgroup`` set here it would not tag its tests with their group, and the
+    # controller would hand a group's tests out one by one (seen: a module's tests on two
+    # workers). The controller says so in ``workerinput`` (``pytest_configure_node``).
+    if getattr(config, "workerinput", {}).get(LOADGROUP_KEY):
+        config.option.loadgroup = True
+
+
+LOADGROUP_KEY = "tutorial_suite_loadgroup"  # workerinput: the controller schedules by group
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook, in the controller, once per worker
+def pytest_configure_node(node) -> None:  # noqa: ANN001 - xdist's WorkerController
+    node.workerinput[LOADGROUP_KEY] = node.config.option.dist == "loadgroup"
 
 
 def _dist_given(config: pytest.Config) -> bool:
@@ -89,10 +103,29 @@ def _dist_given(config: pytest.Config) -> bool:
     return any(str(w) == "-d" or str(w).startswith("--dist") for w in words)
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's worker has tagged each test with its group
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Slow tests first, each group in collection order (a stable sort); every xdist worker
     # sorts the same way, so their collections still agree.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    for item in items:
+        _keep_group_tag(item)
+
+
+def _keep_group_tag(item: pytest.Item) -> None:
+    """Make the group tag xdist's worker wrote (``nodeid@group``) the test's id.
+
+    xdist (3.8) tells its "loadgroup" scheduler a test's group by writing ``item._nodeid``;
+    pytest 9.2 reads a node's id from its structured ``_id`` instead, so the tag was lost and
+    every group's tests were handed out one by one (pytest-xdist issue #1386, fix pending
+    in PR #1388). Without a tag, or on a pytest that still reads ``_nodeid``: nothing to do.
+    """
+    tagged = item.__dict__.get("_nodeid")
+    if not tagged or tagged == item.nodeid or not hasattr(item, "_id"):
+        return
+    from _pytest.nodeid import NodeId  # pytest 9.2's private id type, only where it exists
+
+    item._id = NodeId.parse(tagged)
 
 
 @pytest.hookimpl(tryfirst=True)
