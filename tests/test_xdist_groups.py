@@ -1,0 +1,56 @@
+"""This suite's scheduling under ``pytest -n``: tests marked ``xdist_group`` share one worker.
+
+The suite's tests that share one expensive run (a module-scoped fixture, each claim its own
+test) or an expensive import carry ``xdist_group("name")``, and the root ``conftest.py``
+switches ``-n`` to xdist's "loadgroup" scheduler so that each group goes to one worker. Two
+things broke that silently, each enough alone: the workers parse only the command line, so
+they never saw the switch and did not tag their tests; and pytest 9.2 reads a test's id from
+a field xdist (3.8) does not write the tag to (pytest-xdist issue #1386). Every group's tests
+were handed out one by one, and a shared run ran once on each worker that got one of them.
+
+The proof: the root conftest in a project of its own, two files whose grouped tests are
+interleaved with ungrouped ones, run with ``-n 2`` in a subprocess (xdist's workers are
+processes; no torch is imported, about 1.5 s of CPU). Every grouped test must run on one
+worker, tagged with its group; and the ungrouped ones stay handed out one at a time, so the
+tests of one file still spread over both workers.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT_CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+TESTS = """
+import time
+import pytest
+
+@pytest.mark.xdist_group("shared")
+@pytest.mark.parametrize("i", range(3))
+def test_grouped(i):
+    time.sleep(0.05)
+
+@pytest.mark.parametrize("i", range(6))
+def test_alone(i):
+    time.sleep(0.05)  # long enough that both workers are handed some
+"""
+
+
+@pytest.mark.slow
+def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(ROOT_CONFTEST.read_text())
+    pytester.makepyfile(test_one=TESTS, test_two=TESTS)
+    result = pytester.runpytest_subprocess("-n", "2", "-v", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=18)
+    ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+)", result.stdout.str())
+    assert len(ran) == 18, result.stdout.str()
+    grouped = {worker for worker, test in ran if "::test_grouped" in test}
+    assert len(grouped) == 1, ran  # all six on one worker
+    assert all(test.endswith("@shared") for _, test in ran if "::test_grouped" in test), ran
+    alone = {worker for worker, test in ran if "::test_alone" in test}
+    assert alone == {"gw0", "gw1"}, ran  # not everything in one unit: "load" for the rest
