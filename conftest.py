@@ -16,7 +16,8 @@ quarter of its share in one consecutive chunk, which left a long test to start n
 end on one worker while the other sat idle (14 s of 82 in one measured run).
 The scheduler is xdist's ``loadgroup`` (unless ``--dist`` is given): the same one-at-a-time
 hand-out, except that tests marked ``xdist_group("name")``, which share one expensive run
-(a module-scoped fixture, each claim its own test), go to one worker together.
+(a module-scoped fixture, each claim its own test), go to one worker together (the workers
+are told, and the group tag kept on pytest 9.2: ``tests/test_xdist_groups.py``).
 
 ``-n auto`` starts one worker more than there are cores: a worker spends part of a test
 waiting (for its ranks to start and rendezvous, for a deadline, for a subprocess to import
