@@ -73,6 +73,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # xdist registers its ``xdist_group`` marker; without it (``-p no:xdist``, the serial
+    # profile's run) a grouped test would be refused by ``--strict-markers``.
+    if not config.pluginmanager.hasplugin("xdist"):
+        config.addinivalue_line("markers", "xdist_group(name): run with the group's tests")
     # Only for xdist's "load" mode (the default of -n) and only when not given on the
     # command line; the option does not exist without xdist.
     if getattr(config.option, "maxschedchunk", "absent") is None:

@@ -12,7 +12,9 @@ The proof: the root conftest in a project of its own, two files whose grouped te
 interleaved with ungrouped ones, run with ``-n 2`` in a subprocess (xdist's workers are
 processes; no torch is imported, about 1.5 s of CPU). Every grouped test must run on one
 worker, tagged with its group; and the ungrouped ones stay handed out one at a time, so the
-tests of one file still spread over both workers.
+tests of one file still spread over both workers. Without xdist (``-p no:xdist``, as the
+serial profile ``.ci/suite_profile.py`` runs) the marker is still known, so ``--strict-markers``
+does not refuse a grouped test.
 """
 
 from __future__ import annotations
@@ -54,3 +56,13 @@ def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pyte
     assert all(test.endswith("@shared") for _, test in ran if "::test_grouped" in test), ran
     alone = {worker for worker, test in ran if "::test_alone" in test}
     assert alone == {"gw0", "gw1"}, ran  # not everything in one unit: "load" for the rest
+
+
+def test_without_xdist_the_group_marker_is_still_known(pytester: pytest.Pytester) -> None:
+    """A subprocess: in this process xdist is loaded, and an in-process run sees its marker."""
+    pytester.makeconftest(ROOT_CONFTEST.read_text())
+    pytester.makepyfile(test_one=TESTS)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:xdist", "--strict-markers", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=9)
