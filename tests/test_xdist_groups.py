@@ -10,7 +10,9 @@ were handed out one by one, and a shared run ran once on each worker that got on
 
 The proof: the root conftest in a project of its own, two files whose grouped tests are
 interleaved with ungrouped ones, run with ``-n 2`` in a subprocess (xdist's workers are
-processes; no torch is imported, about 1.5 s of CPU). Every grouped test must run on one
+processes). The harness's plugin is left out of that run: under ``-n`` its controller starts
+the rank forkserver, an import of torch (2.5 s of CPU) no test there needs; about 1.2 s of CPU
+is left. Every grouped test must run on one
 worker, tagged with its group; and the ungrouped ones stay handed out one at a time, so the
 tests of one file still spread over both workers. Without xdist (``-p no:xdist``, as the
 serial profile ``.ci/suite_profile.py`` runs) the marker is still known, so ``--strict-markers``
@@ -27,6 +29,17 @@ import pytest
 pytest_plugins = ["pytester"]
 
 ROOT_CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+PLUGIN = "tutorial_impl.testing.plugin"
+NO_PLUGIN = ("-p", f"no:{PLUGIN}")  # see the docstring; the conftest names it too, cut below
+
+
+def root_conftest() -> str:
+    """The root conftest as it is, less the line that loads the harness's plugin."""
+    text = ROOT_CONFTEST.read_text()
+    line = f'pytest_plugins = ["{PLUGIN}"]\n'
+    assert line in text
+    return text.replace(line, "")
+
 
 TESTS = """
 import time
@@ -45,9 +58,9 @@ def test_alone(i):
 
 @pytest.mark.slow
 def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(ROOT_CONFTEST.read_text())
+    pytester.makeconftest(root_conftest())
     pytester.makepyfile(test_one=TESTS, test_two=TESTS)
-    result = pytester.runpytest_subprocess("-n", "2", "-v", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-n", "2", "-v", "-p", "no:cacheprovider", *NO_PLUGIN)
     result.assert_outcomes(passed=18)
     ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+)", result.stdout.str())
     assert len(ran) == 18, result.stdout.str()
@@ -60,9 +73,9 @@ def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pyte
 
 def test_without_xdist_the_group_marker_is_still_known(pytester: pytest.Pytester) -> None:
     """A subprocess: in this process xdist is loaded, and an in-process run sees its marker."""
-    pytester.makeconftest(ROOT_CONFTEST.read_text())
+    pytester.makeconftest(root_conftest())
     pytester.makepyfile(test_one=TESTS)
     result = pytester.runpytest_subprocess(
-        "-p", "no:xdist", "--strict-markers", "-p", "no:cacheprovider"
+        "-p", "no:xdist", "--strict-markers", "-p", "no:cacheprovider", *NO_PLUGIN
     )
     result.assert_outcomes(passed=9)
