@@ -16,6 +16,9 @@ from the recording (``tutorial_impl/pictures/``). The claims, in reading order:
 One run of the command serves every test (``command``: once per session, even when xdist
 spreads this module over workers): about 5 s of CPU with the rank forkserver already
 running, about 1 s more than the command cost when it drew only the rings and the layout.
+Under ``pytest -n auto`` the module goes to one worker (``xdist_group``), with the
+benchmark's box plot (``tests/bench/test_bench_stats.py``): the suite's only other user of
+matplotlib, whose import costs about a second of CPU in each worker that makes it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from tutorial_impl.dist_tuto.p2p_trace import LATE
 from tutorial_impl.pictures import record
 from tutorial_impl.pictures.canvas import MIN_FONT_PT, README_WIDTH, Canvas, crossings, px
 from tutorial_impl.rpc.rref_trace import MESSAGES
+
+# The group of the suite's matplotlib users (see the docstring): one worker imports it once.
+pytestmark = pytest.mark.xdist_group("matplotlib")
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

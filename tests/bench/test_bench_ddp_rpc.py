@@ -145,9 +145,10 @@ def test_small_runs_print_the_table_and_valid_json(
 def test_a_run_past_its_deadline_fails_cleanly(capsys):
     # 1000 epochs cannot finish in 1 s: the harness must stop every worker at the deadline
     # and the CLI must say so and fail, rather than hang or print a half-empty table. The
-    # advice names the command's own option, not the test suite's marker.
+    # advice names the command's own option, not the test suite's marker. One trainer: the
+    # smallest world (3 workers), since every worker computes until the deadline kills it.
     tiny = ["--num-embeddings", "10", "--embedding-dim", "2", "--parameter-servers", "1"]
-    code = ddp_rpc.main([*tiny, "--trainers", "2", "--epochs", "1000", "--timeout", "1"])
+    code = ddp_rpc.main([*tiny, "--trainers", "1", "--epochs", "1000", "--timeout", "1"])
     err = capsys.readouterr().err
     assert code == 1
     assert "benchmark failed: still running when the deadline of 1 s passed" in err

@@ -93,6 +93,9 @@ def test_table_has_a_row_per_trainer_and_a_labelled_throughput():
     assert f"{np.percentile(PER_TRAINER['Trainer1'][0], 50):7.3f}s" in lines[2]
 
 
+# With the pictures (``tests/test_pictures.py``), on one xdist worker: matplotlib's import,
+# about a second of CPU, is then paid once, not once in each worker that draws.
+@pytest.mark.xdist_group("matplotlib")
 def test_plot_draws_one_box_per_trainer(tmp_path):
     pytest.importorskip("matplotlib")  # optional: the benchmark runs without it
     path = tmp_path / "epochs.png"

@@ -1,0 +1,81 @@
+"""This suite's scheduling under ``pytest -n``: tests marked ``xdist_group`` share one worker.
+
+The suite's tests that share one expensive run (a module-scoped fixture, each claim its own
+test) or an expensive import carry ``xdist_group("name")``, and the root ``conftest.py``
+switches ``-n`` to xdist's "loadgroup" scheduler so that each group goes to one worker. Two
+things broke that silently, each enough alone: the workers parse only the command line, so
+they never saw the switch and did not tag their tests; and pytest 9.2 reads a test's id from
+a field xdist (3.8) does not write the tag to (pytest-xdist issue #1386). Every group's tests
+were handed out one by one, and a shared run ran once on each worker that got one of them.
+
+The proof: the root conftest in a project of its own, two files whose grouped tests are
+interleaved with ungrouped ones, run with ``-n 2`` in a subprocess (xdist's workers are
+processes). The harness's plugin is left out of that run: under ``-n`` its controller starts
+the rank forkserver, an import of torch (2.5 s of CPU) no test there needs; about 1.2 s of CPU
+is left. Every grouped test must run on one
+worker, tagged with its group; and the ungrouped ones stay handed out one at a time, so the
+tests of one file still spread over both workers. Without xdist (``-p no:xdist``, as the
+serial profile ``.ci/suite_profile.py`` runs) the marker is still known, so ``--strict-markers``
+does not refuse a grouped test.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT_CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+PLUGIN = "tutorial_impl.testing.plugin"
+NO_PLUGIN = ("-p", f"no:{PLUGIN}")  # see the docstring; the conftest names it too, cut below
+
+
+def root_conftest() -> str:
+    """The root conftest as it is, less the line that loads the harness's plugin."""
+    text = ROOT_CONFTEST.read_text()
+    line = f'pytest_plugins = ["{PLUGIN}"]\n'
+    assert line in text
+    return text.replace(line, "")
+
+
+TESTS = """
+import time
+import pytest
+
+@pytest.mark.xdist_group("shared")
+@pytest.mark.parametrize("i", range(3))
+def test_grouped(i):
+    time.sleep(0.05)
+
+@pytest.mark.parametrize("i", range(6))
+def test_alone(i):
+    time.sleep(0.05)  # long enough that both workers are handed some
+"""
+
+
+@pytest.mark.slow
+def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(root_conftest())
+    pytester.makepyfile(test_one=TESTS, test_two=TESTS)
+    result = pytester.runpytest_subprocess("-n", "2", "-v", "-p", "no:cacheprovider", *NO_PLUGIN)
+    result.assert_outcomes(passed=18)
+    ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+)", result.stdout.str())
+    assert len(ran) == 18, result.stdout.str()
+    grouped = {worker for worker, test in ran if "::test_grouped" in test}
+    assert len(grouped) == 1, ran  # all six on one worker
+    assert all(test.endswith("@shared") for _, test in ran if "::test_grouped" in test), ran
+    alone = {worker for worker, test in ran if "::test_alone" in test}
+    assert alone == {"gw0", "gw1"}, ran  # not everything in one unit: "load" for the rest
+
+
+def test_without_xdist_the_group_marker_is_still_known(pytester: pytest.Pytester) -> None:
+    """A subprocess: in this process xdist is loaded, and an in-process run sees its marker."""
+    pytester.makeconftest(root_conftest())
+    pytester.makepyfile(test_one=TESTS)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:xdist", "--strict-markers", "-p", "no:cacheprovider", *NO_PLUGIN
+    )
+    result.assert_outcomes(passed=9)
