@@ -30,9 +30,9 @@ from tutorial_impl.testing import (
     proctable,
     run_ranks,
 )
+from tutorial_impl.testing.call import RankFiles
 from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.rank import main as _ranks
-from tutorial_impl.testing.call import RankFiles
 
 # A deadline far above what any of these runs needs: if a failure were only noticed at the
 # deadline, the elapsed-time assertions below would catch it.

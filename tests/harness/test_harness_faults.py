@@ -23,13 +23,12 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import RankExited, RankFailed
-from tutorial_impl.testing.diagnose import desync
-from tutorial_impl.testing.faults import plan as fault_plan
-from tutorial_impl.testing.faults import inject as faults
-from tutorial_impl.testing.faults import group as faulty_group
-from tutorial_impl.testing.diagnose import recorder
-from tutorial_impl.testing.faults.plan import Close, Delay, Exit, Fault, Hang, Kill, Point, Raise
+from tutorial_impl.testing.diagnose import desync, recorder
 from tutorial_impl.testing.diagnose.recorder import Record
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import plan as fault_plan
+from tutorial_impl.testing.faults.plan import Close, Delay, Exit, Fault, Hang, Kill, Point, Raise
 
 GROUP_TIMEOUT = timedelta(seconds=30)  # far above what any run here needs
 

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from tutorial_impl.testing import call
+from tutorial_impl.testing.rendezvous import reserve_port
 from tutorial_impl.testing.strategies import protocol as runner
 from tutorial_impl.testing.strategies.warm import pool as warm
 from tutorial_impl.testing.verdict.errors import RankTimeout
-from tutorial_impl.testing.rendezvous import reserve_port
 
 
 def setup_ddp(rank: int, world_size: int, port: int) -> None:

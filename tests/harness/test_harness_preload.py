@@ -32,11 +32,11 @@ from pathlib import Path
 import pytest
 
 from tutorial_impl.testing import proctable
-from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.forkserver import importscan
-from tutorial_impl.testing.rank import lookup
 from tutorial_impl.testing.forkserver import plan as preload
+from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.forkserver.server import PLAN_ENV
+from tutorial_impl.testing.rank import lookup
 
 pytest_plugins = ["pytester"]
 
@@ -473,8 +473,9 @@ def test_a_forkserver_that_cannot_start_fails_the_first_test_that_needs_it(pytes
     result.assert_outcomes(passed=1, failed=1)
     said = [line for line in result.outlines if line.startswith("E ") and "ForkServer" in line]
     assert said == [
-        "E           tutorial_impl.testing.forkserver.server.ForkServerStartError: the rank forkserver "
-        "could not be started when the session started: OSError: [Errno 24] Too many open files"
+        "E           tutorial_impl.testing.forkserver.server.ForkServerStartError: "
+        "the rank forkserver could not be started when the session started: "
+        "OSError: [Errno 24] Too many open files"
     ]  # once, the first failure itself (not one of starting again after it)
 
 
@@ -508,7 +509,9 @@ def test_a_server_the_files_did_not_announce_starts_after_collection(pytester, m
     monkeypatch.setattr(forkserver, "SERVER", forkserver.RankServer())
     monkeypatch.setattr(forkserver._PlannedForkServer, "ensure_running", started)
     pytester.makeconftest("import pytest\n\n@pytest.fixture\ndef ranks(run_ranks):\n    return 1\n")
-    test = "from tutorial_impl.testing.forkserver import server as forkserver\n\ndef test_it(ranks):\n"
+    test = (
+        "from tutorial_impl.testing.forkserver import server as forkserver\n\ndef test_it(ranks):\n"
+    )
     pytester.makepyfile(test_unannounced=test + "    assert forkserver.SERVER.started\n")
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-o", "rank_preload=x")
     result.assert_outcomes(passed=1)

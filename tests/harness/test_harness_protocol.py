@@ -15,18 +15,18 @@ import pytest
 
 import tutorial_impl
 from tutorial_impl.testing import call
-from tutorial_impl.testing.strategies.warm import audit
-from tutorial_impl.testing.strategies import protocol as runner
-from tutorial_impl.testing.verdict import decision as verdict
-from tutorial_impl.testing.strategies.warm import pool as warm
-from tutorial_impl.testing.rank import outcome as _o
-from tutorial_impl.testing.strategies.warm.audit import Audited, WarmAuditError
-from tutorial_impl.testing.settings.config import Settings
-from tutorial_impl.testing.verdict.errors import RankFailed, RankResults, RankSkipped
 from tutorial_impl.testing.faults.plan import Fault, Kill
 from tutorial_impl.testing.fixtures import Session
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.settings.config import Settings
+from tutorial_impl.testing.strategies import protocol as runner
 from tutorial_impl.testing.strategies.forked import FORKED
 from tutorial_impl.testing.strategies.torchrun.worker import NOT_HONOURED, Launched
+from tutorial_impl.testing.strategies.warm import audit
+from tutorial_impl.testing.strategies.warm import pool as warm
+from tutorial_impl.testing.strategies.warm.audit import Audited, WarmAuditError
+from tutorial_impl.testing.verdict import decision as verdict
+from tutorial_impl.testing.verdict.errors import RankFailed, RankResults, RankSkipped
 
 # A value away from the default of each field some strategy cannot honour.
 SET = {
@@ -276,8 +276,8 @@ def test_parent_and_rank_name_a_ranks_files_by_one_value(tmp_path):
     """``RankFiles``: the rank writes where the parent reads, whatever the file."""
     import pickle
 
-    from tutorial_impl.testing.strategies import supervise
     from tutorial_impl.testing.call import RankFiles, rank_spec
+    from tutorial_impl.testing.strategies import supervise
 
     built = call.build(len, world_size=3)
     specs = [rank_spec(built, r, tmp_path, {}) for r in range(3)]

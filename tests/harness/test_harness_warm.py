@@ -19,8 +19,8 @@ import torch  # noqa: F401 - before any in-process pytester run (see below)
 
 from tutorial_impl.testing import call, proctable
 from tutorial_impl.testing.strategies import protocol as runner
-from tutorial_impl.testing.strategies.warm import pool as warm
 from tutorial_impl.testing.strategies.forked import FORKED
+from tutorial_impl.testing.strategies.warm import pool as warm
 
 # pytester restores sys.modules after each in-process run: torch must have been imported
 # before the first, or the next run imports its C extension a second time and crashes.

@@ -18,18 +18,18 @@ It also prices ``--check-collectives`` (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL
 check, the slowest rank's mean over ``--collectives`` calls, and their ratio (JSON keys
 ``collective_us``, ``checked_collective_us``, ``check_ratio``).
 
-And warm worlds (``testing/strategies/warm/pool.py``): the same test in a world whose ranks and group served
-the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms, both in this run),
-the same warm test under ``--warm-audit`` (``audit_ms``: it runs fresh too; ``audit_cost`` =
-audit_ms / warm_ms), the same test as one of a torchrun job's tests (``torchrun_ms``: every
-worker of ``torchrun --standalone --nproc-per-node=N -m pytest`` runs it in lockstep; the
-median time from one test's start to the next's, read by rank 0; ``--torchrun-tests 0``
-leaves it out, as None),
-the time a poisoned warm world costs to replace (``replace_ms``: the test after one that left
-a group behind, a fresh world), and the 1-minute load average while measuring
-(``load_average``): on a loaded machine every figure grows. The check runs torch's
-``ProcessGroupWrapper``, which before each collective has the ranks compare what they are
-about to call through an extra exchange, so a small collective costs several times as much.
+And warm worlds (``testing/strategies/warm/pool.py``): the same test in a world whose ranks and
+group served the test before (``warm_ms``, and ``warm_speedup`` = harness_ms / warm_ms, both in
+this run), the same warm test under ``--warm-audit`` (``audit_ms``: it runs fresh too;
+``audit_cost`` = audit_ms / warm_ms), the same test as one of a torchrun job's tests
+(``torchrun_ms``: every worker of ``torchrun --standalone --nproc-per-node=N -m pytest`` runs it
+in lockstep; the median time from one test's start to the next's, read by rank 0; ``--torchrun-
+tests 0`` leaves it out, as None), the time a poisoned warm world costs to replace
+(``replace_ms``: the test after one that left a group behind, a fresh world), and the 1-minute
+load average while measuring (``load_average``): on a loaded machine every figure grows. The
+check runs torch's ``ProcessGroupWrapper``, which before each collective has the ranks compare
+what they are about to call through an extra exchange, so a small collective costs several times
+as much.
 
 And faults (docs/faults.md): torch's flight recorder off, on, and DETAIL in alternating
 rounds of fresh worlds (``--recorder-rounds`` of ``--recorder-calls`` small all_reduces;
@@ -63,11 +63,11 @@ from tutorial_impl.bench import first_test
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import run_ranks
 from tutorial_impl.testing.forkserver import server as forkserver
-from tutorial_impl.testing.strategies import protocol as runner
-from tutorial_impl.testing.strategies.warm.audit import Audited
-from tutorial_impl.testing.strategies.forked import FORKED
-from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
 from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
+from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies.forked import FORKED
+from tutorial_impl.testing.strategies.warm.audit import Audited
 from tutorial_impl.testing.strategies.warm.pool import WarmPool
 
 
@@ -127,8 +127,8 @@ def time_harness(world_size: int, repeats: int) -> list[float]:
 
 
 def time_warm(world_size: int, repeats: int) -> list[float]:
-    """Milliseconds per test in a warm world (``testing/strategies/warm/pool.py``): the same all_reduce
-    test, its ranks and group kept from the test before, checked after each test."""
+    """Milliseconds per test in a warm world (``testing/strategies/warm/pool.py``): the same
+    all_reduce test, its ranks and group kept from the test before, checked after each test."""
     expected = [world_size * (world_size + 1) / 2] * world_size
     times = []
     pool = WarmPool()

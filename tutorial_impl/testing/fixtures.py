@@ -25,18 +25,17 @@ from typing import Any, NoReturn
 import pytest
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing.rank import caught
-from tutorial_impl.testing.rank import leftovers
-from tutorial_impl.testing.settings import matrix
+from tutorial_impl.testing.rank import caught, leftovers
+from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.settings import config as _config
-from tutorial_impl.testing.strategies import protocol as _runner
+from tutorial_impl.testing.settings import matrix
 from tutorial_impl.testing.settings import shadowing as _shadowing
-from tutorial_impl.testing.strategies.warm.audit import Audited
-from tutorial_impl.testing.verdict.errors import RankError, RankResults, RankSkipped, RankXFailed
+from tutorial_impl.testing.strategies import protocol as _runner
 from tutorial_impl.testing.strategies.forked import FORKED, IN_TEST, RUNNING
 from tutorial_impl.testing.strategies.protocol import Strategy
-from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
+from tutorial_impl.testing.strategies.warm.audit import Audited
 from tutorial_impl.testing.strategies.warm.pool import WarmPool
+from tutorial_impl.testing.verdict.errors import RankError, RankResults, RankSkipped, RankXFailed
 
 RunRanks = Callable[..., RankResults]
 

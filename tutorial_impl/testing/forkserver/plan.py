@@ -33,10 +33,10 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing.forkserver import server as forkserver
-from tutorial_impl.testing.forkserver import importscan
-from tutorial_impl.testing.settings.config import uses_the_harness
 from tutorial_impl.testing.fixtures import SETTINGS
+from tutorial_impl.testing.forkserver import importscan
+from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.settings.config import uses_the_harness
 
 HELP_PRELOAD = (
     "modules the rank forkserver imports once, besides what the test files import, so each "

@@ -24,24 +24,24 @@ from types import MappingProxyType
 from typing import Any, ParamSpec, TextIO
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing.rank import debugging as _debugging
+from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.faults.plan import Fault
 from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.rank import debugging as _debugging
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import main as rank
-from tutorial_impl.testing.strategies import protocol as runner
-from tutorial_impl.testing.strategies import supervise
-from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.rank.outcome import IN_RANK
+from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.config import (
     DEFAULT_BACKEND,
     DEFAULT_DEADLINE,
     DEFAULT_INIT_METHOD,
     DEFAULT_WORLD_SIZE,
 )
-from tutorial_impl.testing.verdict.errors import RankError, RankResults
-from tutorial_impl.testing.faults.plan import Fault
-from tutorial_impl.testing.rank.outcome import IN_RANK
-from tutorial_impl.testing.rendezvous import AgentStore
+from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import supervise
 from tutorial_impl.testing.verdict.decision import Finished
+from tutorial_impl.testing.verdict.errors import RankError, RankResults
 
 P = ParamSpec("P")
 

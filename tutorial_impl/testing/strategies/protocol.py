@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from tutorial_impl.testing.strategies.warm import audit
 from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.verdict.errors import RankResults
+from tutorial_impl.testing.strategies.warm import audit
 from tutorial_impl.testing.verdict.decision import Finished, decide
+from tutorial_impl.testing.verdict.errors import RankResults
 
 
 class Strategy(Protocol):

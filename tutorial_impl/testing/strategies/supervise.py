@@ -38,18 +38,18 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TextIO
 
-from tutorial_impl.testing.faults import inject as faults
-from tutorial_impl.testing.diagnose import stacks as forensics
-from tutorial_impl.testing.rank import leftovers
-from tutorial_impl.testing.diagnose import records
-from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.call import Call, RankFiles
-from tutorial_impl.testing.rank.debugging import Deadline
-from tutorial_impl.testing.verdict.errors import RankExited, prefixed
+from tutorial_impl.testing.diagnose import records
+from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.diagnose.recorder import Record
 from tutorial_impl.testing.diagnose.stranded import POLL, Standing, Stranded, find
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.rank import leftovers
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.rank.debugging import Deadline
 from tutorial_impl.testing.settings.timing import CRASH_GRACE, REAP_GRACE, SKIP_GRACE
 from tutorial_impl.testing.verdict.decision import Finished
+from tutorial_impl.testing.verdict.errors import RankExited, prefixed
 
 # c10d's warning when it cannot name a peer for a log message (rendezvous.py explains why
 # that lookup may be refused); it says nothing about the test, so rank output omits it.

@@ -44,22 +44,19 @@ from types import MappingProxyType
 from typing import Any
 
 from tutorial_impl.testing import proctable
-from tutorial_impl.testing.faults import inject as faults
-from tutorial_impl.testing.faults import group as faulty_group
-from tutorial_impl.testing.diagnose import stacks as forensics
-from tutorial_impl.testing.rank import leftovers
-from tutorial_impl.testing.diagnose import records
-from tutorial_impl.testing.strategies import protocol as runner
-from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
-from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.diagnose import records
+from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose.recorder import Record
+from tutorial_impl.testing.diagnose.stranded import Standing, standing
+from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.rank import leftovers
+from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rank.caught import Catcher, current_filters
-from tutorial_impl.testing.strategies.torchrun.job import Job
 from tutorial_impl.testing.rank.lookup import resolve
 from tutorial_impl.testing.rank.main import dumps_on_cpu
-from tutorial_impl.testing.diagnose.recorder import Record
 from tutorial_impl.testing.rank.shape import arguments
-from tutorial_impl.testing.diagnose.stranded import Standing, standing
 from tutorial_impl.testing.settings.timing import (
     ANSWER_GRACE,
     FINISH_GRACE,
@@ -68,6 +65,9 @@ from tutorial_impl.testing.settings.timing import (
     STORE_POLL_MAX,
     STORE_POLL_MIN,
 )
+from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
+from tutorial_impl.testing.strategies.torchrun.job import Job
 from tutorial_impl.testing.verdict.decision import Finished
 
 ENTRY = "rank_function"  # the harness frame below a rank function's own frames

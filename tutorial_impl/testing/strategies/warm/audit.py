@@ -16,9 +16,10 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING
 
-from tutorial_impl.testing.verdict import echo
-from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.verdict import echo
+from tutorial_impl.testing.verdict.decision import Finished
 from tutorial_impl.testing.verdict.errors import (
     RankCrashed,
     RankError,
@@ -27,7 +28,6 @@ from tutorial_impl.testing.verdict.errors import (
     RankSkipped,
     RankXFailed,
 )
-from tutorial_impl.testing.verdict.decision import Finished
 
 if TYPE_CHECKING:
     from tutorial_impl.testing.strategies.protocol import Strategy

@@ -42,15 +42,15 @@ from types import MappingProxyType
 from typing import Any
 
 from tutorial_impl.testing import call as _call
-from tutorial_impl.testing.rank import debugging as _debugging
-from tutorial_impl.testing.forkserver import server as forkserver
-from tutorial_impl.testing.strategies import supervise
-from tutorial_impl.testing.strategies.warm import loop as warm_rank
 from tutorial_impl.testing.call import Call
+from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.rank import debugging as _debugging
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
-from tutorial_impl.testing.verdict.decision import Finished
+from tutorial_impl.testing.strategies import supervise
+from tutorial_impl.testing.strategies.warm import loop as warm_rank
 from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats
+from tutorial_impl.testing.verdict.decision import Finished
 
 MAX_WORLDS = 4  # warm worlds one pool keeps; the least recently used goes first
 MARKER = "warm_world"
