@@ -75,7 +75,7 @@ class RankError(Exception):
 class RankFailed(RankError):
     """A rank raised an exception: ``rank``, ``exc_type`` and ``exc_message`` say which and
     what, ``traceback`` where; ``stacks`` maps every other rank still running to its
-    Python stacks at that moment (see ``forensics``)."""
+    Python stacks at that moment (see ``diagnose.stacks``)."""
 
     def __init__(
         self,
