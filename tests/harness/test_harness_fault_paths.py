@@ -1,9 +1,9 @@
-"""Every way into a collective lands on the op a user names, and stays so (``faulty_group``).
+"""Every way into a collective lands on the op a user names, and stays so (``faults.group``).
 
 A fault names a collective by torch.distributed's function name (``op="all_gather_into_tensor"``);
 the faulty group sees ``ProcessGroup`` methods (``_allgather_base`` on one torch, then
 ``all_gather_single``). If a torch release adds a public collective, or routes one through a
-method ``faulty_group.METHODS`` does not map (or maps to another op), a fault on it would never
+method ``faults.group.METHODS`` does not map (or maps to another op), a fault on it would never
 fire. So the lists here are derived from the installed torch: every public function of
 ``torch.distributed`` must be named below, as a collective (with the ops a fault on it counts)
 or as something else, and every method of ``ProcessGroup`` too; then one two-rank run calls

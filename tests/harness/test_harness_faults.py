@@ -1,4 +1,4 @@
-"""Faults on purpose (``fault_plan``, ``faults``, ``faulty_group``) and the flight recorder's
+"""Faults on purpose (``faults.plan``, ``faults``, ``faults.group``) and the flight recorder's
 records read as one line (``recorder``, ``desync``).
 
 Read in order: the plan is checked, field by field, and travels through the environment;

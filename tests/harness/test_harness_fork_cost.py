@@ -3,7 +3,7 @@
 A fresh rank is a fork of the forkserver, and a fork of a process that imported torch copies
 one page-table entry per 4 KiB page of its ~200 MB, which the rank's exit tears down again;
 the forkserver collapses that memory into 2 MiB pages first (``hugepages``), and does once
-what every rank would otherwise do for itself (``forkserver_ready``, ``forkserver``'s
+what every rank would otherwise do for itself (``forkserver.ready``, ``forkserver``'s
 preloads). What that saves is measured, not tested (``docs/benchmarks.md``); proven here,
 from inside one rank of one world (no group: nothing in it clears or imports on its own
 behalf): its inherited memory is mapped in huge pages where this kernel can collapse at

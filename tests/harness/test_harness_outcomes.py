@@ -3,7 +3,7 @@
 1. Every way a rank can end is a small dataclass (``outcome``); ``errors.error_for`` turns
    each failure into its exception, whose first line is the cause.
 2. The exceptions keep structured fields and survive pickling.
-3. A hang's headline says where each rank's own code was (``forensics.where``), and when the
+3. A hang's headline says where each rank's own code was (``diagnose.stacks.where``), and when the
    ranks sit in different collectives it says so; when they wait in a call that forms a
    group, it says which, and why the group did not form.
 4. Through real ranks: a result the parent cannot unpickle is a ``RankFailed`` naming the

@@ -1,7 +1,7 @@
 """What the rank forkserver imports before any rank: the test files' imports, found and guarded.
 
 A fresh rank imports its test module again; the forkserver imports what the collected test
-files import first, with no setting (``preload``, ``importscan``, ``forkserver_preload``), so
+files import first, with no setting (``preload``, ``importscan``, ``forkserver.probe``), so
 the library under test is loaded once per session instead of in every rank. Proven here without
 starting a rank (each piece on its own, cheaply): which files and which imports the scan finds,
 as pytest would collect them; what the server does with a module that imports fine, that is

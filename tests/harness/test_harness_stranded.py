@@ -326,7 +326,8 @@ def test_the_parent_looks_only_while_a_rank_has_returned_and_at_its_pace(monkeyp
 
 
 def test_a_torchrun_worker_looks_at_the_returned_ranks_answers(monkeypatch):
-    """``torchrun_stranded.Look`` of rank 0, over a job's store faked in memory: stranded by
+    """``strategies.torchrun.stranded.Look`` of rank 0, over a job's store faked in memory:
+    stranded by
     rank 1's answer only once rank 1 has returned behind rank 0's collective, looked at
     every ``POLL`` s."""
     from types import SimpleNamespace

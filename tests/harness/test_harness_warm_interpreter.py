@@ -176,7 +176,8 @@ def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
 
 
 def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
-    """docs/harness.md's lists are the code's (``warm_promise.describe``), word for word."""
+    """docs/harness.md's lists are the code's (``strategies.warm.promise.describe``), word
+    for word."""
     from pathlib import Path
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "harness.md").read_text()

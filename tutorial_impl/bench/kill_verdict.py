@@ -3,7 +3,7 @@
 A test that kills a rank on purpose (``Fault(action=Kill())``, docs/faults.md) ends when the
 parent has seen the death, waited a moment for the peers' errors it caused (``CRASH_GRACE``),
 stopped the rest and decided (``verdict``). Each run here is a fresh world on the faulty
-group (``faulty_group.init_process_group``, the plan given in the rank): every rank makes
+group (``faults.group.init_process_group``, the plan given in the rank): every rank makes
 ``WARMUP`` small all_reduces, then the last rank notes the time and enters one more, where
 the plan SIGKILLs it before the collective starts; its peers, inside that all_reduce, see
 their connections reset. The figure is the time from the note to ``run_ranks`` raising

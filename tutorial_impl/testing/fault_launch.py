@@ -6,7 +6,7 @@
 torchrun starts each worker as a fresh interpreter running the command it was given, so a
 plan cannot be armed by a parent before the worker's group exists, as the harness does for
 its own ranks. This launcher stands in front of the worker's module instead: it registers
-the ``"faulty"`` backend (``faulty_group``: the module's ``init_process_group("faulty")``
+the ``"faulty"`` backend (``faults.group``: the module's ``init_process_group("faulty")``
 then makes a gloo group that counts its collectives), arms the plan in
 ``TUTORIAL_IMPL_FAULTS`` for this worker's ``RANK``, then runs MODULE as ``__main__`` with
 ARGS as its command line, as ``python -m MODULE ARGS`` would. The module itself imports

@@ -56,7 +56,7 @@ def placed(
     records: Mapping[int, Sequence[Record]], where: Mapping[int, Place]
 ) -> dict[int, list[Record]]:
     """``records`` with each rank's unfinished collective placed where its stack says the
-    rank is (``where``, from ``forensics``): for records dumped without their stacks; and
+    rank is (``where``, from ``diagnose.stacks``): for records dumped without their stacks; and
     named as the user called it where torch records it as another op (``userops``)."""
     out = {}
     for rank, recs in records.items():

@@ -19,7 +19,7 @@ sees SIGUSR2 blocked (harmless unless it waits for that signal itself).
 The dump leaves out where each collective was called: torch's first dump with stacks
 imports ``torch._dynamo`` and ``torch._inductor`` (measured: 1.1 s of CPU, 3-4 s on a busy
 machine, in every rank), while the faulthandler stacks the parent takes at the same moment
-(``forensics``) say where each waiting rank is (``desync.placed``).
+(``diagnose.stacks``) say where each waiting rank is (``desync.placed``).
 
 The parent side, ``ask``: signal the live ranks, wait (at most ``budget``) for their files,
 read them with ``recorder.load`` (no torch needed). A killed rank has no dump: it is absent.

@@ -4,7 +4,7 @@ torch's flight recorder names the backend's work, not the user's call: on gloo a
 ``reduce_scatter_tensor`` is recorded as an ``all_reduce``, an ``all_gather_into_tensor`` as an
 ``all_gather``, ``broadcast_object_list`` as two ``broadcast``s (measured on torch 2.13 by
 ``test_harness_stranded.py``, which calls each and reads the records). A waiting rank's stack
-says what the user called (``forensics.Place.call``); ``user_op`` says whether that call can
+says what the user called (``diagnose.stacks.Place.call``); ``user_op`` says whether that call can
 be the recorded op, so a hang's first line can use the user's word: ``reduce_scatter_tensor
 #1`` where the recorder says ``all_reduce #1``.
 """

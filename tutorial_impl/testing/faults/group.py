@@ -49,7 +49,7 @@ from tutorial_impl.testing.faults import plan as fault_plan
 BACKEND = "faulty"
 
 
-# Each ProcessGroup method the group intercepts, and the collective it is (``fault_plan.OPS``).
+# Each ProcessGroup method the group intercepts, and the collective it is (``faults.plan.OPS``).
 METHODS: dict[str, str] = {
     "allreduce": "all_reduce",
     "allreduce_coalesced": "all_reduce_coalesced",

@@ -1,9 +1,9 @@
 """Faults on purpose, inside a rank: the armed plan, the counts, and the actions taken.
 
-The plan (``fault_plan``: which ranks, which point, which action) reaches a rank before its
+The plan (``faults.plan``: which ranks, which point, which action) reaches a rank before its
 group is made: ``arm(plan, rank)``, or the environment variable ``TUTORIAL_IMPL_FAULTS``
 (``arm_from_env``). The collectives are counted at the process-group level by
-``faulty_group`` (direct ``dist.*`` calls, DDP's buckets, functional collectives and DTensor
+``faults.group`` (direct ``dist.*`` calls, DDP's buckets, functional collectives and DTensor
 alike), which reports each to ``INJECTOR.reached``; the rank's own code names points with
 ``fault_point(name)``. A fault fires *before* the collective starts on its rank (so torch's
 flight recorder on that rank never records it: see ``desync``). Deterministic: the same
@@ -243,7 +243,7 @@ class Unfired:
         )
 
 
-# A harness plan's fault the rank's own code armed away (``faulty_group.init_process_group``
+# A harness plan's fault the rank's own code armed away (``faults.group.init_process_group``
 # with a plan, ``faults.arm``): the parent still expects it.
 ARMED_AWAY = " (another plan was armed in the rank since: this fault was not in it)"
 NO_COLLECTIVE = (

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 ENV = "TUTORIAL_IMPL_FAULTS"  # a rank's plan, as ``encode`` writes it
 
 # What a collective is called here: torch.distributed's own names for what each intercepted
-# ProcessGroup method does (``faulty_group.METHODS`` maps the methods onto these).
+# ProcessGroup method does (``faults.group.METHODS`` maps the methods onto these).
 OPS = frozenset(
     "all_reduce all_reduce_coalesced broadcast reduce all_gather all_gather_into_tensor "
     "all_gather_coalesced all_gather_into_tensor_coalesced gather scatter reduce_scatter "

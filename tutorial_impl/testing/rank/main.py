@@ -67,7 +67,7 @@ def die_with_parent(parent: int) -> None:
 
     The forkserver exits as soon as the pytest process that started it is gone, even after a
     SIGKILL (once ranks have released its "alive" pipe), killing the ranks' process groups
-    on its way out (``forkserver_init``); this is the backstop for a rank that was still
+    on its way out (``forkserver.boot``); this is the backstop for a rank that was still
     starting then. ``parent`` is the pid read before prctl, to close the race.
     """
     if not sys.platform.startswith("linux"):
@@ -252,7 +252,7 @@ def run_task(
     world's group already). A child the function forked that comes back here sends its
     report (a failure of this rank: see ``outcome.capture``) and ends at once.
     ``baseline`` (a warm rank's ``reuse.Baseline``) refreshes its snapshot right before the
-    function; the warm rank checks against it once the report is sent (``warm_rank``)."""
+    function; the warm rank checks against it once the report is sent (``strategies.warm.loop``)."""
     rank_pid = os.getpid()
     debugging = _debugging.Debugging(spec.rank, spec.files.debugging, spec.timeout)
     if _debugging.debug_rank() is not None:

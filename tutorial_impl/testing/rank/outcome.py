@@ -104,7 +104,7 @@ class Killed:
 
     @property
     def how(self) -> str:
-        return words.killed(signal.Signals(self.signal).name)
+        return words.KILLED.format(signal.Signals(self.signal).name)
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ def capture(
 def _late_failure(text: str, exc: BaseException) -> Raised:
     """A thread's exception after the rank function returned, as the rank's failure."""
     name = text.splitlines()[0].removeprefix("Exception in thread ")
-    return Raised(_type_name(exc), words.after_return(str(exc), name), text)
+    return Raised(_type_name(exc), words.AFTER_RETURN.format(message=exc, thread=name), text)
 
 
 def forked_child(rank: int, pid: int) -> Raised:

@@ -16,13 +16,13 @@ The waiting is where multi-rank tests usually go wrong, so here are the rules it
   readable when the process exits) is waited on together with its result pipe, so a rank
   killed by a signal or by ``os._exit`` is noticed immediately rather than at a timeout.
 * **Every wait has a deadline.** When it expires, each live rank gets SIGUSR1, which its
-  ``faulthandler`` answers by writing the Python stack of every thread (``forensics``); the
+  ``faulthandler`` answers by writing the Python stack of every thread (``diagnose.stacks``); the
   same happens to the ranks still running when the wait ends for another reason.
 * **Only the rank answers for its rank.** A report sent by a child a rank forked is that
   rank's failure, also when it arrives after the rank's own report.
 * **Nothing outlives the call.** The runners kill every rank's process group in a
   ``finally``, after everything under the rank in other groups or sessions; ``kill_all`` at
-  exit is the last resort (``forkserver_init`` covers a killed parent). What a rank the wait
+  exit is the last resort (``forkserver.boot`` covers a killed parent). What a rank the wait
   stopped had started is killed before the verdict, and named (``leftovers``).
 """
 

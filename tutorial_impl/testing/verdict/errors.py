@@ -75,7 +75,7 @@ class RankError(Exception):
 class RankFailed(RankError):
     """A rank raised an exception: ``rank``, ``exc_type`` and ``exc_message`` say which and
     what, ``traceback`` where; ``stacks`` maps every other rank still running to its
-    Python stacks at that moment (see ``forensics``)."""
+    Python stacks at that moment (see ``diagnose.stacks``)."""
 
     def __init__(
         self,
@@ -145,7 +145,7 @@ class RankSkipped(RankError):
     """A rank called ``pytest.skip``; the pytest plugin turns this into a skipped test."""
 
     def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
-        super().__init__(words.skipped(rank, reason), outputs)
+        super().__init__(words.SKIPPED.format(rank=rank, reason=reason), outputs)
         self.rank = rank
         self.reason = reason
 
@@ -154,7 +154,7 @@ class RankXFailed(RankError):
     """A rank called ``pytest.xfail``; the pytest plugin turns this into an expected failure."""
 
     def __init__(self, rank: int, reason: str, outputs: dict[int, str]) -> None:
-        super().__init__(words.xfailed(rank, reason), outputs)
+        super().__init__(words.XFAILED.format(rank=rank, reason=reason), outputs)
         self.rank = rank
         self.reason = reason
 
@@ -299,12 +299,13 @@ def error_for(
     own = sorted(also if named is None else named)
     named_text = words.failed_too(own)
     others = "".join(
-        words.also_failed(r, _describe(o))
+        words.ALSO_FAILED.format(rank=r, how=_describe(o))
         + (o.traceback.rstrip() if isinstance(o, _o.Raised) else "")
         for r, o in sorted(also.items())
     )
     if isinstance(result, _o.Raised):
-        message = f"{words.raised(rank, result.summary)}{named_text}\n\n{result.traceback.rstrip()}"
+        said = words.RAISED.format(rank=rank, summary=result.summary)
+        message = f"{said}{named_text}\n\n{result.traceback.rstrip()}"
         error: RankError = RankFailed(
             rank,
             result.traceback,
@@ -318,7 +319,7 @@ def error_for(
         extra = ""
         if fatal_stack.strip():
             extra = f"\n\n----- fatal-signal stack of rank {rank} -----\n{fatal_stack}"
-        message = words.died(rank, result.how) + named_text + extra
+        message = words.DIED.format(rank=rank, how=result.how) + named_text + extra
         error = RankCrashed(rank, result.exitcode, message + others, outputs, stacks)
     else:
         raise TypeError(f"rank {rank}: {result!r} is not a failure")

@@ -52,40 +52,21 @@ def ranks(numbers: Iterable[int]) -> str:
     return ", ".join(str(r) for r in sorted(numbers))
 
 
-def killed(signal_name: str) -> str:
-    return f"was killed by signal {signal_name}"
-
-
-def raised(rank: int, summary: str) -> str:
-    return f"rank {rank} raised {summary}"
-
-
-def died(rank: int, how: str) -> str:
-    return f"rank {rank} {how} before returning a result"
+# The first line of one rank's failure, and of the others' sections below it (``.format``).
+RAISED = "rank {rank} raised {summary}"
+DIED = "rank {rank} {how} before returning a result"
+KILLED = "was killed by signal {}"
+SKIPPED = "rank {rank} skipped: {reason}"
+XFAILED = "rank {rank} xfailed: {reason}"
+ALSO_FAILED = "\n\n----- rank {rank} failed too: {how} -----\n"
+# A thread's exception after the rank function returned, said as the rank's failure.
+AFTER_RETURN = "{message} (in thread {thread!r}, after the rank function had returned)"
 
 
 def failed_too(own: Iterable[int]) -> str:
     """`` (rank(s) 1, 2 failed too)``: the others that failed of their own accord."""
     own = list(own)
     return f" (rank(s) {ranks(own)} failed too)" if own else ""
-
-
-def also_failed(rank: int, how: str) -> str:
-    """The heading of another failed rank's section, below the first line."""
-    return f"\n\n----- rank {rank} failed too: {how} -----\n"
-
-
-def skipped(rank: int, reason: str) -> str:
-    return f"rank {rank} skipped: {reason}"
-
-
-def xfailed(rank: int, reason: str) -> str:
-    return f"rank {rank} xfailed: {reason}"
-
-
-def after_return(message: str, thread: str) -> str:
-    """A thread's exception after the rank function returned, said as the rank's failure."""
-    return f"{message} (in thread {thread!r}, after the rank function had returned)"
 
 
 def peers_returned(returned: Iterable[int]) -> str:

@@ -15,7 +15,8 @@ between its tests:
   collectives half done, so the next call destroys the job's group and makes a new one on
   the same store, with the timeout of ``timing.group_timeout``.
 
-The runner is ``torchrun`` (one ``run_ranks`` call), the pytest side ``torchrun_session``.
+The runner is ``torchrun`` (one ``run_ranks`` call), the pytest side
+``strategies.torchrun.session``.
 """
 
 from __future__ import annotations

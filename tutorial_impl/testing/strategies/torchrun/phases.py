@@ -1,6 +1,7 @@
 """One verdict per test phase for the workers of a torchrun job, agreed through the store.
 
-Every worker runs each test itself (``torchrun_session``) and publishes how each phase went
+Every worker runs each test itself (``strategies.torchrun.session``) and publishes how each
+phase went
 (a ``Verdict``); these functions turn every rank's verdict into the one report every rank
 gives: failed if any rank failed or exited, else skipped if any skipped, else passed, with
 the other ranks' failures in rank 0's report. ``collection_problem`` and

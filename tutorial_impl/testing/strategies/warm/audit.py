@@ -1,7 +1,7 @@
 """``--warm-audit``: every warm call is run fresh too, and a verdict that differs fails the test.
 
 A warm world promises that a test passes warm if and only if it passes fresh, for everything
-the harness can see (``warm_rank``, ``reuse``). What it cannot see (``docs/harness.md``
+the harness can see (``strategies.warm.loop``, ``reuse``). What it cannot see (``docs/harness.md``
 lists it) is where a CI job that wants proof turns this on: each call of a warm test runs in
 its warm world and then on fresh ranks, and the two verdicts (passed, skipped, xfailed, or
 failed with how every rank ended) must agree. Which failing rank's report arrived first is

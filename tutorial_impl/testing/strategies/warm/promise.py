@@ -1,7 +1,8 @@
 """What a warm rank resets, detects and cannot see: the lists ``docs/harness.md`` shows.
 
 ``describe`` writes them, from the settings ``interpreter`` defines and the lists below, which
-``reuse`` and ``warm_rank`` implement (``tests/harness/test_harness_reuse.py`` proves each
+``reuse`` and ``strategies.warm.loop`` implement (``tests/harness/test_harness_reuse.py``
+proves each
 reset and detection, ``test_harness_warm_interpreter.py`` checks the page against
 ``describe``). A change to what a warm rank does changes these lists, and the page with them.
 """
@@ -25,7 +26,8 @@ RESET = (
 )
 # Set for each test from the parent's, at its call (``rank.take_task``).
 PER_TASK = ("the environment", "the working directory", "`sys.path`")
-# Found after a test and retiring its world (``warm_rank.WorldCheck``, ``reuse.after_task``).
+# Found after a test and retiring its world (``strategies.warm.loop.WorldCheck``,
+# ``reuse.after_task``).
 DETECTED = (
     "a process group, RPC agent or child process left behind",
     "a replaced default group",

@@ -33,7 +33,7 @@ environment, the working directory and ``sys.path`` for each task.)
 * a torch function or dispatch mode left entered, inference mode or a profiler left on, CUDA
   initialised by the task (its generators' fresh state is lost).
 
-What it cannot see, and these lists as the docs show them: ``warm_promise``.
+What it cannot see, and these lists as the docs show them: ``strategies.warm.promise``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ _is = operator.is_
 
 
 # Which loaded modules are the user's (``_is_user``), by name: filled once in the forkserver
-# (``classify_loaded``, from ``forkserver_ready``), so that a warm rank, forked from it, does
+# (``classify_loaded``, from ``forkserver.ready``), so that a warm rank, forked from it, does
 # not classify the two thousand modules torch loads again (6 ms of CPU a rank).
 CLASSIFIED: dict[str, tuple[Any, bool]] = {}
 
