@@ -306,7 +306,8 @@ class RankFiles:
 
     @property
     def stacks(self) -> Path:
-        """``faulthandler``'s stacks: at a fatal signal, or asked by SIGUSR1 (``forensics``)."""
+        """``faulthandler``'s stacks: at a fatal signal, or asked by SIGUSR1
+        (``diagnose.stacks``)."""
         return self._named(".stacks")
 
     @property

@@ -23,9 +23,9 @@ What pytest calls, in the order it calls it:
 ``pytest_configure``
     registers the markers (for ``--strict-markers`` and ``pytest --markers``), sets up what
     ranks preload and when their forkserver starts (``preload``: behind collection; an xdist
-    worker's is the controller's) and the warm worlds' summary (``warm_report``); under
-    torchrun (``--launcher``), joins the job and registers ``torchrun_session.LaunchedSession``
-    instead, whose hooks keep the ranks in lockstep and let rank 0 report for all.
+    worker's is the controller's) and the warm worlds' summary (``strategies.warm.summary``);
+    under torchrun (``--launcher``), joins the job and registers
+    ``strategies.torchrun.session.LaunchedSession`` instead, whose hooks keep the ranks in lockstep and let rank 0 report for all.
 ``pytest_configure_node``
     xdist's hook, in the controller: starts one rank forkserver for all its workers.
 ``pytest_generate_tests``
@@ -131,7 +131,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists (launched ranks quiet it)
 def pytest_configure(config: pytest.Config) -> None:
     """Register the markers; check the options; tell the forkserver what to preload; under
-    torchrun, join the job and register its session hooks (``torchrun_session``). A bad
+    torchrun, join the job and register its session hooks (``strategies.torchrun.session``). A bad
     option or ini value raises ``pytest.UsageError``: pytest prints the message and exits
     with status 4 before collecting anything, as for its own options."""
     for name, help_text in _config.MARKERS.items():
@@ -242,7 +242,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 def _deadline_of(item: pytest.Item) -> float:
     """The harness deadline of ``item``: its rank_timeout, else the session's (under
-    torchrun every test has one, ``run_ranks`` or not: see ``torchrun_session``)."""
+    torchrun every test has one, ``run_ranks`` or not: see ``strategies.torchrun.session``)."""
     settings = item.stash.get(SETTINGS, None)
     if settings is not None:
         return settings.deadline

@@ -1,6 +1,6 @@
 """Which modules the test files of a pytest run import, read from their source (no import).
 
-The rank forkserver preloads what the test files import (``forkserver_preload``), so that a
+The rank forkserver preloads what the test files import (``forkserver.probe``), so that a
 rank, which imports its test module again, finds the library under test already loaded. Under
 ``pytest -n N`` the server is started by the xdist controller before any worker has collected
 a test, so what the test modules import is read here from their source instead: the files

@@ -5,7 +5,7 @@ it also imports, by default with no setting:
 
 * pytest and the plugin (``PYTEST_PRELOAD``): a test module imports pytest;
 * what the session's test files import at module level (the *plan*, read by the server's
-  ``forkserver_preload``, which scans them with ``importscan`` and imports what is safe):
+  ``forkserver.probe``, which scans them with ``importscan`` and imports what is safe):
   the library under test, so a rank that imports its test module again finds it loaded.
   Off with the ini value ``rank_preload_test_imports = false``; one module (and its
   submodules) kept out with ``rank_preload_exclude``; under ``pytest -n N`` read from the
@@ -80,7 +80,7 @@ def explicit(config: pytest.Config) -> list[str]:
 
 
 def plan(config: pytest.Config) -> dict[str, Any]:
-    """What the forkserver reads (``forkserver_preload``): the ``rank_preload`` modules, and
+    """What the forkserver reads (``forkserver.probe``): the ``rank_preload`` modules, and
     how to find the test files' imports (``importscan``; None when that is off)."""
     return {"rank_preload": explicit(config), "test_files": _test_files(config)}
 

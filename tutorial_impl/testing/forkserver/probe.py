@@ -1,5 +1,5 @@
 """Imported inside the rank forkserver only, after its fixed preloads and before
-``forkserver_ready``: what the run's test files import, imported once, guarded.
+``forkserver.ready``: what the run's test files import, imported once, guarded.
 
 A rank imports its test module again (``lookup``), and with it everything that module imports:
 the library under test, a second or more of CPU in every rank of every test. So the server

@@ -15,7 +15,7 @@ instead of a server of its own, saving the worker a torch import (~3 s of CPU ea
 server only forks: what a rank runs with (environment, ``sys.path``, directory, coverage)
 travels in its ``RankSpec`` from the worker that asked. Its death chain has three links:
 the test's runner kills its ranks; the server kills every rank when the controller is
-gone (``forkserver_init``); and each rank watches the worker that asked for it and kills
+gone (``forkserver.boot``); and each rank watches the worker that asked for it and kills
 its own process group when that worker dies (``_die_with_owner``).
 
 Why not plain ``fork`` of the test process itself? A pytest(-xdist) process has threads
@@ -52,7 +52,7 @@ from typing import Any
 from tutorial_impl.testing.rank import coverage as _coverage
 
 # Modules every rank needs; imported once in the forkserver, so a forked rank starts warm.
-# ``forkserver_init`` comes first: it stops ranks from re-running the parent's main script.
+# ``forkserver.boot`` comes first: it stops ranks from re-running the parent's main script.
 DEFAULT_PRELOAD = [
     "tutorial_impl.testing.forkserver.boot",
     "torch",
@@ -65,7 +65,7 @@ DEFAULT_PRELOAD = [
     "tutorial_impl.testing.strategies.warm.loop",
 ]
 # Imported after those and ``rank_preload``, when the session gave a plan: what the test
-# files import, imported once, guarded (``forkserver_preload``); then ``forkserver_ready``.
+# files import, imported once, guarded (``forkserver.probe``); then ``forkserver.ready``.
 PLANNED_PRELOAD = "tutorial_impl.testing.forkserver.probe"
 PLAN_ENV = "TUTORIAL_IMPL_RANK_PRELOAD_PLAN"  # the plan, in the server's environment
 # The key of ``workerinput`` (xdist's dict sent from the controller to each worker).
@@ -138,7 +138,7 @@ class RankServer:
             server.plan = {**self.plan, "report": self.report_path, "sys_path": list(sys.path)}
             planned = [PLANNED_PRELOAD]
         # Keep '__main__' out of the preload: under pytest it is pytest's own entry point.
-        # ``forkserver_ready`` goes last: it freezes everything the others imported.
+        # ``forkserver.ready`` goes last: it freezes everything the others imported.
         ready = "tutorial_impl.testing.forkserver.ready"
         server.set_forkserver_preload([*self.preload, *measuring, *planned, ready])
         return server
@@ -182,7 +182,7 @@ class RankServer:
 
     def report(self) -> dict[str, Any] | None:
         """What the server preloaded from the plan and what it dropped, and why (see
-        ``forkserver_preload``); None before it has finished (or without a plan)."""
+        ``forkserver.probe``); None before it has finished (or without a plan)."""
         if self.report_path is None:
             return None
         try:
@@ -288,7 +288,7 @@ class _PlannedForkServer(_mp_forkserver.ForkServer):
     """multiprocessing's ``ForkServer``, started with the session's plan in its environment.
 
     The server's one input besides the preload list (module names) and ``sys.path`` is the
-    environment it inherits; ``forkserver_preload`` reads the plan there and removes it."""
+    environment it inherits; ``forkserver.probe`` reads the plan there and removes it."""
 
     plan: dict[str, Any] | None = None
     # ``run_ranks`` from several threads at once (the stress test's) may all find the server
@@ -314,7 +314,7 @@ class _OwnForkServer:
     starts it first decides what it preloads. A test that used a ``Pool`` or a ``DataLoader``
     with the forkserver context (the default start method from Python 3.14) before its first
     rank would get ranks from that server: without the preloads, without the death chain of
-    ``forkserver_init`` and without ``gc.freeze``. So the harness runs a ``ForkServer`` of
+    ``forkserver.boot`` and without ``gc.freeze``. So the harness runs a ``ForkServer`` of
     its own, a second instance of multiprocessing's class, and its processes connect to that
     one; everything else (``read_signed``...) is the module's own.
     """

@@ -73,7 +73,7 @@ class Proc:
         return self.process.pid
 
     @property
-    def stack_path(self) -> Path:  # for ``forensics.dump_stacks``
+    def stack_path(self) -> Path:  # for ``diagnose.stacks.dump_stacks``
         return self.files.stacks
 
     @property

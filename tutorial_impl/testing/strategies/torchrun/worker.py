@@ -9,7 +9,7 @@ process group. What makes that safe:
   (``outcome.capture``); the main thread watches four things: the function ending, another
   rank failing (fail fast), a worker of the job gone (its heartbeat lost), and the deadline.
   Any of the last three ends the wait with the place this rank's function was in, read
-  from its live frames (``forensics``), passed through the job's store.
+  from its live frames (``diagnose.stacks``), passed through the job's store.
 * **One verdict for every rank.** Each rank publishes its report (the value, or the
   exception as text) and reads everyone's; ``verdict.decide`` (``runner.run``) turns them into
   the same results or the same error on every rank, by the rules forked ranks are judged by.
@@ -169,7 +169,7 @@ class Launched:
         pass  # a dirty job's group is made anew by its next call (``Job.dirty``)
 
     def close(self) -> None:
-        pass  # the job ends with the session (``torchrun_session``)
+        pass  # the job ends with the session (``strategies.torchrun.session``)
 
     def _leave(self, status: int) -> None:
         """Before a fault ends this worker (``status``: the exit code, or minus the signal):
@@ -278,7 +278,7 @@ def run_here(
     since_ns: int = 0,
 ) -> Answer:
     """Run ``fn`` in a thread; wait for it, another rank's failure, a lost worker, a returned
-    rank that strands it (``torchrun_stranded``), or the deadline."""
+    rank that strands it (``strategies.torchrun.stranded``), or the deadline."""
     launch, worker = job.launch, os.getpid()
     box: dict[str, _o.Report] = {}
     done = threading.Event()
@@ -303,7 +303,7 @@ def run_here(
     sys.stdout, sys.stderr = tee_out, tee_err
     # Not a daemon, as a forked rank's main thread is not: the threads the function starts
     # inherit that, and those are the ones waited for (``caught``). The worker never waits
-    # for it at exit (it leaves through os._exit: ``torchrun_session``).
+    # for it at exit (it leaves through os._exit: ``strategies.torchrun.session``).
     thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=False)
     job.end_call = exited if launch.rank == 0 else None
     try:

@@ -11,7 +11,7 @@ own, so a failing test reads the same in a warm world as in a fresh one.
 
 Reuse is where peers went wrong (a failure skipping the rest of a class; one stalled rank
 hanging the run; leaked groups; state carried into the next test), so a world is reused only
-when it is as good as new: after every task each rank checks itself (``warm_rank``) and
+when it is as good as new: after every task each rank checks itself (``strategies.warm.loop``) and
 answers within ``CHECK_DEADLINE`` seconds (the answers are read when the world is next
 wanted, so the check runs while pytest moves on). Anything wrong, and also any test that
 failed (in a rank or in the parent), and the world is killed, every rank, as a fresh one
@@ -112,7 +112,7 @@ class WarmPool:
     def __init__(self) -> None:
         self.worlds: OrderedDict[tuple[Any, ...], World] = OrderedDict()
         self.served: list[World] = []  # worlds used by the test now running
-        self.stats = WarmStats()  # for the session's summary (``warm_report``)
+        self.stats = WarmStats()  # for the session's summary (``strategies.warm.summary``)
 
     def gather(self, call: Call) -> Finished:
         """``run_ranks`` in a warm world: the same call, the same evidence. A world whose
