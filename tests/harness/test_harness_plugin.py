@@ -387,7 +387,7 @@ def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester, r
     # One xdist worker is xdist all the same (a controller, a worker process, reports sent
     # back); a second would only import torch once more. The measured package is the one the
     # two modules are in, not all of tutorial_impl: the report parses every file of it, twice
-    # (pytest-cov's total, then the JSON), 6 s of CPU for the whole package.
+    # (pytest-cov's total, then the JSON): seconds of CPU for the whole package.
     result = pytester.runpytest_inprocess(
         "-n",
         "1",
