@@ -401,6 +401,7 @@ def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester, r
     )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, result.stdout.str()
+    assert "1 worker [" in result.stdout.str(), result.stdout.str()  # xdist ran the tests
     # Every item ran and passed: one id is two items ([gloo] and [nccl], both in the parent).
     assert outcomes["passed"] == USER_PASSES + len(tutorial_tests) + 1, result.stdout.str()
     report = json.loads((pytester.path / "coverage.json").read_text())
