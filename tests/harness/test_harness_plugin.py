@@ -6,10 +6,12 @@ A throwaway project (``pytester``) has no conftest: the plugin arrives through t
 pytest's default import mode, ``--import-mode=importlib`` and xdist (``-n 1``), and its
 failing twin must fail with reports that say what went wrong.
 
-The xdist run is a subprocess (the costly part: every worker and its forkserver import
-torch), so it is done once and shared: the same run measures coverage (``--cov``) over
-copies of the repository's ring and collectives tests, whose code runs almost entirely
-inside ranks, and checks it is reported as covered.
+The xdist run is the costly part (its worker imports torch), so it is done once and shared:
+the same run measures coverage (``--cov``) over copies of the repository's ring and
+collectives tests, whose code runs almost entirely inside ranks, and checks it is reported as
+covered. Its controller runs in this process: a worker is a new interpreter all the same, and
+a controller of its own would add one more, and a rank forkserver (torch again), for nothing
+these claims need (``test_harness_leaks`` runs a controller of its own, with its server).
 """
 
 from __future__ import annotations
@@ -349,13 +351,22 @@ def _percent(report: dict, module: str) -> float:
     raise AssertionError(f"{module} missing from the coverage report: {sorted(report['files'])}")
 
 
+def forked(rank: int, world_size: int) -> int:
+    return rank
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # ~15 s on a quiet 2-core machine; minutes when it is overloaded
-def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester):
-    """One subprocess ``pytest -n 1 --cov=tutorial_impl`` in a project with no conftest:
-    the user's file passes under xdist, and ring.py / collectives.py, whose code runs in
-    ranks, are reported at what their tests really reach (ring.py: 17% with the parent's
-    coverage alone). Every rank's data file has been combined into the report."""
+@pytest.mark.timeout(600)  # ~10 s on a quiet 2-core machine; minutes when it is overloaded
+def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester, run_ranks):
+    """One ``pytest -n 1 --cov=tutorial_impl.dist_tuto`` in a project with no conftest: the
+    user's file passes under xdist, and ring.py / collectives.py, whose code runs in ranks,
+    are reported at what their tests really reach (ring.py: 17% with the parent's coverage
+    alone). Every rank's data file has been combined into the report, and the run leaves
+    this session measuring as it was."""
+    # This session's rank forkserver starts now, with this session's plan: started by the
+    # run's controller (this process), it would preload that run's plan for later tests.
+    assert run_ranks(forked, world_size=1, backend=None) == [0]
+    measuring = rank_coverage.parent_settings()
     pytester.makepyfile(test_user=USER_TESTS)
     ring, collectives = _copy_tutorial_tests(pytester.path)
     # Enough of each module to reach every line worth reaching, and no more: under coverage
@@ -374,27 +385,30 @@ def test_xdist_run_of_an_installed_plugin_with_coverage_inside_ranks(pytester):
         f"{collectives}::test_cli_demo",
     ]
     # One xdist worker is xdist all the same (a controller, a worker process, reports sent
-    # back); a second would only import torch and start a forkserver once more.
-    result = pytester.runpytest_subprocess(
+    # back); a second would only import torch once more. The measured package is the one the
+    # two modules are in, not all of tutorial_impl: the report parses every file of it, twice
+    # (pytest-cov's total, then the JSON): seconds of CPU for the whole package.
+    result = pytester.runpytest_inprocess(
         "-n",
         "1",
         "-p",
         "no:cacheprovider",
-        "--cov=tutorial_impl",
+        "--cov=tutorial_impl.dist_tuto",
         "--cov-report=json:coverage.json",
         "--durations=5",
         "test_user.py",
         *tutorial_tests,
-        timeout=540,
     )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, result.stdout.str()
+    assert "1 worker [" in result.stdout.str(), result.stdout.str()  # xdist ran the tests
     # Every item ran and passed: one id is two items ([gloo] and [nccl], both in the parent).
     assert outcomes["passed"] == USER_PASSES + len(tutorial_tests) + 1, result.stdout.str()
     report = json.loads((pytester.path / "coverage.json").read_text())
     assert _percent(report, "ring.py") > 90
     assert _percent(report, "collectives.py") > 90
     assert not list(pytester.path.glob(".coverage.*")), "rank data files left uncombined"
+    assert rank_coverage.parent_settings() == measuring, "the run changed this session's coverage"
 
 
 def test_the_plugin_is_registered_once_with_a_conftest_line_too(pytester):
@@ -538,7 +552,7 @@ def coverage_in_the_rank(rank: int, world_size: int) -> tuple[bool, bool]:
 
 
 def test_ranks_measure_coverage_exactly_when_the_parent_does():
-    """Measured: ranks start coverage (the subprocess test above checks the report).
+    """Measured: ranks start coverage (the xdist test above checks the report).
     Not measured: ranks do not even import coverage, so nothing is slower."""
     measuring = rank_coverage.parent_settings() is not None
     results = run_ranks(coverage_in_the_rank, world_size=2, backend=None, timeout=60)
