@@ -25,7 +25,8 @@ What pytest calls, in the order it calls it:
     ranks preload and when their forkserver starts (``preload``: behind collection; an xdist
     worker's is the controller's) and the warm worlds' summary (``strategies.warm.summary``);
     under torchrun (``--launcher``), joins the job and registers
-    ``strategies.torchrun.session.LaunchedSession`` instead, whose hooks keep the ranks in lockstep and let rank 0 report for all.
+    ``strategies.torchrun.session.LaunchedSession`` instead, whose hooks keep the ranks in
+    lockstep and let rank 0 report for all.
 ``pytest_configure_node``
     xdist's hook, in the controller: starts one rank forkserver for all its workers.
 ``pytest_generate_tests``
