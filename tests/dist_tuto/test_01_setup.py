@@ -51,6 +51,9 @@ def run_py_as_a_script(rank: int, size: int, port: int) -> tuple[str | None, lis
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     os.environ["OMP_NUM_THREADS"] = "1"
+    # A fresh interpreter has chosen no start method yet; this rank was given its test
+    # process's (which another test may have fixed): back to none, as run.py expects.
+    multiprocessing.set_start_method(None, force=True)
     script = runpy.run_module("tutorial_impl.dist_tuto.run", run_name="__main__", alter_sys=True)
     chosen = multiprocessing.get_start_method(allow_none=True)
     return chosen, [p.exitcode for p in script["processes"]]

@@ -234,6 +234,8 @@ def test_a_global_forkserver_started_first_leaves_the_harness_its_guarantees(
         "-p", "no:cacheprovider", "-p", "no:randomly", "--rank-timeout", "10",
         "--check-collectives", "-o", "rank_preload=preloaded_probe",
         "-o", "rank_preload=second_probe",
+        # The claim needs the Pool first: no rank forkserver started behind collection.
+        "-o", "rank_forkserver_early=false",
     )  # fmt: skip
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["FAILED *::test_unmarked*"])
