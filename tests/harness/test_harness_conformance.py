@@ -1412,6 +1412,10 @@ RUN_ARGS = [
     "-p",
     "no:randomly",
     "-rA",
+    # Tracebacks as Python prints them: pytest's own form parses the whole 1,000-line file
+    # again for each entry of each failure (about half a second of CPU per pass, in every
+    # worker of a torchrun job), and no claim here reads a traceback, only first lines.
+    "--tb=native",
     "--rank-timeout=20",
     # Warning filters for the c28 cases, by message: the file's other cases keep pytest's.
     "-W",
