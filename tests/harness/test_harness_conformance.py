@@ -15,12 +15,17 @@ what one strategy gives instead, and why; it is checked like the rest. Each test
 the file once and lists every case that deviates (case, strategy, expected, got) in one
 assertion message, with the run's own problems: a process that outlived it, a run past its
 bound. Every process that runs a rank function signs with its pid and test (``note``), and
-the torchrun job's processes carry a mark in their environment (``proctable``); from the
-signatures, the forked run proves that no rank served two tests, and the warm run that
-some did (it really was warm).
+every worker of the torchrun job with its pid (``proctable``); from the signatures, the
+forked run proves that no rank served two tests, and the warm run that some did (it really
+was warm).
 
 Forked and warm run in this process (``pytester.runpytest``: their ranks come from the
-forkserver this process already has); torchrun is one job of subprocesses, which deselects
+forkserver this process already has). Under torchrun each agent is torchrun's own ``main``
+(its c10d rendezvous, store, variables, monitoring and teardown) in a harness rank, and its
+worker is a fork of it (``--start-method=fork``) that runs pytest as ``python -u -m pytest``
+would (``torchrun_worker.torchrun_agent_of_pytest``): four fresh interpreters importing torch
+cost about 14 s of CPU, and what the claims are about is what the harness does in a worker of
+a job, not the interpreter's start. The job deselects
 the two SIGKILL cases and rank 0's ``os._exit`` (``TORCHRUN_DESELECT``): a death ends a job,
 and so does the reporter's exit, so the injected kill and c13b each run in a job of their
 own (``test_torchrun_a_leaving_worker_ends_the_job``). The file's order serves torchrun:
@@ -30,6 +35,10 @@ torchrun rank is one process for the whole session: the patch stays).
 
 ``test_the_checker_sees_each_kind_of_deviation`` proves the comparison itself on a junit
 file of known content: a conforming run gives no deviation, each planted one is reported.
+
+Every run of the file uses ``RUN_ARGS``: among them ``--tb=native`` (pytest's own traceback
+form parses the whole file again for each entry of each failure; the table compares first
+lines, which it does not change).
 """
 
 from __future__ import annotations
@@ -1598,10 +1607,24 @@ def run_the_job(pytester: pytest.Pytester, run_ranks, pids: Path) -> Job:
     for end in ends or ():
         if end.left:
             problems.append(f"[torchrun] workers outlived their agent: {end.left}")
+    problems += _forks_of_the_agents(workers, ends)
     for left in (proctable.wait_until_gone(workers), proctable.wait_until_gone(pids)):
         if left:
             problems.append(f"[torchrun] processes outlived the job: {left}")
     return Job(outputs, ends, wall, cpu, ended, problems)
+
+
+def _forks_of_the_agents(workers: Path, ends: list[ForkedJob] | None) -> list[str]:
+    """Each worker ran once (no restart), a fork of one agent (its memory, its parent, its
+    process group: ``torchrun_in_process``), one worker per agent."""
+    names = sorted(proctable.recorded(workers))
+    if names != ["attempt0_rank0", "attempt0_rank1"]:
+        return [f"[torchrun] the workers that ran: {names}, expected one per rank, once"]
+    agents = sorted(f"{end.agent} {end.agent} {end.agent}" for end in ends or ())
+    seen = sorted((workers / f"{name}.agent").read_text() for name in names)
+    if ends is not None and seen != agents:
+        return [f"[torchrun] workers are not forks of one agent each: {seen}, agents {agents}"]
+    return []
 
 
 def test_torchrun(pytester: pytest.Pytester, run_ranks) -> None:
@@ -1674,7 +1697,7 @@ def test_torchrun_a_leaving_worker_ends_the_job(
     (``Job._exit_mid_session``): the test fails on every rank with the exit's first line,
     and the session stops after it. The workers are harness ranks (``torchrun_worker``), the
     job's store hosted here as an agent hosts it: what the workers do among themselves,
-    without the two interpreters and agents of a job of subprocesses."""
+    without the agents (the main job, ``test_torchrun``, has them)."""
     pids = pytester.path / "pids"
     pids.mkdir()
     (pytester.path / f"{MODULE}.py").write_text(STRANGER)
