@@ -64,7 +64,7 @@ from torchrun_worker import (
 )
 
 from tests.torchrun_in_process import ForkedJob
-from tutorial_impl.testing import RankError, proctable
+from tutorial_impl.testing import RankError, proctable, run_ranks
 from tutorial_impl.testing import forkserver as _ranks
 from tutorial_impl.testing.rendezvous import agents_store
 
@@ -1459,6 +1459,20 @@ def processes_serving_several_tests(pids: Path) -> dict[int, list[str]]:
     for name, process in proctable.recorded(pids).items():
         tests.setdefault(process, []).append(name.rpartition("@")[0])
     return {pid: sorted(names) for (pid, _), names in tests.items() if len(names) > 1}
+
+
+def _rank(rank: int) -> int:
+    return rank
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _this_sessions_forkserver() -> None:
+    """The stranger's runs take their ranks from this session's forkserver (in-process runs,
+    and the torchrun agents), started with this suite's preloads, as under ``-n auto``
+    (xdist's controller starts it before any test). Left to the stranger's session to start,
+    it would preload without ``torch._dynamo``, and every rank that builds an optimizer or a
+    functional collective would import it: about 25 s more CPU for this module alone."""
+    run_ranks(_rank, world_size=1, backend=None)
 
 
 def run_in_process(
