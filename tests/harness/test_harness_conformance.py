@@ -1471,7 +1471,7 @@ def _this_sessions_forkserver() -> None:
     and the torchrun agents), started with this suite's preloads, as under ``-n auto``
     (xdist's controller starts it before any test). Left to the stranger's session to start,
     it would preload without ``torch._dynamo``, and every rank that builds an optimizer or a
-    functional collective would import it: about 25 s more CPU for this module alone."""
+    functional collective would import it: about 35 s more CPU for this module alone."""
     run_ranks(_rank, world_size=1, backend=None)
 
 
