@@ -31,11 +31,12 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tutorial_impl.testing import proctable
@@ -96,11 +97,14 @@ class Entry:
 @dataclass(frozen=True)
 class ForkedJob:
     """What the agent saw: its pid, the last attempt's return values by rank, and the
-    workers still alive when it looked, after the job (name -> pid; ``{}`` if none)."""
+    workers still alive when it looked, after the job (name -> pid; ``{}`` if none); for a
+    job that failed (``may_fail``), the exit code of each of this agent's workers that failed
+    (global rank -> code)."""
 
     agent: int
     returned: dict[int, object]
     left: dict[str, int]
+    failed: dict[int, int] = field(default_factory=dict)
 
 
 def _forked_worker(pids: str, call: Callable[..., object], *argv: str) -> object:
@@ -113,9 +117,13 @@ def _forked_worker(pids: str, call: Callable[..., object], *argv: str) -> object
     return call(*argv)
 
 
-def torchrun_with_forked_workers(args: Sequence[str], entry: Entry, pids: str) -> ForkedJob:
+def torchrun_with_forked_workers(
+    args: Sequence[str], entry: Entry, pids: str, may_fail: bool = False
+) -> ForkedJob:
     """``torchrun ARGS`` in this rank (``ARGS`` must say ``--start-method=fork``), each worker a
-    fork of this process running ``entry``; see the module's docstring."""
+    fork of this process running ``entry``; see the module's docstring. A worker that fails
+    fails the agent (torchrun's ``ChildFailedError``, as the command exits non-zero); with
+    ``may_fail`` the failure is returned instead (``ForkedJob.failed``)."""
     global _AGENT_PID
     _AGENT_PID = os.getpid()
     # The harness starts its ranks as daemonic processes, and multiprocessing gives a daemonic
@@ -133,11 +141,18 @@ def torchrun_with_forked_workers(args: Sequence[str], entry: Entry, pids: str) -
 
         return run_workers
 
-    with mock.patch.object(torchrun, "elastic_launch", launch):
-        torchrun.main(list(args))
+    failed: dict[int, int] = {}
+    try:
+        with mock.patch.object(torchrun, "elastic_launch", launch):
+            torchrun.main(list(args))
+    except ChildFailedError as failure:
+        if not may_fail:
+            raise
+        failed = {rank: f.exitcode for rank, f in failure.failures.items()}
     # The job is over: none of its workers may outlive it (asked here, before this rank
     # ends: the harness kills whatever its rank leaves behind).
-    return ForkedJob(os.getpid(), returned, proctable.wait_until_gone(pids, timeout=10.0))
+    left = proctable.wait_until_gone(pids, timeout=10.0)
+    return ForkedJob(os.getpid(), returned, left, failed)
 
 
 def assert_forks_of(pids: Path, agent: int, names: list[str]) -> None:

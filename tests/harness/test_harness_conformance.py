@@ -15,12 +15,17 @@ what one strategy gives instead, and why; it is checked like the rest. Each test
 the file once and lists every case that deviates (case, strategy, expected, got) in one
 assertion message, with the run's own problems: a process that outlived it, a run past its
 bound. Every process that runs a rank function signs with its pid and test (``note``), and
-the torchrun job's processes carry a mark in their environment (``proctable``); from the
-signatures, the forked run proves that no rank served two tests, and the warm run that
-some did (it really was warm).
+every worker of the torchrun job with its pid (``proctable``); from the signatures, the
+forked run proves that no rank served two tests, and the warm run that some did (it really
+was warm).
 
 Forked and warm run in this process (``pytester.runpytest``: their ranks come from the
-forkserver this process already has); torchrun is one job of subprocesses, which deselects
+forkserver this process already has). Under torchrun each agent is torchrun's own ``main``
+(its c10d rendezvous, store, variables, monitoring and teardown) in a harness rank, and its
+worker is a fork of it (``--start-method=fork``) that runs pytest as ``python -u -m pytest``
+would (``torchrun_worker.torchrun_agent_of_pytest``): four fresh interpreters importing torch
+cost about 14 s of CPU, and what the claims are about is what the harness does in a worker of
+a job, not the interpreter's start. The job deselects
 the two SIGKILL cases and rank 0's ``os._exit`` (``TORCHRUN_DESELECT``): a death ends a job,
 and so does the reporter's exit, so the injected kill and c13b each run in a job of their
 own (``test_torchrun_a_leaving_worker_ends_the_job``). The file's order serves torchrun:
@@ -30,6 +35,10 @@ torchrun rank is one process for the whole session: the patch stays).
 
 ``test_the_checker_sees_each_kind_of_deviation`` proves the comparison itself on a junit
 file of known content: a conforming run gives no deviation, each planted one is reported.
+
+Every run of the file uses ``RUN_ARGS``: among them ``--tb=native`` (pytest's own traceback
+form parses the whole file again for each entry of each failure; the table compares first
+lines, which it does not change).
 """
 
 from __future__ import annotations
@@ -38,8 +47,6 @@ import os
 import re
 import resource
 import signal
-import subprocess
-import sys
 import time
 import uuid
 import xml.etree.ElementTree as ET
@@ -50,9 +57,14 @@ import numpy  # noqa: F401 - see below
 import pytest
 import torch  # noqa: F401 - see below
 import torch.distributed._functional_collectives  # noqa: F401 - see below
-from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
+from torchrun_worker import (
+    job_environment,
+    pytest_as_a_torchrun_worker,
+    torchrun_agent_of_pytest,
+)
 
-from tutorial_impl.testing import proctable
+from tests.torchrun_in_process import ForkedJob
+from tutorial_impl.testing import RankError, proctable, run_ranks
 from tutorial_impl.testing.forkserver import server as _ranks
 from tutorial_impl.testing.rendezvous import agents_store
 
@@ -1410,6 +1422,10 @@ RUN_ARGS = [
     "-p",
     "no:randomly",
     "-rA",
+    # Tracebacks as Python prints them: pytest's own form parses the whole 1,000-line file
+    # again for each entry of each failure (about half a second of CPU per pass, in every
+    # worker of a torchrun job), and no claim here reads a traceback, only first lines.
+    "--tb=native",
     "--rank-timeout=20",
     # Warning filters for the c28 cases, by message: the file's other cases keep pytest's.
     "-W",
@@ -1444,6 +1460,20 @@ def processes_serving_several_tests(pids: Path) -> dict[int, list[str]]:
     for name, process in proctable.recorded(pids).items():
         tests.setdefault(process, []).append(name.rpartition("@")[0])
     return {pid: sorted(names) for (pid, _), names in tests.items() if len(names) > 1}
+
+
+def _rank(rank: int) -> int:
+    return rank
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _this_sessions_forkserver() -> None:
+    """The stranger's runs take their ranks from this session's forkserver (in-process runs,
+    and the torchrun agents), started with this suite's preloads, as under ``-n auto``
+    (xdist's controller starts it before any test). Left to the stranger's session to start,
+    it would preload without ``torch._dynamo``, and every rank that builds an optimizer or a
+    functional collective would import it: about 35 s more CPU for this module alone."""
+    run_ranks(_rank, world_size=1, backend=None)
 
 
 def run_in_process(
@@ -1501,16 +1531,17 @@ def test_warm(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Non
 
 # --- running the file under torchrun: two agents of one worker each -----------------------
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.1"]
 JOB_BOUND = 60.0  # seconds the job may take (deadlines: 3 s, 10 s)
-JOB_LIMIT = JOB_BOUND + 15  # then it is killed (its junit XML is then missing)
+JOB_LIMIT = JOB_BOUND + 15  # then it is stopped (its junit XML is then missing)
 AFTER_EXIT = 30.0  # seconds the job may go on after rank 1's os._exit, the last test
-MARK = "TUTORIAL_HARNESS_CONFORMANCE_JOB"  # in the agents' environment, so in every worker's
 
 
 def _agent(port: int, rdzv_id: str, pytest_args: list[str]) -> list[str]:
+    """One agent's ``torchrun`` arguments (after ``python -m torch.distributed.run``): one
+    node of two, one worker, a c10d rendezvous on the store the test hosts; the worker a fork
+    of the agent (``torchrun_worker.torchrun_agent_of_pytest``)."""
     return [
-        *TORCHRUN,
+        "--monitor-interval=0.1",
         "--nnodes=2",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
@@ -1519,6 +1550,7 @@ def _agent(port: int, rdzv_id: str, pytest_args: list[str]) -> list[str]:
         "--rdzv-conf=is_host=0,join_timeout=120",
         "--local-addr=127.0.0.1",
         "--max-restarts=0",
+        "--start-method=fork",
         "-m",
         "pytest",
         *pytest_args,
@@ -1544,68 +1576,94 @@ def _one_report(outputs: list[str], reporter: int | None) -> list[str]:
     return problems
 
 
-def test_torchrun(pytester: pytest.Pytester) -> None:
+@dataclass
+class Job:
+    """How the torchrun job went: each agent's output (its worker's included), what each
+    agent saw of its worker (None: the agents' run failed), the run's own problems."""
+
+    outputs: list[str]
+    agents: list[ForkedJob] | None
+    wall: float
+    cpu: float
+    ended: float  # time.time() when the agents were done
+    problems: list[str]
+
+
+def run_the_job(pytester: pytest.Pytester, run_ranks, pids: Path) -> Job:
+    """The stranger's file under two torchrun agents, each a harness rank running torchrun's
+    ``main``, each worker a fork of its agent; nothing of the job may outlive it."""
+    workers = pytester.path / "workers"
+    workers.mkdir()
+    store = agents_store(JOB_LIMIT)
+    args = [*RUN_ARGS, "-v", "--junitxml=torchrun.xml", "-k", TORCHRUN_DESELECT, f"{MODULE}.py"]
+    command = _agent(store.port, f"conformance-{uuid.uuid4().hex[:8]}", args)
+    env = {"PYTHONUNBUFFERED": "1", "CONFORMANCE_PIDS": str(pids)}
+    server = _ranks.forkserver_pid()
+    cpu = _own_cpu() - _cpu_of(server)
+    start = time.monotonic()
+    problems = []
+    try:
+        agents = run_ranks(
+            torchrun_agent_of_pytest,
+            command,
+            str(pytester.path),
+            str(workers),
+            world_size=2,
+            backend=None,
+            env=env,
+            timeout=JOB_LIMIT,
+        )
+        outputs, ends = list(agents.outputs), list(agents)
+    except RankError as error:  # past JOB_LIMIT, or an agent raised: its report says which
+        problems.append(f"[torchrun] the agents' run failed: {error.headline}")
+        outputs, ends = [error.outputs.get(rank, "") for rank in range(2)], None
+    wall, ended = time.monotonic() - start, time.time()
+    cpu = _own_cpu() + _cpu_of(server or _ranks.forkserver_pid()) - cpu
+    for end in ends or ():
+        if end.left:
+            problems.append(f"[torchrun] workers outlived their agent: {end.left}")
+    problems += _forks_of_the_agents(workers, ends)
+    for left in (proctable.wait_until_gone(workers), proctable.wait_until_gone(pids)):
+        if left:
+            problems.append(f"[torchrun] processes outlived the job: {left}")
+    return Job(outputs, ends, wall, cpu, ended, problems)
+
+
+def _forks_of_the_agents(workers: Path, ends: list[ForkedJob] | None) -> list[str]:
+    """Each worker ran once (no restart), a fork of one agent (its memory, its parent, its
+    process group: ``torchrun_in_process``), one worker per agent."""
+    names = sorted(proctable.recorded(workers))
+    if names != ["attempt0_rank0", "attempt0_rank1"]:
+        return [f"[torchrun] the workers that ran: {names}, expected one per rank, once"]
+    agents = sorted(f"{end.agent} {end.agent} {end.agent}" for end in ends or ())
+    seen = sorted((workers / f"{name}.agent").read_text() for name in names)
+    if ends is not None and seen != agents:
+        return [f"[torchrun] workers are not forks of one agent each: {seen}, agents {agents}"]
+    return []
+
+
+def test_torchrun(pytester: pytest.Pytester, run_ranks) -> None:
     pids = pytester.path / "pids"
     pids.mkdir()
     (pytester.path / f"{MODULE}.py").write_text(STRANGER)
     (pytester.path / "pytest.ini").write_text(INI)
-    store = agents_store(JOB_LIMIT)
-    args = [*RUN_ARGS, "-v", "--junitxml=torchrun.xml", "-k", TORCHRUN_DESELECT, f"{MODULE}.py"]
-    command = _agent(store.port, f"conformance-{uuid.uuid4().hex[:8]}", args)
-    job = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", MARK: job, "CONFORMANCE_PIDS": str(pids)}
-    env.pop("PYTEST_XDIST_WORKER", None)  # the workers are not xdist workers of ours
-    logs = [pytester.path / f"agent{i}.log" for i in range(2)]
-    procs: list[subprocess.Popen[bytes]] = []
-    problems = []
-    cpu = _own_cpu()
-    start = time.monotonic()
-    try:
-        for log in logs:
-            with open(log, "wb") as out:
-                procs.append(
-                    subprocess.Popen(
-                        command, cwd=pytester.path, env=env, stdout=out, stderr=subprocess.STDOUT
-                    )
-                )
-        try:
-            for proc in procs:
-                proc.wait(max(0.1, start + JOB_LIMIT - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            problems.append(f"[torchrun] the job was still running after {JOB_LIMIT:g} s: killed")
-        wall = time.monotonic() - start
-        ended = time.time()
-        if not problems:  # it ended by itself: it must have left nothing behind
-            left = proctable.wait_until_unmarked(MARK, job, timeout=10.0)
-            if left:
-                problems.append(f"[torchrun] processes outlived the job: {left}")
-    finally:
-        proctable.kill_marked(MARK, job)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(5)
-    cpu = _own_cpu() - cpu  # the agents', and the workers' they reaped
-    assert not proctable.wait_until_unmarked(MARK, job, timeout=10.0), "SIGKILL did not work"
-    left = proctable.wait_until_gone(pids)
-    if left:
-        problems.append(f"[torchrun] processes a rank function ran in outlived the job: {left}")
-    outputs = [log.read_text(errors="replace") for log in logs]
+    job = run_the_job(pytester, run_ranks, pids)
+    problems, outputs = job.problems, job.outputs
     reporter = next((i for i, out in enumerate(outputs) if "test session starts" in out), None)
     output = outputs[reporter] if reporter is not None else "\n".join(outputs)
-    codes = [p.returncode for p in procs]
-    if wall > JOB_BOUND:
-        problems.append(f"[torchrun] the job took {wall:.0f} s, bound {JOB_BOUND:g} s")
+    if job.wall > JOB_BOUND:
+        problems.append(f"[torchrun] the job took {job.wall:.0f} s, bound {JOB_BOUND:g} s")
     exit_time = pids / "exit.time"
-    if exit_time.exists() and ended - float(exit_time.read_text()) > AFTER_EXIT:
+    if exit_time.exists() and job.ended - float(exit_time.read_text()) > AFTER_EXIT:
         problems.append(
-            f"[torchrun] the job ended {ended - float(exit_time.read_text()):.0f} s after rank "
-            f"1's os._exit (the last test), bound {AFTER_EXIT:g} s"
+            f"[torchrun] the job ended {job.ended - float(exit_time.read_text()):.0f} s after "
+            f"rank 1's os._exit (the last test), bound {AFTER_EXIT:g} s"
         )
     # Every agent: on the node of a worker that exited 0, the job must fail too (and such an
     # agent waits in torchelastic's exit barrier, 300 s, for agents that never come).
-    if not all(codes):
-        problems.append(f"[torchrun] the agents exited {codes}: every one must fail")
+    codes = [end.failed for end in job.agents or ()]
+    if job.agents is not None and not all(f and all(f.values()) for f in codes):
+        problems.append(f"[torchrun] every agent must fail; their workers failed: {codes}")
     junit = pytester.path / "torchrun.xml"
     if junit.exists():
         cases = read_junit(junit)
@@ -1617,9 +1675,9 @@ def test_torchrun(pytester: pytest.Pytester) -> None:
             + "\n".join(output.splitlines()[-15:])
         )
     problems += _one_report(outputs, reporter)
-    run = Run("torchrun", cases, output, wall, cpu, problems)
+    run = Run("torchrun", cases, output, job.wall, job.cpu, problems)
     table = {name: case for name, case in CASES.items() if name not in OWN_JOBS}
-    print(report(run, table), f"agents exited {codes}", sep="\n")
+    print(report(run, table), f"workers failed: {codes}", sep="\n")
     if deviations(run, table):
         pytest.fail(report(run, table), pytrace=False)
 
@@ -1654,7 +1712,7 @@ def test_torchrun_a_leaving_worker_ends_the_job(
     (``Job._exit_mid_session``): the test fails on every rank with the exit's first line,
     and the session stops after it. The workers are harness ranks (``torchrun_worker``), the
     job's store hosted here as an agent hosts it: what the workers do among themselves,
-    without the two interpreters and agents of a job of subprocesses."""
+    without the agents (the main job, ``test_torchrun``, has them)."""
     pids = pytester.path / "pids"
     pids.mkdir()
     (pytester.path / f"{MODULE}.py").write_text(STRANGER)
