@@ -17,7 +17,7 @@ What pytest calls, in the order it calls it:
     ``--check-collectives``, ``--rank-pdb``, ``--launcher``, ``--warm-worlds``,
     ``--warm-audit``) and ini values (``rank_timeout``, ``warm_worlds``; the ``rank_preload*``
     ones from ``preload``), shown under "torch.distributed multi-rank harness" in ``pytest
-    --help``; their help texts are the constants below and in ``config`` and ``preload``.
+    --help``; their help texts are constants, in ``config`` and ``preload``.
 ``pytest_cmdline_main``
     under torchrun, gives each rank a ``--basetemp`` of its own.
 ``pytest_configure``
@@ -121,12 +121,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--warm-audit", action="store_true", default=False, help=_config.HELP_WARM_AUDIT
     )
     parser.addini(
-        "rank_timeout", "default harness deadline in seconds", default=str(_config.DEFAULT_DEADLINE)
+        "rank_timeout", _config.HELP_INI_RANK_TIMEOUT, default=str(_config.DEFAULT_DEADLINE)
     )
     preload.addini(parser)  # rank_preload, rank_preload_test_imports, rank_preload_exclude
-    parser.addini(
-        "warm_worlds", "run every multi-rank test in warm worlds", type="bool", default=False
-    )
+    parser.addini("warm_worlds", _config.HELP_INI_WARM_WORLDS, type="bool", default=False)
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists (launched ranks quiet it)
@@ -204,27 +202,11 @@ def pytest_configure_node(node: Any) -> None:
 
 def _launch(config: pytest.Config) -> where.Launch | None:
     """This run's place in a torchrun job (``--launcher``), or None for forked ranks."""
-    choice = config.getoption("--launcher")
-    if choice == "fork":
-        return None
+    numprocesses = getattr(config.option, "numprocesses", None)
     try:
-        launch = where.detect()
+        return where.chosen(config.getoption("--launcher"), numprocesses)
     except ValueError as exc:
-        raise pytest.UsageError(f"--launcher {choice}: {exc}") from None
-    if launch is None:
-        if choice == "torchrun":
-            raise pytest.UsageError(
-                "--launcher torchrun: this pytest was not started by torchrun (it needs all of "
-                f"{', '.join(where.LAUNCH_ENV)} in its environment); run "
-                "`torchrun --nproc-per-node=N -m pytest ...`"
-            )
-        return None
-    if getattr(config.option, "numprocesses", None):
-        raise pytest.UsageError(
-            "-n/--numprocesses cannot be used under torchrun: every torchrun worker is one "
-            "rank and runs the whole session; drop -n (or use --launcher fork)"
-        )
-    return launch
+        raise pytest.UsageError(str(exc)) from None
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -129,6 +129,8 @@ HELP_WARM_AUDIT = (
     "run every warm call on fresh ranks too and fail the test if the two verdicts differ: "
     "proof, for a CI job, that no test depends on what a warm world carried over"
 )
+HELP_INI_RANK_TIMEOUT = "default harness deadline in seconds"
+HELP_INI_WARM_WORLDS = "run every multi-rank test in warm worlds"
 
 
 class ConfigError(ValueError):

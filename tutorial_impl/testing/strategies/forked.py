@@ -217,8 +217,14 @@ def run_ranks(
     """
     __tracebackhide__ = True
     options = {name: value for name, value in locals().items() if name in _call.OPTIONS}
+    return _run_forked(_call.build(fn, args, **options))
+
+
+def _run_forked(call: Call) -> RankResults:
+    """``call`` on fresh ranks; what the ranks left running is named, whatever the verdict."""
+    __tracebackhide__ = True
     try:
-        results = runner.run(FORKED, _call.build(fn, args, **options))
+        results = runner.run(FORKED, call)
     except RankError as error:
         leftovers.warn(error.killed)  # what the ranks left running, named (``leftovers``)
         raise

@@ -2,9 +2,9 @@
 
 ``torchrun --nnodes=2 --nproc-per-node=2 -m pytest`` starts four pytest processes, each one a
 rank of the job (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` in
-its environment). ``detect`` reads that into a ``Launch``; ``why_not_here`` says which tests
-the job can run; ``basetemp`` gives each rank a temporary directory of its own. What the
-session then shares between its tests is ``job.Job``.
+its environment). ``detect`` reads that into a ``Launch`` (``chosen``: as ``--launcher``
+asks); ``why_not_here`` says which tests the job can run; ``basetemp`` gives each rank a
+temporary directory of its own. What the session then shares between its tests is ``job.Job``.
 """
 
 from __future__ import annotations
@@ -73,6 +73,33 @@ def detect(environ: dict[str, str] | os._Environ[str] = os.environ) -> Launch | 
         restart=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )
+
+
+def chosen(choice: str, numprocesses: int | None = None) -> Launch | None:
+    """This run's place in a torchrun job as ``--launcher`` ``choice`` has it, or None for
+    forked ranks (``fork``, or ``auto`` outside torchrun). ``torchrun`` outside a job, a
+    malformed launch, or xdist's ``-n`` (``numprocesses``) under one is a ValueError that
+    says so (the plugin's usage error)."""
+    if choice == "fork":
+        return None
+    try:
+        launch = detect()
+    except ValueError as exc:
+        raise ValueError(f"--launcher {choice}: {exc}") from None
+    if launch is None:
+        if choice == "torchrun":
+            raise ValueError(
+                "--launcher torchrun: this pytest was not started by torchrun (it needs all of "
+                f"{', '.join(LAUNCH_ENV)} in its environment); run "
+                "`torchrun --nproc-per-node=N -m pytest ...`"
+            )
+        return None
+    if numprocesses:
+        raise ValueError(
+            "-n/--numprocesses cannot be used under torchrun: every torchrun worker is one "
+            "rank and runs the whole session; drop -n (or use --launcher fork)"
+        )
+    return launch
 
 
 # --- what a launched job can run ------------------------------------------------------------

@@ -5,11 +5,12 @@ ranks already exist (``job``): every worker runs the same test in lockstep, so t
 ``fn(rank, world_size)`` (in the function's shape: ``shape``) in this process, in the job's
 process group. What makes that safe:
 
-* **The function runs in a thread of its own**, through the same capture as a forked rank
-  (``outcome.capture``); the main thread watches four things: the function ending, another
-  rank failing (fail fast), a worker of the job gone (its heartbeat lost), and the deadline.
-  Any of the last three ends the wait with the place this rank's function was in, read
-  from its live frames (``diagnose.stacks``), passed through the job's store.
+* **The function runs in a thread of its own** (``here``: the rank side of a call), through
+  the same capture as a forked rank (``outcome.capture``); the main thread watches four
+  things: the function ending, another rank failing (fail fast), a worker of the job gone
+  (its heartbeat lost), and the deadline. Any of the last three ends the wait with the place
+  this rank's function was in, read from its live frames (``diagnose.stacks``), passed
+  through the job's store.
 * **One verdict for every rank.** Each rank publishes its report (the value, or the
   exception as text) and reads everyone's; ``verdict.decide`` (``runner.run``) turns them into
   the same results or the same error on every rank, by the rules forked ranks are judged by.
@@ -30,47 +31,26 @@ process group. What makes that safe:
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import logging
 import os
-import pickle
-import sys
-import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
 
-from tutorial_impl.testing import proctable
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.diagnose import records
-from tutorial_impl.testing.diagnose import stacks as forensics
-from tutorial_impl.testing.diagnose.recorder import Record
-from tutorial_impl.testing.diagnose.stranded import Standing, standing
 from tutorial_impl.testing.faults import group as faulty_group
 from tutorial_impl.testing.faults import inject as faults
-from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import outcome as _o
-from tutorial_impl.testing.rank.caught import Catcher, current_filters
 from tutorial_impl.testing.rank.lookup import resolve
-from tutorial_impl.testing.rank.main import dumps_on_cpu
 from tutorial_impl.testing.rank.shape import arguments
-from tutorial_impl.testing.settings.timing import (
-    ANSWER_GRACE,
-    FINISH_GRACE,
-    FORK_GRACE,
-    SKIP_GRACE,
-    STORE_POLL_MAX,
-    STORE_POLL_MIN,
-)
+from tutorial_impl.testing.settings.timing import ANSWER_GRACE
 from tutorial_impl.testing.strategies import protocol as runner
 from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
+from tutorial_impl.testing.strategies.torchrun.here import Answer, pickled, run_here
 from tutorial_impl.testing.strategies.torchrun.job import Job
 from tutorial_impl.testing.verdict.decision import Finished
 
-ENTRY = "rank_function"  # the harness frame below a rank function's own frames
 NOT_HONOURED: Mapping[str, str] = MappingProxyType(
     {
         "init_method": "the job has torchrun's own rendezvous",
@@ -93,19 +73,6 @@ def reporter_killed(call: Call) -> str | None:
     if any(f.action.name == "kill" and 0 in f.ranks for f in call.faults):
         return runner.refused(["faults"], Launched.name, {"faults": KILLS_REPORTER})
     return None
-
-
-@dataclass
-class Answer:
-    """What one rank publishes at the end of a call."""
-
-    report: _o.Report
-    output: str
-    stacks: str = ""  # the function's thread, when it had not ended
-    records: list[Record] | None = None  # this call's collectives (``records.this_test``)
-    fired: list[faults.Fired] = field(default_factory=list)  # faults injected here
-    unfired: list[faults.Unfired] = field(default_factory=list)  # faults never reached
-    standing: Standing | None = None  # its groups; where its function was, if still running
 
 
 class Launched:
@@ -240,147 +207,6 @@ def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
         unfired={r: a.unfired for r, a in answers.items() if a.unfired},
         stranded=torchrun_stranded.of_answers(answers, deadline),
     )
-
-
-def pickled(answer: Answer) -> bytes:
-    """``answer`` as the store carries it (pickled once); a return value that cannot be
-    pickled is this rank's failure, named as such, as for a forked rank."""
-    try:
-        return dumps_on_cpu(answer)
-    except Exception as exc:  # noqa: BLE001
-        failure = _o.unpicklable("returned a value that cannot be pickled", exc)
-        report = _o.Report(failure, answer.report.pid, answer.report.at)
-        return dumps_on_cpu(Answer(report, answer.output, answer.stacks))
-
-
-class _Tee(io.TextIOBase):
-    """Writes to the stream it replaces and keeps a copy: a rank's printed output."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.copy = io.StringIO()
-
-    def write(self, text: str) -> int:
-        self.copy.write(text)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def run_here(
-    job: Job,
-    key: str,
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    timeout: float,
-    since_ns: int = 0,
-) -> Answer:
-    """Run ``fn`` in a thread; wait for it, another rank's failure, a lost worker, a returned
-    rank that strands it (``strategies.torchrun.stranded``), or the deadline."""
-    launch, worker = job.launch, os.getpid()
-    box: dict[str, _o.Report] = {}
-    done = threading.Event()
-    child_r, child_w = os.pipe()  # where a forked child that came back reports
-    catcher = Catcher(current_filters())  # this worker's: pytest's for the test
-
-    def rank_function() -> None:  # the name frames_of stops at
-        report = _o.capture(fn, launch.rank, args, kwargs, catcher=catcher)
-        if report.pid != worker:  # a child the function forked came back here
-            os.write(child_w, pickle.dumps(report))
-            os._exit(1)
-        box.setdefault("report", report)
-        done.set()
-
-    def exited(code: int) -> None:  # rank 0's function called os._exit (Job.end_call)
-        box.setdefault("report", _o.Report(_o.Lost(code), worker, time.time()))
-        done.set()
-
-    leftovers.become_subreaper()  # what the function starts stays within reach
-    before = frozenset(proctable.own_children())  # not the function's: spared
-    tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
-    sys.stdout, sys.stderr = tee_out, tee_err
-    # Not a daemon, as a forked rank's main thread is not: the threads the function starts
-    # inherit that, and those are the ones waited for (``caught``). The worker never waits
-    # for it at exit (it leaves through os._exit: ``strategies.torchrun.session``).
-    thread = threading.Thread(target=rank_function, name=f"rank {launch.rank}", daemon=False)
-    job.end_call = exited if launch.rank == 0 else None
-    try:
-        with catcher.recording():
-            thread.start()
-            look = torchrun_stranded.Look(job, key, since_ns, thread.ident, timeout, ENTRY)
-            ended = _wait(job, key, done, timeout, look)
-    finally:
-        job.end_call = None
-        sys.stdout, sys.stderr = tee_out.stream, tee_err.stream
-    output = tee_out.copy.getvalue() + tee_err.copy.getvalue()
-    if ended is None and box["report"].forked:
-        proctable.wait_for_forked_copies(FORK_GRACE)
-    child = _child_report(child_r, child_w)
-    killed = leftovers.kill_leftovers(keep=before)  # an abandoned function's children too
-    if ended is not None:  # still running: where?
-        job.abandoned.append(thread)
-        frames = forensics.frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
-        title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
-        report = _o.Report(ended(forensics.place(frames)), worker, time.time(), killed=killed)
-        stacks = forensics.format_frames(title, frames)
-        return Answer(child or report, output, stacks, standing=standing(thread.ident, ENTRY))
-    report = box["report"]
-    if child is not None and not isinstance(report.outcome, _o.Failure):
-        report = child
-    report = dataclasses.replace(report, killed=killed)
-    announce(job, key, report)
-    return Answer(report, output, standing=standing(None, ENTRY))
-
-
-def _wait(
-    job: Job, key: str, done: threading.Event, timeout: float, look: torchrun_stranded.Look
-) -> type | None:
-    """None once the function has ended; else the outcome class of why the wait ended.
-
-    Fail fast as forked ranks do: a failure elsewhere (or a lost worker) stops the wait at
-    once, and so does a returned rank that strands this one (``look``); a skip elsewhere
-    only after ``SKIP_GRACE`` s (a failure anywhere beats a skip)."""
-    failed, skipped = f"{key}/failed", f"{key}/skipped"
-    stop = time.monotonic() + timeout
-    pause, skip_seen = STORE_POLL_MIN, None
-    while not done.wait(pause):
-        pause = min(pause * 2, STORE_POLL_MAX)
-        if skip_seen is None and job.channel.has(skipped):
-            skip_seen = time.monotonic()
-        late_skip = skip_seen is not None and time.monotonic() - skip_seen > SKIP_GRACE
-        trouble = job.channel.has(failed) or late_skip or job.heartbeats.lost_ranks()
-        if trouble and not done.wait(FINISH_GRACE):
-            return _o.Stopped
-        if look.stranded() and not done.is_set():
-            job.channel.set(failed)  # the others waiting stop too
-            return _o.Stopped
-        if time.monotonic() > stop:
-            job.channel.set(failed)
-            return _o.TimedOut
-    return None
-
-
-def announce(job: Job, key: str, report: _o.Report) -> None:
-    """Tell the other ranks at once how this rank's function ended, if not well."""
-    if isinstance(report.outcome, (_o.Skipped, _o.XFailed)):
-        job.channel.set(f"{key}/skipped")
-    elif not isinstance(report.outcome, _o.Returned):
-        job.channel.set(f"{key}/failed")
-
-
-def _child_report(reader: int, writer: int) -> _o.Report | None:
-    """The report a forked child wrote, if one did; closes the pipe."""
-    os.close(writer)
-    os.set_blocking(reader, False)
-    try:
-        data = os.read(reader, 1 << 16)
-    except BlockingIOError:
-        data = b""
-    finally:
-        os.close(reader)
-    return pickle.loads(data) if data else None
 
 
 class _FromAbandoned(logging.Filter):
