@@ -368,9 +368,16 @@ from tutorial_impl.testing import proctable
 BEFORE = {int(pid) for pid in os.environ["EARLY_BEFORE"].split()}
 
 
-def test_only_plain():  # no process at all started for this session
+def note():  # no process at all started for this session: at its import (collection) ...
     with open(os.path.join(os.environ["EARLY_DIR"], "plain_only"), "a") as f:
         f.write(f"{sorted(set(proctable.children(os.getpid())) - BEFORE)}\\n")
+
+
+note()
+
+
+def test_only_plain():  # ... and in its test
+    note()
 """
 
 
@@ -495,7 +502,7 @@ def test_no_forkserver_starts_for_collect_only_or_plain_test_files(early_session
     assert _notes(collect.notes, "at_import") == ["0"] and collect.left == []
     plain_only = early_sessions["plain_only"]
     assert plain_only.exit_code == 0 and plain_only.outcomes == {"test_only_plain": "passed"}
-    assert _notes(plain_only.notes, "plain_only") == ["[]"]  # no process at all, in the test
+    assert _notes(plain_only.notes, "plain_only") == ["[]", "[]"]  # none in collection, test
     assert plain_only.left == []  # nor at the end
 
 
