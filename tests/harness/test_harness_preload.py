@@ -440,8 +440,8 @@ def _session(root: Path, name: str, args: list[str], import_s: float = 0.0) -> E
         mp.delenv("PYTEST_XDIST_WORKER", raising=False)
         mp.chdir(root)
         try:
-            # (pytest's unraisable-exception plugin collects garbage at the end, five times
-            # over this process's heap, torch's included: most of a session's CPU, no claim's)
+            # (pytest's unraisable-exception plugin collects garbage twice at the end, over
+            # this process's heap, torch's included: most of a session's CPU, no claim's)
             plain = ["-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception"]
             code = pytest.main([*plain, *args], plugins=[outcomes])
             left = _forkservers(_children() - before)
@@ -464,7 +464,9 @@ def early_sessions(tmp_path_factory):
     """The project's sessions: the whole file; ``--collect-only``; ``-k plain`` (only plain
     tests selected); a plain project. By name. Only the whole file's module import lasts
     (0.3 s): the server's lead over it is that session's claim; in ``-k plain`` the server
-    would spend that time importing torch, only to be killed."""
+    would spend that time importing torch, only to be killed. (In-process, the four cost
+    3-4 s of CPU where torch is already imported, as in the suite, against 8-9 s as four fresh
+    pytest processes: ``.ci/suite_profile.py``, back to back, issue 37.)"""
     root = tmp_path_factory.mktemp("early")
     write(root, {"test_mixed.py": EARLY_PROJECT, "plain/test_plain_only.py": PLAIN_PROJECT})
     runs = {
