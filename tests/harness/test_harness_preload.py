@@ -17,6 +17,7 @@ is the library benchmark (``tests/bench/test_bench_library.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.util
 import json
@@ -27,6 +28,7 @@ import textwrap
 import threading
 import time
 import types
+from multiprocessing import forkserver as mp_forkserver
 from pathlib import Path
 
 import pytest
@@ -301,15 +303,19 @@ def test_a_test_module_the_server_imported_plainly_runs_with_rewritten_asserts(t
 
 
 # The forkserver started behind collection (``preload.start_early``), as a stranger meets it:
-# a project with the installed package only, run in fresh pytest processes (a fresh session
-# is the point: in this one the server has started long ago). One project, four sessions,
-# shared by the tests below (each one claim). Each session notes what it saw in EARLY_DIR.
+# a project with the installed package only, run in fresh pytest sessions. In-process (the
+# pytest process's startup and torch import are not the claim: what the session's server does
+# is), each with a fresh, unstarted rank server of its own as a new process has (in this one the
+# server has started long ago). One project, four sessions, shared by the tests below (each one
+# claim). Each session notes what it saw in EARLY_DIR; the project counts the forkservers among
+# this process's children, those it had before the session (EARLY_BEFORE) left out.
 EARLY_PROJECT = """
-import atexit, os, time
+import os, time
 import pytest
 from tutorial_impl.testing import proctable
 
 NOTES = os.environ["EARLY_DIR"]
+BEFORE = {int(pid) for pid in os.environ["EARLY_BEFORE"].split()}
 
 
 def note(name, value):
@@ -317,8 +323,9 @@ def note(name, value):
         f.write(f"{value}\\n")
 
 
-def forkservers():  # this pytest's forkserver children, from the OS process table
-    return [p for p in proctable.children(os.getpid()) if "forkserver" in proctable.command(p)]
+def forkservers():  # this session's forkserver children, from the OS process table
+    mine = set(proctable.children(os.getpid())) - BEFORE
+    return [p for p in sorted(mine) if "forkserver" in proctable.command(p)]
 
 
 def started(pid):  # the kernel's start time of ``pid``, seconds since boot
@@ -329,8 +336,8 @@ def started(pid):  # the kernel's start time of ``pid``, seconds since boot
 for pid in forkservers():
     proctable.record(NOTES, f"at_import{pid}", pid)
 note("at_import", len(forkservers()))
-atexit.register(lambda: note("at_exit", len(forkservers())))  # pytest's end, after all hooks
-time.sleep(0.3)  # a test module's heavy import (torch's, say): the server starts meanwhile
+time.sleep(float(os.environ["EARLY_IMPORT_S"]))  # a test module's heavy import (torch's, say):
+# the server starts meanwhile
 IMPORTED = time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
@@ -355,27 +362,111 @@ def test_plain():
     note("plain", len(forkservers()))
 """
 PLAIN_PROJECT = """
-import atexit, os
+import os
 from tutorial_impl.testing import proctable
 
+BEFORE = {int(pid) for pid in os.environ["EARLY_BEFORE"].split()}
 
-def note():
+
+def note():  # no process at all started for this session: at its import (collection) ...
     with open(os.path.join(os.environ["EARLY_DIR"], "plain_only"), "a") as f:
-        f.write(f"{proctable.children(os.getpid())}\\n")
+        f.write(f"{sorted(set(proctable.children(os.getpid())) - BEFORE)}\\n")
 
 
-atexit.register(note)
+note()
 
 
-def test_only_plain():
+def test_only_plain():  # ... and in its test
     note()
 """
+
+
+@dataclasses.dataclass
+class EarlySession:
+    """One session of the project: its exit code, the tests it collected and deselected, each
+    outcome by test name, its notes, and the forkservers it left behind when it ended."""
+
+    exit_code: int
+    collected: int
+    deselected: int
+    outcomes: dict[str, str]
+    notes: Path
+    left: list[int]
+
+
+class _Outcomes:
+    """A plugin of the inner session: what it collected, deselected and ran."""
+
+    def __init__(self) -> None:
+        self.collected = self.deselected = 0
+        self.outcomes: dict[str, str] = {}
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.collected = len(session.items)
+
+    def pytest_deselected(self, items: list[pytest.Item]) -> None:
+        self.deselected += len(items)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.outcome != "passed":
+            self.outcomes[report.nodeid.rsplit("::", 1)[-1]] = report.outcome
+
+
+def _children() -> set[int]:
+    return set(proctable.children(os.getpid()))
+
+
+def _forkservers(pids: set[int]) -> list[int]:
+    return sorted(p for p in pids if "forkserver" in proctable.command(p))
+
+
+def _session(root: Path, name: str, args: list[str], import_s: float = 0.0) -> EarlySession:
+    """Run one session of the project in this process, as a new pytest process would: a fresh
+    rank server, this process's children noted first, its test modules forgotten after. The
+    server it kept (the process's, until the process ends) is stopped then, as that end would.
+    ``import_s``: how long the test module's import lasts (the server starts meanwhile)."""
+    notes = root / f"notes-{name}"
+    notes.mkdir()
+    before = _children()
+    server = forkserver.RankServer()
+    global_running = mp_forkserver._forkserver._forkserver_pid is not None
+    modules, path = set(sys.modules), list(sys.path)
+    outcomes = _Outcomes()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forkserver, "SERVER", server)
+        mp.setenv("EARLY_DIR", str(notes))
+        mp.setenv("EARLY_BEFORE", " ".join(map(str, before)))
+        mp.setenv("EARLY_IMPORT_S", str(import_s))
+        mp.delenv("PYTEST_XDIST_WORKER", raising=False)
+        mp.chdir(root)
+        try:
+            # (pytest's unraisable-exception plugin collects garbage twice at the end, over
+            # this process's heap, torch's included: most of a session's CPU, no claim's)
+            plain = ["-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception"]
+            code = pytest.main([*plain, *args], plugins=[outcomes])
+            left = _forkservers(_children() - before)
+        finally:
+            sys.path[:] = path
+            for module in set(sys.modules) - modules:
+                if module.startswith("test_"):
+                    del sys.modules[module]
+            if server.server is not None:
+                server.server._stop()
+            if not global_running:
+                mp_forkserver._forkserver._stop()
+    return EarlySession(
+        int(code), outcomes.collected, outcomes.deselected, outcomes.outcomes, notes, left
+    )
 
 
 @pytest.fixture(scope="module")
 def early_sessions(tmp_path_factory):
     """The project's sessions: the whole file; ``--collect-only``; ``-k plain`` (only plain
-    tests selected); a plain project. Each one's outcomes and notes, by name."""
+    tests selected); a plain project. By name. Only the whole file's module import lasts
+    (0.3 s): the server's lead over it is that session's claim; in ``-k plain`` the server
+    would spend that time importing torch, only to be killed. (In-process, the four cost
+    3-4 s of CPU where torch is already imported, as in the suite, against 8-9 s as four fresh
+    pytest processes: ``.ci/suite_profile.py``, back to back, issue 37.)"""
     root = tmp_path_factory.mktemp("early")
     write(root, {"test_mixed.py": EARLY_PROJECT, "plain/test_plain_only.py": PLAIN_PROJECT})
     runs = {
@@ -384,18 +475,10 @@ def early_sessions(tmp_path_factory):
         "plain": ["test_mixed.py", "-k", "plain"],
         "plain_only": ["plain"],
     }
-    sessions = {}
-    for name, args in runs.items():
-        notes = root / f"notes-{name}"
-        notes.mkdir()
-        env = {**os.environ, "EARLY_DIR": str(notes)}
-        env.pop("PYTEST_XDIST_WORKER", None)
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
-        done = subprocess.run(
-            command, cwd=root, env=env, capture_output=True, text=True, timeout=300
-        )
-        sessions[name] = (done, notes)
-    return sessions
+    return {
+        name: _session(root, name, args, 0.3 if name == "whole" else 0.0)
+        for name, args in runs.items()
+    }
 
 
 def _notes(notes: Path, name: str) -> list[str]:
@@ -405,44 +488,44 @@ def _notes(notes: Path, name: str) -> list[str]:
 
 @pytest.mark.xdist_group("early_forkserver")
 def test_the_first_test_finds_the_forkserver_started_behind_collection(early_sessions):
-    done, notes = early_sessions["whole"]
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert "3 passed" in done.stdout
+    whole = early_sessions["whole"]
+    assert whole.exit_code == 0, whole.outcomes
+    assert whole.outcomes == dict.fromkeys(["test_first", "test_warm", "test_plain"], "passed")
     # Started at the session's start, before its test module's import ended (0.3 s long).
-    assert float(_notes(notes, "lead")[0]) > 0.05
-    assert _notes(notes, "plain") == ["1"]  # kept for the session, one for forked and warm
-    assert _notes(notes, "at_exit") == ["1"]
+    assert float(_notes(whole.notes, "lead")[0]) > 0.05
+    assert _notes(whole.notes, "plain") == ["1"]  # kept for the session, one for forked and warm
+    assert len(whole.left) == 1  # and after it: the process's, until the process ends
 
 
 @pytest.mark.xdist_group("early_forkserver")
 def test_no_forkserver_starts_for_collect_only_or_plain_test_files(early_sessions):
-    collect, collect_notes = early_sessions["collect"]
-    assert collect.returncode == 0 and "3 tests collected" in collect.stdout, collect.stdout
-    assert _notes(collect_notes, "at_import") == _notes(collect_notes, "at_exit") == ["0"]
-    plain_only, plain_notes = early_sessions["plain_only"]
-    assert plain_only.returncode == 0, plain_only.stdout[-3000:]
-    assert _notes(plain_notes, "plain_only") == ["[]", "[]"]  # no process at all, in the test
-    # and at the end
+    collect = early_sessions["collect"]
+    assert collect.exit_code == 0 and collect.collected == 3 and not collect.outcomes
+    assert _notes(collect.notes, "at_import") == ["0"] and collect.left == []
+    plain_only = early_sessions["plain_only"]
+    assert plain_only.exit_code == 0 and plain_only.outcomes == {"test_only_plain": "passed"}
+    assert _notes(plain_only.notes, "plain_only") == ["[]", "[]"]  # none in collection, test
+    assert plain_only.left == []  # nor at the end
 
 
 @pytest.mark.xdist_group("early_forkserver")
 def test_a_selection_of_plain_tests_kills_the_forkserver_collection_started(early_sessions):
-    done, notes = early_sessions["plain"]
-    assert done.returncode == 0 and "1 passed, 2 deselected" in done.stdout, done.stdout
-    assert _notes(notes, "at_import") == ["1"]  # the files name run_ranks: started early
-    assert _notes(notes, "plain") == ["0"]  # no test selected needs it: gone before the first
-    assert _notes(notes, "at_exit") == ["0"]
+    plain = early_sessions["plain"]
+    assert plain.exit_code == 0 and plain.outcomes == {"test_plain": "passed"}
+    assert plain.deselected == 2
+    assert _notes(plain.notes, "at_import") == ["1"]  # the files name run_ranks: started early
+    assert _notes(plain.notes, "plain") == ["0"]  # no test selected needs it: gone before the first
+    assert plain.left == []
 
 
 @pytest.mark.xdist_group("early_forkserver")
 def test_no_process_of_the_early_forkserver_outlives_its_session(early_sessions):
-    whole, whole_notes = early_sessions["whole"]
-    plain, plain_notes = early_sessions["plain"]
-    names = {*proctable.recorded(whole_notes), *proctable.recorded(plain_notes)}
+    whole, plain = early_sessions["whole"], early_sessions["plain"]
+    names = {*proctable.recorded(whole.notes), *proctable.recorded(plain.notes)}
     assert {"forkserver", "rank0-2", "rank1-2", "rank2-3"} <= names
-    assert any(name.startswith("at_import") for name in proctable.recorded(plain_notes))
-    assert proctable.wait_until_gone(whole_notes, 10.0) == {}
-    assert proctable.wait_until_gone(plain_notes, 10.0) == {}
+    assert any(name.startswith("at_import") for name in proctable.recorded(plain.notes))
+    assert proctable.wait_until_gone(whole.notes, 10.0) == {}
+    assert proctable.wait_until_gone(plain.notes, 10.0) == {}
 
 
 FAILING_START = """
