@@ -122,6 +122,27 @@ def test_no_rank_survives_its_run(tmp_path, ending):
     assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
 
 
+
+def death_chain_flags(rank: int, world_size: int) -> tuple[int, int]:
+    """What the kernel says of this process: the signal it gets when its parent dies
+    (``PR_GET_PDEATHSIG``), and whether orphans below it come to it (``PR_GET_CHILD_SUBREAPER``)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    signum, subreaper = ctypes.c_int(-1), ctypes.c_int(-1)
+    assert libc.prctl(2, ctypes.byref(signum), 0, 0, 0) == 0  # PR_GET_PDEATHSIG
+    assert libc.prctl(37, ctypes.byref(subreaper), 0, 0, 0) == 0  # PR_GET_CHILD_SUBREAPER
+    return signum.value, subreaper.value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_every_rank_dies_with_its_parent_and_is_a_subreaper():
+    """The two settings ``enter_rank`` asks the kernel for (through libc's ``prctl``, looked
+    up once in the forkserver), read back from the kernel in each rank: SIGKILL when the
+    forkserver dies, and orphans handed to the rank (``leftovers``)."""
+    assert run_ranks(death_chain_flags, world_size=2, backend=None) == [(signal.SIGKILL, 1)] * 2
+
+
 FAILS_IN_RANKS = """
 import os
 import time

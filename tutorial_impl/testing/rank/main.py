@@ -10,7 +10,6 @@ torch, so inside a rank those imports are free.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import faulthandler
 import io
@@ -73,7 +72,7 @@ def die_with_parent(parent: int) -> None:
     if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    leftovers.prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
