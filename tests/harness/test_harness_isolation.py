@@ -11,8 +11,8 @@ from __future__ import annotations
 # Imported here, in the outer pytest: pytester's in-process runs drop every module they
 # imported afterwards, and torch cannot be imported twice in one process.
 import os
-from multiprocessing import forkserver as mp_forkserver
 
+import fresh_server
 import pytest
 import torch.distributed  # noqa: F401
 
@@ -200,18 +200,9 @@ def test_unmarked(run_ranks):
 
 @pytest.fixture
 def fresh_rank_server(monkeypatch):
-    """A rank forkserver not yet started, as in a new pytest process (this process's own
-    stays untouched); stopped afterwards as that process's exit would stop it (its "alive"
-    pipe closed), and multiprocessing's global forkserver too if the test started it."""
-    server = forkserver.RankServer()
-    monkeypatch.setattr(forkserver, "SERVER", server)
-    global_server = mp_forkserver._forkserver
-    was_running = global_server._forkserver_pid is not None
-    yield server
-    if server.server is not None:
-        server.server._stop()
-    if not was_running:
-        global_server._stop()
+    """A rank forkserver not yet started, as in a new pytest process (``fresh_server``)."""
+    with fresh_server.swapped(monkeypatch) as server:
+        yield server
 
 
 @pytest.mark.slow

@@ -122,7 +122,6 @@ def test_no_rank_survives_its_run(tmp_path, ending):
     assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
 
 
-
 def death_chain_flags(rank: int, world_size: int) -> tuple[int, int]:
     """What the kernel says of this process: the signal it gets when its parent dies
     (``PR_GET_PDEATHSIG``), and whether orphans below it come to it (``PR_GET_CHILD_SUBREAPER``)."""

@@ -28,9 +28,9 @@ import textwrap
 import threading
 import time
 import types
-from multiprocessing import forkserver as mp_forkserver
 from pathlib import Path
 
+import fresh_server
 import pytest
 
 from tutorial_impl.testing import proctable
@@ -428,12 +428,9 @@ def _session(root: Path, name: str, args: list[str], import_s: float = 0.0) -> E
     notes = root / f"notes-{name}"
     notes.mkdir()
     before = _children()
-    server = forkserver.RankServer()
-    global_running = mp_forkserver._forkserver._forkserver_pid is not None
     modules, path = set(sys.modules), list(sys.path)
     outcomes = _Outcomes()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(forkserver, "SERVER", server)
+    with pytest.MonkeyPatch.context() as mp, fresh_server.swapped(mp):
         mp.setenv("EARLY_DIR", str(notes))
         mp.setenv("EARLY_BEFORE", " ".join(map(str, before)))
         mp.setenv("EARLY_IMPORT_S", str(import_s))
@@ -450,10 +447,6 @@ def _session(root: Path, name: str, args: list[str], import_s: float = 0.0) -> E
             for module in set(sys.modules) - modules:
                 if module.startswith("test_"):
                     del sys.modules[module]
-            if server.server is not None:
-                server.server._stop()
-            if not global_running:
-                mp_forkserver._forkserver._stop()
     return EarlySession(
         int(code), outcomes.collected, outcomes.deselected, outcomes.outcomes, notes, left
     )
