@@ -51,6 +51,8 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     assert row["warm_ms"] > 0 and row["replace_ms"] > 0 and row["load_average"] >= 0
     assert row["warm_speedup"] == pytest.approx(row["harness_ms"] / row["warm_ms"])
     assert row["audit_cost"] == pytest.approx(row["audit_ms"] / row["warm_ms"])
+    # Under --warm-audit each call runs warm and then on fresh ranks: dearer than warm alone.
+    assert row["audit_ms"] > row["warm_ms"]
     assert row["torchrun_ms"] is None
     # Each ratio is its round's (one round: the median of one), on/off and DETAIL/off.
     [one] = row["fr_rounds"]
@@ -85,6 +87,11 @@ def test_the_first_test_row_is_the_median_of_each_way_and_their_difference():
     line = first_test.harness_line(2, row)
     assert "first test of a session   0.80 s" in line and "by the test   3.00 s" in line
     assert "saved  2.20 s" in line and "medians of 3 pairs" in line
+
+
+def test_a_torchrun_jobs_figure_is_the_time_from_each_tests_start_to_the_next():
+    assert harness.gaps_ms([10.0, 10.25, 11.0]) == pytest.approx([250.0, 750.0])
+    assert harness.gaps_ms([10.0]) == []  # one test: no gap to measure
 
 
 def test_bench_refuses_nonsense_arguments(capsys):

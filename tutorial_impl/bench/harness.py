@@ -225,7 +225,11 @@ def time_torchrun(world_size: int, tests: int) -> list[float]:
         done = subprocess.run(command, cwd=work, env=env, capture_output=True, timeout=300)
         if done.returncode != 0 or not starts.exists():
             raise RuntimeError(f"the torchrun job failed:\n{done.stdout.decode()[-3000:]}")
-        stamps = json.loads(starts.read_text())
+        return gaps_ms(json.loads(starts.read_text()))
+
+
+def gaps_ms(stamps: list[float]) -> list[float]:
+    """Milliseconds from each test's start (seconds, in order) to the next one's."""
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
