@@ -13,7 +13,7 @@ method (``METHODS``) counts the call (``faults.INJECTOR.reached``: a fault fires
 hands it to the same method of a plain ``ProcessGroup`` holding the same gloo backend: from
 there on, the call takes the path of any gloo group's (torch's dispatcher, then gloo).
 
-What reaches the Python methods (torch 2.13, proven in tests/harness/test_harness_faults.py):
+What reaches the Python methods (torch 2.13, proven in tests/harness/faults/test_harness_faults.py):
 every ``dist.*`` collective and point-to-point call (Python calls the method by name), and,
 from C++, the methods torch's trampoline (``PyProcessGroup``) forwards: ``TRAMPOLINED``,
 which are the ones DDP's reducer (``allreduce``; ``allgather`` and ``broadcast`` at its

@@ -1,7 +1,7 @@
 """What a warm rank resets, detects and cannot see: the lists ``docs/harness.md`` shows.
 
 ``describe`` writes them, from the settings ``interpreter`` defines and the lists below, which
-``reuse`` and ``strategies.warm.loop`` implement (``tests/harness/test_harness_reuse.py``
+``reuse`` and ``strategies.warm.loop`` implement (``tests/harness/strategies/test_harness_reuse.py``
 proves each
 reset and detection, ``test_harness_warm_interpreter.py`` checks the page against
 ``describe``). A change to what a warm rank does changes these lists, and the page with them.

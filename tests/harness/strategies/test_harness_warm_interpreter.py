@@ -190,7 +190,7 @@ def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
     for word."""
     from pathlib import Path
 
-    page = (Path(__file__).resolve().parents[2] / "docs" / "harness.md").read_text()
+    page = (Path(__file__).resolve().parents[3] / "docs" / "harness.md").read_text()
     begin, end = "<!-- warm_promise.describe() -->\n", "<!-- end of warm_promise.describe() -->"
     assert begin in page and end in page, "the generated lists are gone from docs/harness.md"
     written = page.split(begin, 1)[1].split(end, 1)[0]
