@@ -43,6 +43,7 @@ STRANGER = """\
 import multiprocessing as mp
 import os
 import subprocess
+import sys
 import time
 import warnings
 
@@ -195,6 +196,10 @@ def test_a_child_left_running_is_killed_and_named(run_ranks):
     with pytest.warns(LeftoverProcessWarning) as caught:
         children = dict(enumerate(run_ranks(leave_a_child_and_a_process)))
     assert named(caught, children), [str(w.message) for w in caught]
+    # Each warning points at the line above, the test's own, not into the harness.
+    here = (__file__, sys._getframe().f_lineno - 3)
+    where = [(w.filename, w.lineno) for w in caught if w.category is LeftoverProcessWarning]
+    assert where == [here] * len(children), (where, here)
     pids = [pid for both in children.values() for pid in both]
     assert [pid for pid in pids if proctable.running(pid)] == []
 

@@ -157,7 +157,9 @@ def _reap(killed: dict[int, Leftover]) -> None:
 
 
 def warn(killed: dict[int, tuple[Leftover, ...]]) -> None:
-    """Name what the harness killed for each rank, as one warning per rank."""
+    """Name what the harness killed for each rank, as one warning per rank, at the line of
+    the user's code that called ``run_ranks`` (the fixture, the plain function, a warm world
+    or a torchrun job: however many of the harness's frames lie between)."""
     for rank, processes in sorted(killed.items()):
         if processes:
             names = "; ".join(str(p) for p in processes)
@@ -166,5 +168,17 @@ def warn(killed: dict[int, tuple[Leftover, ...]]) -> None:
                     f"rank {rank} left {len(processes)} process(es) running when its function "
                     f"ended; the harness killed them: {names}"
                 ),
-                stacklevel=3,
+                stacklevel=_outside_the_harness(),
             )
+
+
+_HARNESS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tutorial_impl/testing
+
+
+def _outside_the_harness() -> int:
+    """The ``stacklevel`` of the first frame, counted from ``warn``'s caller, whose code is
+    not the harness's (``warnings.warn(..., skip_file_prefixes=...)`` is Python 3.12+)."""
+    frame, level = sys._getframe(2), 2  # level 1 is warn itself; 2 the harness line calling it
+    while frame is not None and frame.f_code.co_filename.startswith(_HARNESS + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
