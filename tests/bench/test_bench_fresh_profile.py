@@ -3,7 +3,10 @@ of known value, and nonsense arguments refused.
 
 No run here: a real one is a pytest session of its own whose forkserver imports the stamping
 module (``rank_preload``), torch and the suite's heavy library again, seconds of CPU for the
-suite. The stamps below are what such a run writes, with round numbers: two tests counted
+suite. What a run needs of the harness is checked instead: every function its hooks stamp
+or call still exists under its name (the strategy protocol's ``gather`` replaced ``run``, and
+the benchmark failed at its conftest's import, with every test of this file passing). The
+stamps below are what such a run writes, with round numbers: two tests counted
 after one left out, two ranks each, and a rank of the left-out test that must not count.
 """
 
@@ -75,3 +78,21 @@ def test_too_few_tests_and_nonsense_arguments_are_refused():
         fresh_profile.main(["--tests", "4"])
     with pytest.raises(SystemExit, match="--world-size positive"):
         fresh_profile.main(["--world-size", "0"])
+
+
+@pytest.mark.parametrize("module, path, label", fresh_profile.PARENT_TARGETS)
+def test_every_function_the_parents_hooks_stamp_exists(module, path, label):
+    owner, name = fresh_profile.resolve_target(module, path)
+    assert callable(getattr(owner, name)), (module, path)
+    read = {key for key, _ in fresh_profile.PARENT_STEPS}  # each stamp is a milestone read
+    assert {label, f"{label}_end"} & read, (label, read)
+
+
+def test_every_function_the_rank_hooks_wrap_exists_and_is_named_in_them():
+    from tutorial_impl.testing.rank import main as rank
+
+    for name in fresh_profile.RANK_TARGETS:
+        assert callable(getattr(rank, name)), name
+        assert f"R.{name}" in fresh_profile.RANK_HOOKS, name
+    with pytest.raises(AttributeError):  # a name the harness does not have is not found
+        fresh_profile.resolve_target("tutorial_impl.testing.strategies.forked", "Forked.run")

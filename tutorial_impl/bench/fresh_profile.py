@@ -116,12 +116,35 @@ def init_process_group(spec):
 os.fork, os.waitpid = fork, waitpid
 R.rank_main, R.resolve, R.init_process_group = rank_main, resolve, init_process_group
 '''
+# What the parent's hooks stamp, as (module, attribute path, label): a renamed function
+# breaks the benchmark at once, so a test resolves each of them (``resolve_target``).
+PARENT_TARGETS = (
+    ("tutorial_impl.testing.strategies.forked", "Forked.gather", "run"),
+    ("tutorial_impl.testing.strategies.forked", "start", "start"),
+    ("tutorial_impl.testing.strategies.supervise", "supervise", "supervise"),
+    ("tutorial_impl.testing.strategies.supervise", "LIVE.kill", "kill"),
+)
+# What the rank hooks wrap or call in ``tutorial_impl.testing.rank.main``.
+RANK_TARGETS = ("enter_rank", "resolve", "init_process_group", "run_task", "rank_main")
+
+
+def resolve_target(module: str, path: str) -> tuple[object, str]:
+    """The object that holds ``path``'s last attribute, and that attribute's name."""
+    import importlib
+
+    owner: object = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    getattr(owner, name)  # AttributeError: the harness renamed it, the hooks must follow
+    return owner, name
+
+
 PARENT_HOOKS = f"""
 # --- bench fresh-profile: stamps in the pytest process ---
 {STAMP}
 import functools
-from tutorial_impl.testing.strategies import forked
-from tutorial_impl.testing.strategies import supervise
+from tutorial_impl.bench.fresh_profile import PARENT_TARGETS, resolve_target
 
 _FD = _opened("PROFILE_PARENT")
 
@@ -140,10 +163,8 @@ def _stamped(owner, name, label):
     setattr(owner, name, call)
 
 
-for _owner, _name, _label in ((forked.Forked, "run", "run"), (forked, "start", "start"),
-                              (supervise, "supervise", "supervise"),
-                              (supervise.LIVE, "kill", "kill")):
-    _stamped(_owner, _name, _label)
+for _module, _path, _label in PARENT_TARGETS:
+    _stamped(*resolve_target(_module, _path), _label)
 
 
 @pytest.fixture(autouse=True)
