@@ -58,10 +58,11 @@ def my_pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
-def test_a_calls_ranks_are_reaped_before_it_returns(run_ranks):
+def test_a_calls_ranks_are_off_the_callers_books_when_it_returns(run_ranks):
     """The ranks are this process's multiprocessing children while they run; once run_ranks
-    has returned, none is left among them: a process that calls it again (a torchrun worker,
-    a rank with a nested run_ranks) must not find an earlier call's ranks as its own."""
+    has returned, none is left among them (killed, not waited for): a process that calls it
+    again (a torchrun worker, a rank with a nested run_ranks) must not find an earlier call's
+    ranks as its own."""
     pids = set(run_ranks(my_pid))
     children = {p.pid for p in multiprocessing.process._children}  # what active_children polls
     assert not pids & children

@@ -59,9 +59,6 @@ FORK_GRACE = 1.0
 # Threads a rank function started (non-daemon) that still run when it returns are waited for
 # this long before the rank reports: one that raises meanwhile fails the rank (``caught``).
 THREAD_GRACE = 1.0
-# How long the killed ranks of a call are given to be reaped, all together (``supervise.Live``):
-# milliseconds, unless the machine is stalled; then the call returns anyway.
-REAP_GRACE = 2.0
 DUMP_BUDGET = 1.0  # seconds the parent may wait for the ranks' stack dumps, at most
 STACK_POLL = 0.05  # how often the stack files are looked at while they are written
 

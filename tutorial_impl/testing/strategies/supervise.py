@@ -29,6 +29,7 @@ The waiting is where multi-rank tests usually go wrong, so here are the rules it
 from __future__ import annotations
 
 import atexit
+import multiprocessing.process
 import os
 import pickle
 import signal
@@ -47,7 +48,7 @@ from tutorial_impl.testing.faults import inject as faults
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rank.debugging import Deadline
-from tutorial_impl.testing.settings.timing import CRASH_GRACE, REAP_GRACE, SKIP_GRACE
+from tutorial_impl.testing.settings.timing import CRASH_GRACE, SKIP_GRACE
 from tutorial_impl.testing.verdict.decision import Finished
 from tutorial_impl.testing.verdict.errors import RankExited, prefixed
 
@@ -102,19 +103,18 @@ class Live:
     def kill(self, procs: list[Proc]) -> None:
         """SIGKILL each rank's process group and let go of it. SIGKILL cannot be caught:
         from here on a rank runs no more code; its parent, the forkserver, reaps it. Each is
-        then joined (within ``REAP_GRACE`` s for all), so that the caller's
-        ``multiprocessing.active_children()`` no longer lists it: a process that calls
-        ``run_ranks`` again (a torchrun worker, a rank with a nested ``run_ranks``) must not
-        see the ranks of an earlier call as its own children."""
+        taken off multiprocessing's book of this process's children at once, so that the
+        caller's ``multiprocessing.active_children()`` no longer lists it: a process that
+        calls ``run_ranks`` again (a torchrun worker, a rank with a nested ``run_ranks``) must
+        not see the ranks of an earlier call as its own children. Not waited for: a killed
+        rank's exit (the kernel freeing its memory) took 5-8 ms of every fresh test's wall
+        time when each was joined here (``docs/benchmarks.md``)."""
         for p in procs:
             if p.pid is not None:
                 kill_group(p.pid)
                 self.pids.discard(p.pid)
             p.conn.close()
-        stop = time.monotonic() + REAP_GRACE
-        for p in procs:
-            if p.pid is not None:
-                p.process.join(max(0.0, stop - time.monotonic()))
+            multiprocessing.process._children.discard(p.process)  # type: ignore[attr-defined]
 
     def kill_all(self) -> None:
         for pid in list(self.pids):
