@@ -96,3 +96,23 @@ def test_every_function_the_rank_hooks_wrap_exists_and_is_named_in_them():
         assert f"R.{name}" in fresh_profile.RANK_HOOKS, name
     with pytest.raises(AttributeError):  # a name the harness does not have is not found
         fresh_profile.resolve_target("tutorial_impl.testing.strategies.forked", "Forked.run")
+
+
+def test_the_table_prints_each_step_and_milestone_with_its_figures(capsys):
+    """What a user reads: every step of a rank and every milestone of the parent, in order,
+    each with the figure summarize gave it (on the stamps above)."""
+    parent, ranks = logs()
+    figures = fresh_profile.summarize(fresh_profile.parse(parent), fresh_profile.parse(ranks), 1)
+    figures |= {"world_size": 2, "total_cpu_ms": 42.0}
+    fresh_profile.show(figures)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "2 fresh tests, 4 ranks, world 2"
+    assert lines[1].split() == ["a", "rank,", "step", "by", "step", "CPU", "ms", "ends", "at", "ms"]
+    rows = lines[2 : 2 + len(fresh_profile.STEPS)]
+    for (label, text), row in zip(fresh_profile.STEPS, rows, strict=True):
+        assert row.strip().startswith(text) and f"{figures['steps'][label]:7.2f}" in row, row
+    milestones = lines[3 + len(fresh_profile.STEPS) : -2]
+    assert [m.split()[0] for m in milestones] == list(figures["parent"])
+    for row, (at, cpu) in zip(milestones, figures["parent"].values(), strict=True):
+        assert row.split()[1:] == [f"{cpu:.2f}", f"{at:.1f}"], row
+    assert lines[-1].startswith("  CPU a test: 42.0 ms (parent ")

@@ -24,7 +24,7 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     argv = ["--repeats", "2", "--spawn-repeats", "1", "--world-sizes", "1", "--json", str(path)]
     # No torchrun job here (two more interpreters, seconds of the suite's CPU): the figure is
     # None then, and the benchmark's own runs measure it (docs/benchmarks.md).
-    argv += ["--collectives", "20", "--torchrun-tests", "0"]
+    argv += ["--collectives", "1", "--torchrun-tests", "0"]  # 1: the least accepted
     # One round of the recorder's three worlds, one SIGKILL: the rows, not their precision.
     argv += ["--recorder-rounds", "1", "--recorder-calls", "5", "--kill-runs", "1"]
     # No fresh sessions (each imports torch twice): the row's arithmetic is checked below.
@@ -44,6 +44,9 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     }
     assert {row[key] for key in first_test.HARNESS_KEYS} == {None}
     assert row["harness_ms"] > 0 and row["spawn_ms"] > 0
+    # A spawn starts a fresh interpreter per rank (a second and more here), a harness call
+    # forks its ranks (tens of ms): a spawn that measured nothing would not be dearer.
+    assert row["spawn_ms"] > row["harness_ms"]
     assert row["ratio"] == pytest.approx(row["spawn_ms"] / row["harness_ms"])
     assert row["collective_us"] > 0 and row["checked_collective_us"] > 0
     assert row["check_ratio"] == pytest.approx(row["checked_collective_us"] / row["collective_us"])
