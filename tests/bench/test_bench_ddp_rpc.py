@@ -100,8 +100,15 @@ def _run_cli(capsys, tmp_path, *options):
     ids=["2-trainers-2-ps", "3-trainers-1-ps"],
 )
 def test_small_runs_print_the_table_and_valid_json(
-    capsys, tmp_path, trainers, servers, dim, indices, bag, bags_per_batch, optimizer
+    capsys, tmp_path, monkeypatch, trainers, servers, dim, indices, bag, bags_per_batch, optimizer
 ):
+    # --plot hands the drawing the epoch times of the very rows it printed (the box plot's
+    # own drawing is checked in test_bench_stats.py, on the matplotlib worker): a stand-in
+    # records the call, so this run imports no matplotlib.
+    plots = []
+    monkeypatch.setattr(report, "have_matplotlib", lambda: True)
+    monkeypatch.setattr(report, "plot_epoch_times", lambda *args: plots.append(args))
+    picture = tmp_path / "epochs.png"
     out, err, result = _run_cli(
         capsys,
         tmp_path,
@@ -109,6 +116,7 @@ def test_small_runs_print_the_table_and_valid_json(
         *("--optimizer", optimizer),
         *("--num-embeddings", "20", "--embedding-dim", str(dim)),
         *("--batch-indices", str(indices), str(indices), "--bag-size", str(bag), str(bag)),
+        *("--plot", str(picture)),
     )
     names = [f"Trainer{i}" for i in range(trainers)]
     # The Info section and the table, as the original prints them.
@@ -139,6 +147,13 @@ def test_small_runs_print_the_table_and_valid_json(
     assert "(counted from the launch of the workers; this process had been running" in out
     assert result["config"]["trainers"] == trainers
     assert f"{servers * dim}-256-128-64-32-8" in out  # the MLP's width followed P * dim
+    # One plot, a box per row of the table: each trainer's two timed epochs, and all of them.
+    [(epochs, path, title)] = plots
+    assert sorted(epochs) == sorted([*names, "All"])
+    assert all(len(epochs[name]) == 2 for name in names)
+    assert sorted(epochs["All"]) == sorted(t for name in names for t in epochs[name])
+    assert path == str(picture) and f"plot written to {picture}" in out
+    assert title == f"{trainers} trainers, {servers} PS: epoch times"
 
 
 @pytest.mark.slow
