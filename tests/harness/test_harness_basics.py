@@ -51,6 +51,7 @@ def report_env(rank: int, world_size: int) -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "pid": os.getpid(),
         "frozen_objects": gc.get_freeze_count(),
+        "collector_on": gc.isenabled(),
     }
 
 
@@ -81,6 +82,9 @@ def test_each_rank_sees_its_place_in_the_world(run_ranks):
     # torch's objects, inherited from the forkserver, are frozen out of the rank's garbage
     # collections (a full collection would otherwise copy ~100 MB of shared pages per rank)
     assert min(r["frozen_objects"] for r in results) > 100_000
+    # The server imported them with its collector off (no passes meanwhile); a rank starts
+    # with it on, as any process does: garbage a test makes in cycles is still collected.
+    assert {r["collector_on"] for r in results} == {True}
 
 
 def all_reduce_value(rank: int, world_size: int, base: int) -> int:

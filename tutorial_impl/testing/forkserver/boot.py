@@ -10,6 +10,13 @@ breaks things: under the ``pytest`` script every rank would import pytest again,
 that calls ``run_ranks`` without an ``if __name__ == "__main__"`` guard would call it again in
 every rank. So here the two main-module fix-ups are no-ops.
 
+**No collector passes during the preload.** The modules after this one (torch and what the
+session adds) make hundreds of thousands of objects, and the collector walks them again and
+again meanwhile: 704 collections and 0.8 s of CPU while importing torch, ``torch._dynamo``
+and the RPC modules (counted by ``gc.callbacks``, 2 cores). It is off from here;
+``forkserver.ready``, imported last, collects once, freezes the lot and turns it back on, so a
+rank starts with the collector on, as a process does.
+
 **Dying with the test run.** The forkserver exits when the process that owns it (pytest) is
 gone, even after a SIGKILL: it sees EOF on its "alive" pipe. (That only works because ranks
 close their inherited copy of that pipe: see ``ranks.release_forkserver``.) Ranks have asked
@@ -21,6 +28,7 @@ group of every rank it forked, which takes the ranks' children with them.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import signal
 from multiprocessing import spawn
@@ -33,6 +41,8 @@ _SERVER_PID = os.getpid()
 def _no_main_fixup(_main: str) -> None:
     """Leave ``__main__`` alone: ranks find their function by module and name instead."""
 
+
+gc.disable()  # until ``forkserver.ready``: see above
 
 spawn._fixup_main_from_name = _no_main_fixup  # type: ignore[attr-defined]
 spawn._fixup_main_from_path = _no_main_fixup  # type: ignore[attr-defined]

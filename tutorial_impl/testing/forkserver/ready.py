@@ -43,4 +43,5 @@ if "torch.distributed" in sys.modules:  # imported by the preload, unless a test
         pass
 gc.collect()  # free what the imports left behind, so it is not frozen in with the rest
 gc.freeze()
+gc.enable()  # off since ``forkserver.boot``: the preload ran without collector passes
 hugepages.collapse()
