@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -35,11 +34,15 @@ SCRIPT = Path(torchrun_env.__file__)
 
 def agent(rank: int, size: int, out: str) -> dict[str, str]:
     """Be node ``rank``'s torchrun: meet the other agent, start PER_NODE workers, wait."""
-    port = [None]
-    if rank == 0:  # a free port for the agents' store, told to the other agent
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = [probe.getsockname()[1]]
+    # Node 0's agent hosts the agents' store on --master-port. A port probed free and then
+    # let go could be taken by another test's process before the agent binds it (it was,
+    # under pytest -n auto: EADDRINUSE). So node 0 binds the store itself first, on a port
+    # the kernel picks, and keeps it: torchrun's static rendezvous makes its TCPStore with
+    # ``multi_tenant=True``, which in this process finds the one listening there and uses it.
+    port, held = [None], None
+    if rank == 0:
+        held = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True)
+        port = [held.port]
     dist.broadcast_object_list(port, src=0)
     inherited = {k: v for k, v in os.environ.items() if k in torchrun_env.VARIABLES}
     for name in list(os.environ):  # an agent must not itself look like a torchrun worker
@@ -61,6 +64,7 @@ def agent(rank: int, size: int, out: str) -> dict[str, str]:
             out,
         ]
     )
+    del held  # the job is over: node 0's store may go
     return inherited
 
 
