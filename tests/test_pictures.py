@@ -28,7 +28,7 @@ import io
 import re
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from tutorial_impl.ddp import toy
 from tutorial_impl.dist_tuto import collectives
 from tutorial_impl.dist_tuto.collectives_trace import SIGNATURES
 from tutorial_impl.dist_tuto.p2p_trace import LATE
-from tutorial_impl.pictures import record
+from tutorial_impl.pictures import draw_dist_tuto, record
 from tutorial_impl.pictures.canvas import MIN_FONT_PT, README_WIDTH, Canvas, crossings, px
 from tutorial_impl.rpc.rref_trace import MESSAGES
 
@@ -156,6 +156,24 @@ def test_the_docs_show_only_images_the_command_makes():
     for name in pictures.IMAGES:
         width, _ = png_size((REPO / "docs" / "images" / name).read_bytes())
         assert width <= README_WIDTH, name
+
+
+def test_the_p2p_timeline_stays_readable_when_rank_0_returns_late(command, tmp_path):
+    """On a busy machine rank 0 may return from send (or wait) long after rank 1 posted its
+    receive: its bar then runs on past the dotted line, and the axis stretches. The same
+    recording with rank 0's calls ending 50, 100, 200 and 400 ms later still draws with no
+    text crossed (a label centred in the longer bar sat on the dotted line, once in a suite
+    run under load)."""
+    plt = pictures._pyplot()
+    for extra in (0.05, 0.1, 0.2, 0.4):
+        late = [dict(ranks) for ranks in command.recorded.p2p[:2]]
+        for mode, call in (("blocking", "send"), ("nonblocking", "wait")):
+            late[0][mode] = [
+                replace(s, end=s.end + extra) if s.call == call else s for s in late[0][mode]
+            ]
+        drawn = draw_dist_tuto.draw_p2p(plt, late, tmp_path / f"late{extra}.png")
+        plt.close("all")
+        assert drawn.crossings == [], (extra, drawn.crossings)
 
 
 # --- 2. What each picture shows is what the code did ----------------------------------------

@@ -136,9 +136,10 @@ T0, T1 = 80.0, 790.0  # the time axis, in pixels
 CHAR = 6.2  # about how wide a character of 8 pt is, in pixels: which labels fit in a bar
 
 
-def _lane(c: Canvas, spans: list[Span], t0: float, scale: float, y: float) -> None:
-    """One rank's spans as bars at height ``y``: a label inside a bar wide enough for it,
-    else in the strip above the bar, joined to a neighbour it would run into."""
+def _lane(c: Canvas, spans: list[Span], t0: float, scale: float, y: float, post: float) -> None:
+    """One rank's spans as bars at height ``y``: a label inside a bar wide enough for it, on
+    one side of the dotted line at ``post`` (a send that returns late, on a busy machine, runs
+    on past it), else in the strip above the bar, joined to a neighbour it would run into."""
     above: list[list[Any]] = []  # [x, text], left to right
     for span in spans:
         x0, x1 = T0 + (span.start - t0) * scale, T0 + (span.end - t0) * scale
@@ -146,8 +147,10 @@ def _lane(c: Canvas, spans: list[Span], t0: float, scale: float, y: float) -> No
         c.box(x0, y, max(x1 - x0, 2.0), 20, facecolor=colour, linewidth=0.6)
         ms = (span.end - span.start) * 1000
         text = SPAN_TEXT.get(span.call, span.call).format(peer=span.peer, ms=ms)
-        if len(text) * CHAR + 10 < x1 - x0:
-            c.text((x0 + x1) / 2, y + 10, text)
+        sides = [(x0, post), (post, x1)] if x0 < post < x1 else [(x0, x1)]
+        room = [(a, b) for a, b in sides if len(text) * CHAR + 10 < b - a]
+        if room:
+            c.text((room[0][0] + room[0][1]) / 2, y + 10, text)
         elif above and above[-1][0] + len(above[-1][1]) * CHAR + 8 > x0:
             above[-1][1] += f", {span.call}"
         else:
@@ -177,13 +180,15 @@ def draw_p2p(plt: Any, p2p: list[dict[str, list[Span]]], path: Path) -> Drawn:
     )
     for mode, title in modes.items():
         c.text(T0, y + 8, title, ha="left", weight="bold")
+        posted = next(s.start for s in p2p[1][mode] if s.call in ("recv", "irecv"))
+        x = T0 + (posted - starts[mode]) * scale
         for rank in (0, 1):
             lane_y = y + 34 + rank * 44
             c.text(T0 - 8, lane_y + 10, f"rank {rank}", ha="right")
-            _lane(c, p2p[rank][mode], starts[mode], scale, lane_y)
-        posted = next(s.start for s in p2p[1][mode] if s.call in ("recv", "irecv"))
-        x = T0 + (posted - starts[mode]) * scale
-        c.line([(x, y + 30), (x, y + 102)], linestyle=":", color="dimgrey")
+            _lane(c, p2p[rank][mode], starts[mode], scale, lane_y, x)
+        # Through the two lanes, not the strips of labels above them.
+        for top, bottom in ((y + 33, y + 56), (y + 77, y + 102)):
+            c.line([(x, top), (x, bottom)], linestyle=":", color="dimgrey")
         y += 112
     c.line([(T0, y - 14), (T1, y - 14)], linewidth=0.8)
     for k in range(int(span / 0.05 + 1e-9) + 1):
