@@ -19,15 +19,19 @@ hand-out, except that tests marked ``xdist_group("name")``, which share one expe
 (a module-scoped fixture, each claim its own test), go to one worker together (the workers
 are told, and the group tag kept on pytest 9.2: ``tests/test_xdist_groups.py``).
 
-``-n auto`` starts one worker more than there are cores: a worker spends part of a test
-waiting (for its ranks to start and rendezvous, for a deadline, for a subprocess to import
-torch), and with 2 workers the 2-core machine sat idle 15-20 s of an 80-100 s run; with 3,
-about 9 s. The gain in wall time is small and hard to see beside other jobs on the machine
-(one quiet alternating pair, all of the above against neither: 76 s against 78 s); 4 workers
-were slower than 2 (each worker imports torch and collects every test module, seconds of
-CPU: the suite is mostly CPU-bound; the rank forkserver is one for all workers, started by the
-controller). Ranks keep one intra-op thread each, so more processes
-do not multiply threads. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` still decide when given.
+``-n auto`` starts two workers more than there are cores (4 on this 2-core machine): a worker
+spends part of a test waiting (for its ranks to start and rendezvous, for a deadline, a group
+timeout or a debugger's window, for a subprocess to import torch), and the cores sit idle when
+most workers wait at once. With 3 workers about 17 s of a 110 s run had fewer than two cores
+busy (a per-test timeline beside the CPU's use every 2 s: lesson 8's group timeouts beside the
+debugger's windows, the last test alone). A fourth worker costs one more collection (each
+worker imports torch and collects every test module: ~5 s of CPU) and gives the waits more to
+overlap with: six alternated pairs of ``PYTEST_XDIST_AUTO_NUM_WORKERS=4`` against ``=3`` on
+2026-11-28 gave wall ratios 0.895, 0.956, 1.008, 0.893, 0.904, 0.962 (median 0.93; the last
+three 83.3-103.3 s against 93.3-107.4 s) for about 8% more CPU. (An earlier tree, two pairs:
+1.01; with 2 workers the machine sat idle 15-20 s of a run.) Ranks keep one intra-op thread
+each, so more processes do not multiply threads. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N``
+still decide when given.
 
 CPU this suite does not spend (all of it measured with ``perf record -a`` over a whole
 ``pytest -n auto`` run, then each change alone):
@@ -69,7 +73,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own implementation reads it
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) + 1
+    return (cores or 1) + 2
 
 
 def pytest_configure(config: pytest.Config) -> None:
