@@ -186,9 +186,8 @@ def draw_p2p(plt: Any, p2p: list[dict[str, list[Span]]], path: Path) -> Drawn:
             lane_y = y + 34 + rank * 44
             c.text(T0 - 8, lane_y + 10, f"rank {rank}", ha="right")
             _lane(c, p2p[rank][mode], starts[mode], scale, lane_y, x)
-        # Through the two lanes, not the strips of labels above them.
-        for top, bottom in ((y + 33, y + 56), (y + 77, y + 102)):
-            c.line([(x, top), (x, bottom)], linestyle=":", color="dimgrey")
+            # Through the lane's bars, not the strip of labels above them.
+            c.line([(x, lane_y - 1), (x, lane_y + 22)], linestyle=":", color="dimgrey")
         y += 112
     c.line([(T0, y - 14), (T1, y - 14)], linewidth=0.8)
     for k in range(int(span / 0.05 + 1e-9) + 1):
