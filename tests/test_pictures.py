@@ -28,6 +28,7 @@ import io
 import re
 import struct
 import sys
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,21 @@ def test_collectives_each_one_gave_what_torch_computes_in_one_process(command):
                 name,
                 rank,
             )
+
+
+def test_the_collectives_picture_shows_every_number_each_rank_took_and_gave(command):
+    """Every number of every rank's recorded inputs and outputs is a cell of the picture,
+    and no other number is: the picture is the recording, checked above against torch."""
+    drawn = next(d for d in command.drawn if d.path.name == "collectives.png")
+    wanted = Counter(
+        f"{value:g}"
+        for rank_calls in command.recorded.collectives
+        for call in rank_calls
+        for tensors in (call.inputs, call.outputs)
+        for tensor in tensors or []
+        for value in tensor
+    )
+    assert Counter(t for t in drawn.texts if re.fullmatch(r"-?[\d.]+", t)) == wanted
 
 
 def test_rref_protocol_the_owner_counts_the_users_the_messages_say(command):

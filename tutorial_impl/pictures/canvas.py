@@ -42,6 +42,7 @@ class Drawn:
     height: int
     min_font_px: float
     crossings: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # every text drawn, in drawing order
 
 
 class Canvas:
@@ -124,6 +125,7 @@ class Canvas:
             self.height,
             min((px(t.get_fontsize()) for t in self.texts), default=0.0),
             crossings(self),
+            [t.get_text() for t in self.texts],
         )
         self.plt.close(self.fig)
         return drawn
