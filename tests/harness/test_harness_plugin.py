@@ -437,10 +437,37 @@ def test_options_are_documented_in_pytest_help(pytester):
     )
 
 
-def test_loading_the_plugin_does_not_import_torch():
-    """The plugin loads in every pytest run of the environment; torch (seconds) only
-    comes when a test needs it."""
-    code = f"import sys, {PLUGIN}; assert 'torch' not in sys.modules, 'torch imported'"
+# The modules that exist for pytest (hooks, fixtures, the torchrun job's pytest side): the
+# only ones that may import it.
+PYTEST_SIDE = {
+    "plugin",
+    "fixtures",
+    "forkserver.plan",
+    "strategies.torchrun.phases",
+    "strategies.torchrun.session",
+}
+
+
+def test_loading_the_plugin_does_not_import_torch_and_a_script_does_not_import_pytest():
+    """The plugin loads in every pytest run of the environment; torch (seconds) only comes
+    when a test needs it. And a script's ``run_ranks``, with everything else of the harness
+    (the warm pool, the audit, the torchrun job), imports neither: a rank whose function's
+    module imported the warm pool paid for pytest's import (~160 ms of CPU a rank) when the
+    pool's summary imported pytest at its top."""
+    code = f"""
+import importlib, pkgutil, sys
+import tutorial_impl.testing as harness
+side = {sorted(PYTEST_SIDE)!r}
+names = [m.name for m in pkgutil.walk_packages(harness.__path__, "tutorial_impl.testing.")]
+for name in names:
+    if name.removeprefix("tutorial_impl.testing.") not in side:
+        importlib.import_module(name)
+assert len(names) > 40, names
+loaded = [m for m in ("pytest", "torch") if m in sys.modules]
+assert not loaded, f"importing the harness's modules imported {{loaded}}"
+import {PLUGIN}
+assert "torch" not in sys.modules, "torch imported"
+"""
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytest
+import pluggy
+
+if TYPE_CHECKING:  # not at run time: a script's ``run_ranks`` (and each rank that imports
+    import pytest  # the pool) would import pytest for nothing, ~160 ms of CPU
+
+hookimpl = pluggy.HookimplMarker("pytest")  # ``pytest.hookimpl`` itself
 
 KEY = "tutorial_impl_warm_stats"  # in an xdist worker's workeroutput
 FAILED = "a test failed"  # the reason of every world retired because its test failed
@@ -81,7 +86,7 @@ class WarmSummary:
         if output is not None:  # an xdist worker: the controller writes the line
             output[KEY] = asdict(self.stats)
 
-    @pytest.hookimpl(optionalhook=True)
+    @hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         found = getattr(node, "workeroutput", {}).get(KEY)
         if found is not None:
