@@ -7,7 +7,9 @@ torchrun job. Its tests, each with its own checks inside:
 * a data-parallel training step (gradients all-reduced) whose batches come from
   ``DataLoader(num_workers=2)``, equal to the same step taken in one process without
   workers, the batches loaded by two other processes;
-* a ``multiprocessing.Pool``, a ``multiprocessing.Process`` and a nested ``run_ranks``;
+* a ``multiprocessing.Pool``, a ``multiprocessing.Process``, a bare ``os.fork`` whose child
+  runs its atexit hooks (the rank forkserver's among them: they must leave the ranks alone)
+  and a nested ``run_ranks``;
 * nothing of those is left running, so nothing is named (``LeftoverProcessWarning`` is an
   error around them);
 * a child in a session of its own, left running: killed when its function ends, named (rank,
@@ -40,6 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODULE = "test_children"
 STRANGER = """\
+import atexit
 import multiprocessing as mp
 import os
 import subprocess
@@ -140,7 +143,19 @@ def pools_processes_and_ranks(rank, world_size):
     process = mp.Process(target=note, args=("process",))
     process.start()
     process.join(30)
-    return squares, process.exitcode, public_run_ranks(sum_of_ranks)
+    return squares, process.exitcode, fork_and_exit(), public_run_ranks(sum_of_ranks)
+
+
+def fork_and_exit():
+    # A bare fork whose child ends as an interpreter does, its atexit hooks run: it inherited
+    # the rank forkserver's, which must then do nothing (not kill the forkserver's ranks).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded" (3.12+)
+        child = os.fork()
+    if child == 0:
+        atexit._run_exitfuncs()
+        os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 
 
 def sum_of_ranks(rank, world_size):
@@ -154,7 +169,7 @@ def test_a_pool_a_process_and_a_nested_run_ranks(run_ranks):
     with warnings.catch_warnings():
         warnings.simplefilter("error", LeftoverProcessWarning)
         results = run_ranks(pools_processes_and_ranks)
-    assert results == [([0, 1, 4, 9], 0, [1.0, 1.0])] * 2
+    assert results == [([0, 1, 4, 9], 0, 0, [1.0, 1.0])] * 2
 
 
 def leave_a_child(rank, world_size, then_hang=False):
