@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
+import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -114,6 +115,12 @@ def _forked_worker(pids: str, call: Callable[..., object], *argv: str) -> object
     name = f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}_rank{os.environ['RANK']}"
     proctable.record_self(pids, name)
     Path(pids, f"{name}.agent").write_text(f"{_AGENT_PID} {os.getppid()} {os.getpgid(0)}")
+    # A fresh worker makes torch's intra-op thread pool when it first needs one; a fork has the
+    # agent's, dead, and torch replaces it at its first use, unguarded: two threads using it
+    # at once (a parameter server's RPC threads, each in an EmbeddingBag) can find none, "pool
+    # INTERNAL ASSERT FAILED ... Invalid thread pool!" (seen once in about 30 full runs). Here,
+    # on the only thread there is yet, it is replaced before the worker's code runs.
+    torch.set_num_threads(torch.get_num_threads())
     return call(*argv)
 
 
