@@ -24,6 +24,7 @@ matplotlib, whose import costs about a second of CPU in each worker that makes i
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import re
 import struct
@@ -35,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tutorial_impl import __main__ as cli
 from tutorial_impl import pictures
@@ -251,6 +253,21 @@ def test_the_collectives_picture_shows_every_number_each_rank_took_and_gave(comm
         for value in tensor
     )
     assert Counter(t for t in drawn.texts if re.fullmatch(r"-?[\d.]+", t)) == wanted
+
+
+def test_the_collectives_picture_names_each_root_as_torch_does(command):
+    """A collective with a root rank is titled with the argument torch's own function takes
+    for it (``broadcast(src=0)``, ``reduce(dst=0)``) and the rank the recording holds."""
+    drawn = next(d for d in command.drawn if d.path.name == "collectives.png")
+    titled = {m[1]: (m[2], int(m[3])) for t in drawn.texts if (m := ROOTED.fullmatch(t))}
+    rooted = {c.name: c.root for c in command.recorded.collectives[0] if c.root is not None}
+    assert rooted and sorted(titled) == sorted(rooted)
+    for name, (argument, rank) in titled.items():
+        assert argument in inspect.signature(getattr(dist, name)).parameters, (name, argument)
+        assert rank == rooted[name], name
+
+
+ROOTED = re.compile(r"(\w+)\((\w+)=(\d+)\)")
 
 
 def test_rref_protocol_the_owner_counts_the_users_the_messages_say(command):
