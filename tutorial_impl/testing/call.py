@@ -291,37 +291,42 @@ def _check_gpus(backend: str | None, world_size: int, env: dict[str, str] | None
 @dataclass(frozen=True)
 class RankFiles:
     """Where one rank's files are, in its run's directory: the same paths for the parent
-    (``supervise.Proc``) and the rank (``RankSpec``), named here only."""
+    (``supervise.Proc``) and the rank (``RankSpec``), named here only. Paths as text: a rank
+    unpickles this with its task and opens the files, and pathlib's objects would cost every
+    fresh rank ~0.3 ms of CPU to rebuild and join (most of it copying the pages it wrote)."""
 
-    directory: Path
+    directory: str  # given as a str or a Path; kept as text
     rank: int
 
-    def _named(self, suffix: str) -> Path:
-        return self.directory / f"rank{self.rank}{suffix}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directory", os.fspath(self.directory))
+
+    def _named(self, suffix: str) -> str:
+        return os.path.join(self.directory, f"rank{self.rank}{suffix}")
 
     @property
-    def log(self) -> Path:
+    def log(self) -> str:
         """Everything the rank writes to fd 1 and 2."""
         return self._named(".log")
 
     @property
-    def stacks(self) -> Path:
+    def stacks(self) -> str:
         """``faulthandler``'s stacks: at a fatal signal, or asked by SIGUSR1
         (``diagnose.stacks``)."""
         return self._named(".stacks")
 
     @property
-    def records(self) -> Path:
+    def records(self) -> str:
         """Its flight-recorder dump when asked (``records``)."""
         return self._named(".fr")
 
     @property
-    def fault(self) -> Path:
+    def fault(self) -> str:
         """Each fault that fires in it (``faults.read_fired``)."""
         return self._named(".fault")
 
     @property
-    def debugging(self) -> Path:
+    def debugging(self) -> str:
         """Present while its debugger waits (``debugging``)."""
         return self._named(".debugging")
 
@@ -343,7 +348,7 @@ class RankSpec:
     # The parent's environment, import path and working directory at the call (the
     # forkserver's date from its start: a variable a test set since then, or the directory
     # of a test file pytest put on sys.path since then, would otherwise be missing).
-    parent_env: dict[str, str] | None = None
+    parent_env: dict[bytes, bytes] | None = None  # as os.environb: see rank.main
     parent_path: list[str] | None = None
     parent_cwd: str | None = None
     coverage: dict[str, Any] | None = None  # the parent's coverage settings, if measuring
@@ -383,7 +388,7 @@ def rank_spec(
         init_method=call.init_method,
         tmp_dir=str(work),
         timeout=call.deadline,
-        parent_env=dict(os.environ),
+        parent_env=dict(os.environb),
         parent_path=list(sys.path),
         parent_cwd=os.getcwd(),
         coverage=call.coverage,

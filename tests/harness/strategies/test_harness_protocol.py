@@ -282,13 +282,14 @@ def test_parent_and_rank_name_a_ranks_files_by_one_value(tmp_path):
     built = call.build(len, world_size=3)
     specs = [rank_spec(built, r, tmp_path, {}) for r in range(3)]
     kinds = ("log", "stacks", "records", "fault", "debugging")
-    paths = [getattr(s.files, kind) for s in specs for kind in kinds]
+    paths = [Path(getattr(s.files, kind)) for s in specs for kind in kinds]
     assert len(set(paths)) == 15 and all(p.parent == tmp_path for p in paths)
     for spec in specs:
         in_rank = pickle.loads(pickle.dumps(spec)).files  # what the rank unpickles
         assert in_rank == spec.files == RankFiles(tmp_path, spec.rank)
         proc = supervise.Proc(spec.rank, None, None, spec.files)  # type: ignore[arg-type]
-        assert proc.stack_path == in_rank.stacks and proc.records_path == in_rank.records
+        assert proc.stack_path == Path(in_rank.stacks)
+        assert proc.records_path == Path(in_rank.records)
         assert str(in_rank.log).endswith(f"rank{spec.rank}.log")
 
 

@@ -63,17 +63,18 @@ def debug_rank() -> int | None:
 class RemotePdb(pdb.Pdb):
     """A pdb whose terminal is a TCP connection from ``attach``, accepted on 127.0.0.1."""
 
-    def __init__(self, rank: int, marker: Path, attach_within: float) -> None:
+    def __init__(self, rank: int, marker: str, attach_within: float) -> None:
+        marker_file = Path(marker)
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
         message = f"rank {rank} waits for a debugger: {ATTACH} {port}"
-        marker.write_text(f"{port}\n")  # from now on the harness deadline is paused
+        marker_file.write_text(f"{port}\n")  # from now on the harness deadline is paused
         _announce(message)
         listener.settimeout(attach_within)
         try:
             connection, _ = listener.accept()
         except TimeoutError:
-            marker.unlink(missing_ok=True)  # the deadline counts again
+            marker_file.unlink(missing_ok=True)  # the deadline counts again
             raise RuntimeError(
                 f"rank {rank}: nobody attached to its debugger (port {port}) within "
                 f"{attach_within:g} s"
@@ -113,7 +114,7 @@ def _announce(message: str) -> None:
 class Debugging:
     """What a rank does about debugging: nothing, unless it is the debugged rank."""
 
-    def __init__(self, rank: int, marker: Path, attach_within: float) -> None:
+    def __init__(self, rank: int, marker: str, attach_within: float) -> None:
         self.rank = rank
         self.attach_within = max(attach_within, ATTACH_WINDOW)
         self.marker = marker  # ``RankFiles.debugging``

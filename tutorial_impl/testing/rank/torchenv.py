@@ -34,6 +34,13 @@ from collections.abc import Mapping
 CHECK_COLLECTIVES = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 # Read by torch only at import, and no API re-applies them: refused when they would differ.
 IMPORT_ONLY = ("TORCH_CPP_LOG_LEVEL",)
+DEBUG = "TORCH_DISTRIBUTED_DEBUG"  # read at import too, and re-applied (above)
+
+
+def read_at_import() -> dict[str, str]:
+    """The variables of this module as the environment has them now: in a rank, before its
+    task's environment is set, the forkserver's, which torch was imported with."""
+    return {name: os.environ[name] for name in (*IMPORT_ONLY, DEBUG) if name in os.environ}
 
 
 def apply_in_rank(imported_with: Mapping[str, str], requested: Mapping[str, str]) -> None:
@@ -57,7 +64,7 @@ def apply_in_rank(imported_with: Mapping[str, str], requested: Mapping[str, str]
             os.environ.pop(name, None)
         else:
             os.environ[name] = had
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG") != imported_with.get("TORCH_DISTRIBUTED_DEBUG"):
+    if os.environ.get(DEBUG) != imported_with.get(DEBUG):
         import torch.distributed as dist
 
         dist.set_debug_level_from_env()  # raises on a value torch does not know

@@ -75,15 +75,15 @@ class Proc:
 
     @property
     def stack_path(self) -> Path:  # for ``diagnose.stacks.dump_stacks``
-        return self.files.stacks
+        return Path(self.files.stacks)
 
     @property
     def records_path(self) -> Path:  # for ``records.ask``
-        return self.files.records
+        return Path(self.files.records)
 
     def output(self) -> str:
         try:
-            text = self.files.log.read_text(errors="replace")
+            text = Path(self.files.log).read_text(errors="replace")
         except FileNotFoundError:
             return ""
         if _DNS_NOISE in text:
