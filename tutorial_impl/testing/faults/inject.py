@@ -125,6 +125,8 @@ class Injector:
         with what the rank did instead (for ``FaultNotFired``). ``planned``: the plan the
         harness armed for the call; a fault of it the rank's code armed away (another plan
         armed since) is unfired too, whatever the new plan did."""
+        if not self.plan and not planned:  # nothing was planned: nothing to miss
+            return []
         with self.lock:
             counted = [(f, n, "") for f, n in zip(self.plan, self.counts, strict=True)]
             counted += [(f, 0, ARMED_AWAY) for f in planned or () if f not in self.plan]

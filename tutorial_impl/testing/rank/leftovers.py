@@ -84,6 +84,8 @@ def become_subreaper() -> None:
 def kill_leftovers(keep: frozenset[int] = frozenset()) -> tuple[Leftover, ...]:
     """Kill and reap every live child of this process but ``keep`` and the harness's own
     helpers, and each orphan handed to this subreaper as their parents die; name them."""
+    if not proctable.own_children():  # the common case, no child at all: one system call
+        return ()
     keep = keep | helpers()
     killed: dict[int, Leftover] = {}
     stop = time.monotonic() + KILL_GRACE

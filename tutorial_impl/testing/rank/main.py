@@ -282,7 +282,9 @@ def run_task(
         os._exit(1)
     if report.forked:  # their reports first, if they come back
         _proctable.wait_for_forked_copies(FORK_GRACE)
-    report = dataclasses.replace(report, killed=leftovers.kill_leftovers())
+    killed = leftovers.kill_leftovers()
+    if killed:
+        report = dataclasses.replace(report, killed=killed)
     try:
         message = dumps_on_cpu(report)
     except Exception as exc:  # noqa: BLE001

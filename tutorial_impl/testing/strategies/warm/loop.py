@@ -54,8 +54,8 @@ class WorldCheck:
         self, meanwhile: Callable[[], str | None] = lambda: None, killed: tuple[Any, ...] = ()
     ) -> str | None:
         """What the last test left behind that a fresh world would not have, or None; else
-        ``meanwhile``'s answer (the rank's other checks), run while the world's barrier is
-        under way: a rank that waits for its peers there checks itself meanwhile.
+        ``meanwhile``'s answer (the rank's other checks). Both run while the world's barrier
+        is under way: a rank that waits for its peers there checks itself meanwhile.
         ``killed``: the processes the test left running, which the rank killed before it
         reported (``leftovers``): the world is retired all the same, as a fresh one would
         have been with them (what else such a test left, nobody has looked at)."""
@@ -68,6 +68,18 @@ class WorldCheck:
         extra = [g for g in c10d._world.pg_map if g not in self.groups]
         if extra:
             return f"{len(extra)} process group(s) left behind (destroy_process_group)"
+        if self.default is None:
+            return self._left(killed) or meanwhile()
+        try:
+            barrier = dist.barrier(async_op=True)
+            answer = self._left(killed) or meanwhile()
+            barrier.wait(timedelta(seconds=CHECK_DEADLINE))
+        except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
+            return f"the world's barrier did not complete: {exc}"
+        return answer
+
+    def _left(self, killed: tuple[Any, ...]) -> str | None:
+        """An RPC agent, child processes or point-to-point work the test left, or None."""
         if _rpc_agent_running():
             return "an RPC agent left running (rpc.shutdown)"
         children = [p.pid for p in killed]
@@ -80,15 +92,7 @@ class WorldCheck:
                 f"{len(pending)} isend/irecv never completed (a receive nobody sent to, or a "
                 "send nobody received): it would take the next test's message"
             )
-        if self.default is None:
-            return meanwhile()
-        try:
-            barrier = dist.barrier(async_op=True)
-            answer = meanwhile()
-            barrier.wait(timedelta(seconds=CHECK_DEADLINE))
-        except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
-            return f"the world's barrier did not complete: {exc}"
-        return answer
+        return None
 
 
 def _track_work(works: list[Any]) -> None:
@@ -162,10 +166,8 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             )
             # The test has been answered: the check and the next test's reset run while the
             # parent reports it and moves on (it reads the answer before the next task).
-            problem = _fault_fired() or world.leftovers(baseline.after_task, report.killed)
+            problem = _fault_fired() or world.leftovers(baseline.check_then_reset, report.killed)
             conn.send_bytes(pickle.dumps(problem))
-            if problem is None:  # as good as new: its snapshot still holds, only reset
-                baseline.reset()
             task = pickle.loads(conn.recv_bytes())  # EOF: the world is closed
     finally:
         os._exit(0)  # never run interpreter teardown (see rank.rank_main)

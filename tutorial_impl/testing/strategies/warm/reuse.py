@@ -121,8 +121,8 @@ class Baseline:
         self.snapshot()
 
     def reset(self) -> None:
-        """Give back what a fresh rank has (never raises). A warm rank calls it, with
-        ``snapshot``, right after a task's check: between tasks, off the next test's path."""
+        """Give back what a fresh rank has (never raises). A warm rank calls it right after
+        a task's check (``check_then_reset``): between tasks, off the next test's path."""
         # The generators last: a setting put back must not draw from them (nor its import).
         for step in (self._reset_settings, self._reset_python, self._reset_rng):
             try:
@@ -158,6 +158,15 @@ class Baseline:
             self.globals += [(n, m, *_snapshot(m)) for n, m in new]
         except Exception as exc:  # noqa: BLE001
             self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
+
+    def check_then_reset(self) -> str | None:
+        """``after_task``'s answer; when None (as good as new: the snapshot still holds),
+        everything is reset for the next task first, while the world's barrier is under way
+        (``loop.WorldCheck``), so that the next test does not wait for it."""
+        problem = self.after_task()
+        if problem is None:
+            self.reset()
+        return problem
 
     def after_task(self) -> str | None:
         """None if the world is as good as new, else the first problem found (never raises).
