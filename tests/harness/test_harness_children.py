@@ -15,7 +15,9 @@ torchrun job. Its tests, each with its own checks inside:
 * a child in a session of its own, left running: killed when its function ends, named (rank,
   pid) in a ``LeftoverProcessWarning``; once caught with ``pytest.warns``, once left to
   pytest's warnings summary;
-* the same child, its rank then hanging: killed at the deadline, named.
+* the same child, its rank then hanging: killed at the deadline, named;
+* a child a thread of the function starts after the function returned: killed with its rank
+  (under torchrun, when the worker's session ends).
 
 Every process the file starts records itself (``proctable``): after each run none is alive,
 and the warm run really was warm (a rank served several tests).
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import multiprocessing.pool  # noqa: F401 - see below
 import re
+import threading
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -32,8 +36,9 @@ import pytest
 import torch.utils.data  # noqa: F401 - see below
 from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
 
-from tutorial_impl.testing import proctable
+from tutorial_impl.testing import call, proctable
 from tutorial_impl.testing.rendezvous import agents_store
+from tutorial_impl.testing.strategies.forked import FORKED
 
 # pytester's in-process runs drop the modules they imported, and some cannot be loaded twice
 # in one process (they register torch operators): what the stranger's file imports, here.
@@ -47,6 +52,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -231,6 +237,32 @@ def test_a_child_of_a_rank_that_hangs(run_ranks):
     children = sleepers(True)
     assert sorted(children) == [0, 1] and named(caught, {r: [p] for r, p in children.items()})
     assert [pid for pid in children.values() if proctable.running(pid)] == []
+
+
+def start_a_child_after_returning(rank, world_size):
+    # Rank 0's daemon thread starts a child in a session of its own once the function has
+    # returned; rank 1 holds the run open until it has. A thread of its function still runs,
+    # so rank 0 cannot report itself quiet: its parent freezes it and kills the child too
+    # (under torchrun the worker, this test's process, kills it when its session ends).
+    note("rank")
+    started = os.path.join(PIDS, f"late-{os.getppid()}")  # this run's, its ranks' parent
+    if rank == 0:
+        def late():
+            time.sleep(0.05)  # the function has returned by now
+            sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+            proctable.record(PIDS, f"sleeper-late@{sleeper.pid}", sleeper.pid)
+            open(started, "w").close()
+            time.sleep(600)
+        threading.Thread(target=late, daemon=True).start()
+        return True
+    deadline = time.monotonic() + 30
+    while not os.path.exists(started) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.path.exists(started)
+
+
+def test_a_thread_starts_a_child_after_its_function_returned(run_ranks):
+    assert run_ranks(start_a_child_after_returning) == [True, True]
 """
 WARM = STRANGER.replace("pytestmark = []", "pytestmark = [pytest.mark.warm_world]", 1)
 assert WARM != STRANGER
@@ -278,6 +310,19 @@ def _in_process(pytester: pytest.Pytester, monkeypatch, how: str, source: str) -
     output = result.stdout.str() + result.stderr.str()
     problems = problems_of(how, pytester.path, output)
     return [*problems, output] if problems else []
+
+
+def leave_a_daemon_thread(rank: int, world_size: int) -> None:
+    if rank == 1:  # rank 0's function leaves nothing running
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+
+
+def test_a_rank_is_quiet_only_when_nothing_of_its_test_runs() -> None:
+    """A rank whose function left no thread and no process says so in its report: its
+    parent then kills it outright, unfrozen (``Report.quiet``); a thread still running, even
+    a daemon, could start a process any time, so that rank is frozen and searched first."""
+    finished = FORKED.gather(call.build(leave_a_daemon_thread, backend=None))
+    assert [finished.reports[r].quiet for r in (0, 1)] == [True, False]
 
 
 def test_forked(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -198,6 +198,10 @@ class Catcher:
         self.left_running = [t.name for t in self._started() if t.is_alive()]
         return self.late[0] if self.late else None
 
+    def none_running(self) -> bool:
+        """Whether every thread alive now was alive before the function (daemons count)."""
+        return all(t in self._before for t in threading.enumerate())
+
     def _started(self) -> list[threading.Thread]:
         return [
             t

@@ -283,8 +283,8 @@ def run_task(
     if report.forked:  # their reports first, if they come back
         _proctable.wait_for_forked_copies(FORK_GRACE)
     killed = leftovers.kill_leftovers()
-    if killed:
-        report = dataclasses.replace(report, killed=killed)
+    if killed or catcher.none_running():
+        report = dataclasses.replace(report, killed=killed, quiet=not killed)
     try:
         message = dumps_on_cpu(report)
     except Exception as exc:  # noqa: BLE001

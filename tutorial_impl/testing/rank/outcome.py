@@ -160,6 +160,10 @@ class Report:
     forked: bool = False  # the function forked this process (os.fork, a fork-started Process)
     caught: Caught = Caught()  # its warnings, unraisable exceptions, threads left running
     killed: tuple[Leftover, ...] = ()
+    # Nothing of the test's runs in the rank any more: no thread the function started is
+    # alive, no process is left. Its parent may then kill it outright (``supervise.LIVE``)
+    # instead of freezing it first to look for processes under it (``leftovers.kill_tree``).
+    quiet: bool = False
 
 
 class _Forks:

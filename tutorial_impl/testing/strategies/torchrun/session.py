@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 
 from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.settings.timing import (
     ANSWER_GRACE,
     COLLECT_TIMEOUT,
@@ -290,7 +291,11 @@ def _main_thread_stack() -> str:
 
 def _exit(status: int, job: Job) -> None:
     """Leave without interpreter teardown: gloo's threads, and any rank function still
-    stuck in a thread, would make it abort or hang (see ``dist_tuto.process.exit_process``)."""
+    stuck in a thread, would make it abort or hang (see ``dist_tuto.process.exit_process``).
+    First kill what the session's tests still left (its fixtures have ended): a process a
+    thread of a rank function started after its call had ended, too late for the call's own
+    sweep (``here``), would otherwise outlive the job, in a session of its own."""
+    leftovers.kill_leftovers()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             if stream is not None:

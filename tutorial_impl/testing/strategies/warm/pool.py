@@ -127,7 +127,7 @@ class WarmPool:
             for p, spec in zip(world.procs, specs, strict=True):
                 spec.env = {**world.rank_env[p.rank], **spec.env}
                 p.files = spec.files
-                p.streamed, p.extra = 0, []
+                p.streamed, p.extra, p.quiet = 0, [], False
                 if world.tasks:  # a new world was started with its first task already
                     p.conn.send_bytes(pickle.dumps(spec))
             world.tasks += 1
