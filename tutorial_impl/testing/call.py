@@ -388,7 +388,7 @@ def rank_spec(
         init_method=call.init_method,
         tmp_dir=str(work),
         timeout=call.deadline,
-        parent_env=dict(os.environb),
+        parent_env=dict(getattr(os.environb, "_data", None) or os.environb),  # no decoding
         parent_path=list(sys.path),
         parent_cwd=os.getcwd(),
         coverage=call.coverage,

@@ -95,6 +95,7 @@ class Baseline:
 
         self.torch = torch
         self.settings = [(s, s.get()) for s in _settings(torch)]
+        self.values = [value for _, value in self.settings]
         self.loggers = interpreter.Loggers()
         self.rng = random.getstate(), torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -193,6 +194,12 @@ class Baseline:
             np.random.set_state(self.numpy) if self.numpy is not None else np.random.seed()
 
     def _reset_settings(self) -> None:
+        try:  # the common case, nothing changed: one comparison of every value at once
+            if [setting.get() for setting, _ in self.settings] == self.values:
+                self._reset_hooks()
+                return
+        except Exception:  # noqa: BLE001 - a getter that raises: each on its own, below
+            pass
         problems = []
         for setting, value in self.settings:
             try:
@@ -202,6 +209,9 @@ class Baseline:
                 problems.append(f"{setting.label}: {exc!r}")
         if problems:
             raise RuntimeError("; ".join(problems))
+        self._reset_hooks()
+
+    def _reset_hooks(self) -> None:
         for name, value, items in self.hooks:
             setattr(self.torch.nn.modules.module, name, value)
             if isinstance(value, dict) and not _same_dict(value, items):
