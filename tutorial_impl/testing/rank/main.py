@@ -119,8 +119,9 @@ def _redirect_output(spec: RankSpec) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     # Line buffering keeps stdout and stderr lines in the order they were written.
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    for stream in (sys.stdout, sys.stderr):  # a warm rank's are, from its first test on
+        if not stream.line_buffering:  # type: ignore[union-attr]
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
 
 class _CpuPickler(pickle.Pickler):
@@ -283,7 +284,8 @@ def run_task(
     if report.forked:  # their reports first, if they come back
         _proctable.wait_for_forked_copies(FORK_GRACE)
     killed = leftovers.kill_leftovers()
-    if killed or catcher.none_running():
+    # Quiet: said by a fresh rank, which its parent kills next (a warm one lives on).
+    if killed or (baseline is None and catcher.none_running()):
         report = dataclasses.replace(report, killed=killed, quiet=not killed)
     try:
         message = dumps_on_cpu(report)

@@ -83,7 +83,8 @@ class WorldCheck:
         if _rpc_agent_running():
             return "an RPC agent left running (rpc.shutdown)"
         children = [p.pid for p in killed]
-        children += sorted(set(proctable.own_children()) - leftovers.helpers())
+        alive = proctable.own_children()  # none, the common case: one system call
+        children += sorted(set(alive) - leftovers.helpers()) if alive else []
         if children:
             return f"child process(es) left running: {children}"
         pending = [w for w in self.works if not w.is_completed()]
