@@ -111,7 +111,7 @@ class Baseline:
         self.handlers = [(s, h) for s, h in handlers if s not in C_HANDLED and h is not None]
         self.fixed = [(s, h) for s, h in handlers if s in C_HANDLED or h is None]
         self.problem: str | None = None  # a reset or snapshot that failed: after_task's answer
-        self.loaded, self.user = ({}, None), []  # type: ignore  # _user_modules
+        self.loaded, self.user = ({}, None, None), []  # type: ignore  # _user_modules
         self.threads, self.imported, self.attrs, self.globals = set(), 0, [], []  # type: ignore
 
     def before_task(self) -> None:
@@ -253,9 +253,13 @@ class Baseline:
 
     def _attrs(self) -> str | None:
         imported = len(sys.modules) > self.imported
-        for i, (name, module, before, table) in enumerate(self.attrs):
+        for i, (name, module, before, table, tag) in enumerate(self.attrs):
             now = vars(module)
+            if tag is not None and tag.unchanged(now):
+                continue  # not changed at all since its snapshot (one machine word read)
+            tag = fingerprint.watch(now)  # before the table: a change meanwhile shows next time
             if table is not None and fingerprint.table(now) == table:
+                self.attrs[i] = (name, module, before, table, tag)  # rebound as it was
                 continue  # the same objects bound to the same names: nothing to look at
             try:  # == (the same object, or an equal one) is 4 times faster than _same_dict
                 if now == before:
@@ -295,8 +299,13 @@ class Baseline:
         return None
 
     def _user_modules(self) -> list[tuple[str, Any]]:
+        tag = self.loaded[2]
+        if tag is not None and tag.unchanged(sys.modules):
+            return self.user  # nothing imported, removed or replaced since
+        tag = fingerprint.watch(sys.modules)
         table = fingerprint.table(sys.modules)
         if table is not None and table == self.loaded[1]:
+            self.loaded = (*self.loaded[:2], tag)
             return self.user
         # Or: the same module objects, the same user modules (one renamed is compared as is).
         if table is None and _same_refs(sys.modules.values(), self.loaded[0].values()):
