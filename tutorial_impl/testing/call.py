@@ -28,6 +28,7 @@ from tutorial_impl.testing import backends
 from tutorial_impl.testing.faults import plan as fault_plan
 from tutorial_impl.testing.rank import coverage as _coverage
 from tutorial_impl.testing.rank import shape as _shape
+from tutorial_impl.testing.rank import torchenv as _torchenv
 from tutorial_impl.testing.rank.caught import Filters
 from tutorial_impl.testing.rank.debugging import check_rank
 from tutorial_impl.testing.rank.lookup import FunctionRef, function_ref
@@ -291,9 +292,8 @@ def _check_gpus(backend: str | None, world_size: int, env: dict[str, str] | None
 @dataclass(frozen=True)
 class RankFiles:
     """Where one rank's files are, in its run's directory: the same paths for the parent
-    (``supervise.Proc``) and the rank (``RankSpec``), named here only. Paths as text: a rank
-    unpickles this with its task and opens the files, and pathlib's objects would cost every
-    fresh rank ~0.3 ms of CPU to rebuild and join (most of it copying the pages it wrote)."""
+    (``supervise.Proc``) and the rank (``RankSpec``), named here only. As text: pathlib's
+    objects cost every fresh rank ~0.3 ms of CPU to unpickle and join (copying pages)."""
 
     directory: str  # given as a str or a Path; kept as text
     rank: int
@@ -388,7 +388,7 @@ def rank_spec(
         init_method=call.init_method,
         tmp_dir=str(work),
         timeout=call.deadline,
-        parent_env=dict(getattr(os.environb, "_data", None) or os.environb),  # no decoding
+        parent_env=dict(_torchenv.environ_bytes()),
         parent_path=list(sys.path),
         parent_cwd=os.getcwd(),
         coverage=call.coverage,

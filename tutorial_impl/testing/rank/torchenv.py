@@ -37,6 +37,13 @@ IMPORT_ONLY = ("TORCH_CPP_LOG_LEVEL",)
 DEBUG = "TORCH_DISTRIBUTED_DEBUG"  # read at import too, and re-applied (above)
 
 
+def environ_bytes() -> dict[bytes, bytes]:
+    """The environment as the OS holds it, bytes to bytes: ``os.environ``'s own table
+    (CPython's, shared with ``os.environb``; not a copy), read without decoding a variable:
+    what a parent sends its ranks, and what a rank compares it with (``rank.main``)."""
+    return getattr(os.environb, "_data", None) or dict(os.environb)
+
+
 def read_at_import() -> dict[str, str]:
     """The variables of this module as the environment has them now: in a rank, before its
     task's environment is set, the forkserver's, which torch was imported with."""

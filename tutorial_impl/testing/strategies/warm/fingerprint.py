@@ -119,6 +119,9 @@ def held(names: dict[Any, Any]) -> tuple[dict[Any, Any], Table | None, Version |
     return dict(names), table(names), tag
 
 
+_TAG = 24  # where a dict's version tag is: after its object header and ma_used
+
+
 class Version:
     """A dict's version tag as it is now, which CPython changes at every change of the dict
     (PEP 509: an entry rebound to another object, added or deleted), read in place: one
@@ -129,7 +132,7 @@ class Version:
 
     def __init__(self, d: dict[Any, Any]) -> None:
         self._dict = d  # held: the word read is inside it
-        self._word = ctypes.c_uint64.from_address(id(d) + 24)  # after ma_used
+        self._word = ctypes.c_uint64.from_address(id(d) + _TAG)
         self._seen = self._word.value
 
     def unchanged(self, d: dict[Any, Any]) -> bool:
@@ -151,7 +154,7 @@ def _versioned() -> bool:
         return False
 
     def tag(d: dict[Any, Any]) -> int:
-        return int.from_bytes(ctypes.string_at(id(d) + 24, 8), sys.byteorder)
+        return ctypes.c_uint64.from_address(id(d) + _TAG).value
 
     for d in ({f"name{i}": i for i in range(20)}, {i: i for i in range(20)}):
         key = next(iter(d))
