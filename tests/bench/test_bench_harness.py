@@ -110,9 +110,10 @@ def test_bench_refuses_nonsense_arguments(capsys):
     with pytest.raises(SystemExit, match="--kill-runs"):
         harness.main(["--kill-runs", "-1"])
     # 0 rounds, 0 runs and 2 torchrun tests are allowed: the next check (before any run) speaks
-    zeros = ["--recorder-rounds", "0", "--kill-runs", "0", "--torchrun-tests", "2"]
-    with pytest.raises(SystemExit, match="--world-sizes must be positive"):
-        harness.main([*zeros, "--world-sizes", "0"])
+    zeros = ["--recorder-rounds", "0", "--kill-runs", "0", "--world-sizes", "0"]
+    for torchrun_tests in ("0", "2"):
+        with pytest.raises(SystemExit, match="--world-sizes must be positive"):
+            harness.main([*zeros, "--torchrun-tests", torchrun_tests])
     with pytest.raises(SystemExit):  # argparse's exit, naming the option, before any run
         harness.build_parser().parse_args(["--first-test-runs", "-1"])
     assert "--first-test-runs: must be 0 (none) or more, not -1" in capsys.readouterr().err
