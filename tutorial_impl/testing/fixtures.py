@@ -40,29 +40,43 @@ from tutorial_impl.testing.verdict.errors import RankError, RankResults, RankSki
 RunRanks = Callable[..., RankResults]
 
 
+def strategies_for(pool: WarmPool, warm_audit: bool) -> tuple[Strategy, ...]:
+    """The one place the list of strategies is made, in order of preference: a warm world
+    (wrapped by ``--warm-audit``), then fresh ranks. Under torchrun the job's replaces it
+    (``Session.join``). A new strategy is registered here."""
+    warm: Strategy = Audited(pool, FORKED) if warm_audit else pool
+    return (warm, FORKED)
+
+
 @dataclasses.dataclass
 class Session:
-    """What one pytest session's calls share: its strategies (in order of preference: the
-    torchrun job; else a warm world, wrapped by ``--warm-audit``, then fresh ranks), the warm
-    pool and the torchrun job behind them, and the session's options. On ``config.stash``."""
+    """What one pytest session's calls share: its strategies (``strategies_for``; under
+    torchrun the job's alone) and the session's options. On ``config.stash``."""
 
-    pool: WarmPool
-    launched: Any  # torchrun.Launched, if this pytest is a worker of a torchrun job
+    strategies: tuple[Strategy, ...]
     default_deadline: float
     init_method: str | None  # --init-method, if given
     warm_worlds: bool  # --warm-worlds / the warm_worlds ini value
-    warm_audit: bool  # --warm-audit
     check_collectives: bool  # --check-collectives
     debug_rank: int | None  # --rank-pdb
-    strategies: tuple[Strategy, ...] = ()
 
-    def __post_init__(self) -> None:
-        warm: Strategy = Audited(self.pool, FORKED) if self.warm_audit else self.pool
-        self.strategies = self.strategies or (warm, FORKED)
-
-    def join(self, launched: Strategy) -> None:
+    def join(self, job: Strategy) -> None:
         """This pytest is a worker of a torchrun job: every call is the job's."""
-        self.launched, self.strategies = launched, (launched,)
+        self.strategies = (job,)
+
+    @property
+    def size(self) -> int | None:
+        """The world size every test has here, if the strategies fix one (a torchrun job)."""
+        return self.strategies[0].size
+
+    @property
+    def own_ranks(self) -> bool:
+        """Whether this pytest starts the ranks itself (not a worker of a job)."""
+        return self.strategies[0].own_ranks
+
+    def why_not_here(self, settings: _config.Settings) -> str | None:
+        """Why a test with ``settings`` cannot run on this host (a skip at collection)."""
+        return self.strategies[-1].why_not_here(settings)
 
     def strategy(self, settings: _config.Settings, call: _call.Call) -> Strategy:
         """The strategy for ``call``: the first that can honour it (``runner.choose``) of the
@@ -90,8 +104,8 @@ _CALL_DIRS = pytest.StashKey[tuple[Path, Iterator[int]]]()  # see call_dirs
 def default_size(config: pytest.Config) -> int:
     """A test's world size when nothing sets one: 2, or under torchrun the whole job."""
     session = config.stash.get(SESSION, None)
-    launched = session.launched if session is not None else None
-    return launched.job.launch.world_size if launched is not None else _config.DEFAULT_WORLD_SIZE  # type: ignore[attr-defined]
+    size = session.size if session is not None else None
+    return size if size is not None else _config.DEFAULT_WORLD_SIZE
 
 
 @pytest.fixture(name=matrix.FIXTURE)
@@ -180,7 +194,7 @@ class RunRanksOfTest:
         strategy, call = self.prepare(fn, args, options)
         # Fresh ranks may run side by side for threads of one test; a warm world or the
         # torchrun job is one set of ranks, which the calls of its threads take in turn.
-        with self._one_at_a_time if strategy is not FORKED else contextlib.nullcontext():
+        with self._one_at_a_time if strategy.serial else contextlib.nullcontext():
             return _outcome(strategy, call, self.session, as_pytest=as_pytest)
 
     def prepare(
@@ -200,8 +214,8 @@ class RunRanksOfTest:
             announce=_terminal_line(self.config),
             warning_filters=caught.current_filters(),  # pytest's for this test, now
         )
-        launched = self.session.launched
-        if launched is not None and call.world_size != world_size_of_job(launched):
+        size = self.session.size
+        if size is not None and call.world_size != size:
             pytest.skip(f"needs world_size {call.world_size}; this torchrun job has another")
         return self.session.strategy(self.settings, call), call
 
@@ -296,10 +310,6 @@ def _terminal_line(config: pytest.Config) -> Callable[[str], None]:
     return line
 
 
-def world_size_of_job(launched: Any) -> int:
-    return launched.job.launch.world_size  # type: ignore[no-any-return]
-
-
 def _build(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -342,7 +352,7 @@ def _outcome(
     caught.emit(results.thread_errors, results.caught)
     leftovers.warn(results.killed)
     # Under torchrun each rank's own capture has the output; with stream= it was relayed live.
-    if session.launched is None and call.stream is None:
+    if session.own_ranks and call.stream is None:
         for rank, text in enumerate(results.outputs):
             if text.strip():
                 sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))

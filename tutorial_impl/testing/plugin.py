@@ -142,13 +142,12 @@ def pytest_configure(config: pytest.Config) -> None:
     except _config.ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
     warm_worlds = config.getoption("--warm-worlds")
+    pool = WarmPool()
     session = Session(
-        pool=WarmPool(),
-        launched=None,
+        strategies=fixtures.strategies_for(pool, config.getoption("--warm-audit")),
         default_deadline=_config.DEFAULT_DEADLINE if deadline is None else deadline,
         init_method=config.getoption("--init-method"),
         warm_worlds=bool(config.getini("warm_worlds") if warm_worlds is None else warm_worlds),
-        warm_audit=config.getoption("--warm-audit"),
         check_collectives=config.getoption("--check-collectives"),
         debug_rank=config.getoption("--rank-pdb"),
     )
@@ -157,7 +156,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if launch is not None:
         _join_the_job(config, session, launch)
         return
-    warm_summary(config, session.pool.stats, asked=session.warm_worlds)
+    warm_summary(config, pool.stats, asked=session.warm_worlds)
     preload.configure(config, PYTEST_PRELOAD)  # and what the test files import (``preload``)
     shared = getattr(config, "workerinput", {}).get(forkserver.WORKERINPUT_KEY)
     if shared is not None:  # an xdist worker: its ranks come from the controller's server
@@ -195,7 +194,7 @@ def pytest_configure_node(node: Any) -> None:
     """
     spec = node.gateway.spec
     session = node.config.stash.get(SESSION, None)
-    if not spec.popen or spec.python or (session is not None and session.launched):
+    if not spec.popen or spec.python or (session is not None and not session.own_ranks):
         return
     node.workerinput[forkserver.WORKERINPUT_KEY] = forkserver.SERVER.start_shared()
 
@@ -294,7 +293,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 session.init_method or _config.DEFAULT_INIT_METHOD,
                 default_size(config),
             )
-            reason = _why_not_here(session, settings)
+            reason = session.why_not_here(settings)
         except _config.ConfigError as exc:
             item.stash[_bad_config] = str(exc)
             continue
@@ -315,12 +314,6 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
         return (yield)
 
 
-def _why_not_here(session: Session, settings: _config.Settings) -> str | None:
-    if session.launched is not None:  # one process of the job per rank, on LOCAL_RANK's GPU
-        return where.why_not_here(session.launched.job.launch, settings)  # type: ignore[attr-defined]
-    return backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Fail a misconfigured test, or a GPU test --require-gpu kept from being skipped,
@@ -332,7 +325,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if reason is not None:
         pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
     settings = item.stash.get(SETTINGS, None)
-    if settings is not None and settings.gpus and not item.config.stash[SESSION].launched:
+    if settings is not None and settings.gpus and item.config.stash[SESSION].own_ranks:
         _lease_gpus(item, settings)
 
 

@@ -316,12 +316,12 @@ def test_the_parent_looks_only_while_a_rank_has_returned_and_at_its_pace(monkeyp
     )
     watch = supervise._Watch([], None, False, frozenset(), timeout=DEADLINE)
     watch.pending = {0: None}
-    assert not watch.look() and not asked  # no rank has returned
+    assert not watch.stranded() and not asked  # no rank has returned
     watch.reports[1] = _o.Report(_o.Returned(1), 101, 1.0)
     watch.order.append(1)
     for step in (0.0, POLL / 2, POLL / 2, POLL / 2, POLL / 2, POLL):
         now[0] += step
-        assert not watch.look()  # no records: nothing is stranded
+        assert not watch.stranded()  # no records: nothing is stranded
     assert asked == pytest.approx([100.0 + POLL, 100.0 + 2 * POLL, 100.0 + 3 * POLL])
 
 

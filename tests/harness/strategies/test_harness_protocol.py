@@ -10,13 +10,14 @@ from __future__ import annotations
 import ast
 import io
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import tutorial_impl
 from tutorial_impl.testing import call
 from tutorial_impl.testing.faults.plan import Fault, Kill
-from tutorial_impl.testing.fixtures import Session
+from tutorial_impl.testing.fixtures import Session, strategies_for
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.settings.config import Settings
 from tutorial_impl.testing.strategies import protocol as runner
@@ -77,41 +78,45 @@ def _settings(warm_marker: bool | None = None, gpus: int = 0) -> Settings:
     return Settings(2, "gloo", 60.0, "env", gpus, True, warm=warm_marker)
 
 
-def _session(**options: object) -> Session:
+def _session(warm_audit: bool = False, **options: object) -> tuple[Session, warm.WarmPool]:
+    pool = warm.WarmPool()
     fields: dict[str, object] = dict(
-        pool=warm.WarmPool(),
-        launched=None,
+        strategies=strategies_for(pool, warm_audit),
         default_deadline=60.0,
         init_method=None,
         warm_worlds=False,
-        warm_audit=False,
         check_collectives=False,
         debug_rank=None,
     )
-    return Session(**{**fields, **options})  # type: ignore[arg-type]
+    return Session(**{**fields, **options}), pool  # type: ignore[arg-type]
 
 
 def test_the_session_holds_a_list_and_picks_one():
     plain = call.build(len)
-    session = _session()
-    assert session.strategies == (session.pool, FORKED)
+    session, pool = _session()
+    assert session.strategies == (pool, FORKED)
     assert session.strategy(_settings(), plain) is FORKED  # warm not asked for
-    assert session.strategy(_settings(warm_marker=True), plain) is session.pool
+    assert session.strategy(_settings(warm_marker=True), plain) is pool
     assert session.strategy(_settings(warm_marker=True, gpus=1), plain) is FORKED
-    warm_session = _session(warm_worlds=True)
-    assert warm_session.strategy(_settings(), plain) is warm_session.pool
+    warm_session, warm_pool = _session(warm_worlds=True)
+    assert warm_session.strategy(_settings(), plain) is warm_pool
     assert warm_session.strategy(_settings(warm_marker=False), plain) is FORKED
     # --warm-audit wraps the warm strategy: the same choice, the same refusals.
-    audited = _session(warm_audit=True)
+    audited, audited_pool = _session(warm_audit=True)
     chosen = audited.strategy(_settings(warm_marker=True), plain)
-    assert isinstance(chosen, Audited) and chosen.warm is audited.pool
+    assert isinstance(chosen, Audited) and chosen.warm is audited_pool
     assert chosen.name == "warm" and chosen.cannot is warm.NOT_WARM
+    assert (chosen.size, chosen.serial, chosen.own_ranks) == (None, True, True)
     assert audited.strategy(_settings(warm_marker=True), call.build(len, debug_rank=0)) is FORKED
-    # Under torchrun, the job's is the only one.
-    job = Launched(job=None)  # type: ignore[arg-type]
+    # What the face asks, declared by each strategy: fresh ranks run side by side.
+    assert (FORKED.size, FORKED.serial, FORKED.own_ranks) == (None, False, True)
+    assert (audited.size, audited.own_ranks) == (None, True)
+    # Under torchrun, the job's is the only one, and its size is every test's.
+    job = Launched(job=SimpleNamespace(launch=SimpleNamespace(world_size=3)))  # type: ignore[arg-type]
     audited.join(job)
     assert audited.strategies == (job,)
     assert audited.strategy(_settings(warm_marker=True), plain) is job
+    assert (audited.size, audited.own_ranks, job.serial) == (3, False, True)
 
 
 class _Heard:
@@ -134,7 +139,7 @@ class _Heard:
 
 def test_the_session_tells_every_strategy_and_the_audit_passes_it_on():
     first, second = _Heard(), _Heard()
-    session = _session(strategies=(Audited(first, FORKED), second))  # type: ignore[arg-type]
+    session, _ = _session(strategies=(Audited(first, FORKED), second))  # type: ignore[arg-type]
     session.test_ended(True)
     session.test_ended(False)
     session.close()

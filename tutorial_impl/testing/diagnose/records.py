@@ -32,15 +32,15 @@ import os
 import pickle
 import signal
 import threading
-import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 from tutorial_impl.testing.diagnose import recorder
+from tutorial_impl.testing.diagnose.ask import LiveRank
+from tutorial_impl.testing.diagnose.ask import ask as ask_ranks
 from tutorial_impl.testing.diagnose.recorder import Record
 from tutorial_impl.testing.diagnose.stranded import Standing, standing
-from tutorial_impl.testing.settings.timing import DUMP_BUDGET, STACK_POLL
+from tutorial_impl.testing.settings.timing import DUMP_BUDGET
 
 SIGNAL = signal.SIGUSR2
 ENTRY = "_set_up_and_call"  # the harness frame below a rank function's own (``rank``)
@@ -83,16 +83,6 @@ def _answer_forever() -> None:
             os.replace(partial, target)
 
 
-class LiveRank(Protocol):
-    """What ``ask`` needs of a rank (``supervise.Proc``)."""
-
-    rank: int
-    records_path: Path
-
-    @property
-    def pid(self) -> int | None: ...
-
-
 def ask(ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET) -> dict[int, list[Record]]:
     """Each rank's records now: signal every rank of ``ranks`` still alive, wait for their
     dumps (at most ``budget`` s), and read them. A rank that could not answer (killed, still
@@ -104,22 +94,11 @@ def ask_all(
     ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET
 ) -> tuple[dict[int, list[Record]], dict[int, Standing]]:
     """As ``ask``, and what each rank said of itself with them (``stranded.Standing``)."""
-    asked = []
+    ranks = list(ranks)
     for r in ranks:
         _remove(r.records_path)  # an earlier answer is not this one
         _remove(_standing_path(r.records_path))
-        if r.pid is None:
-            continue
-        try:
-            os.kill(r.pid, SIGNAL)
-        except ProcessLookupError:
-            continue
-        asked.append(r)
-    stop = time.monotonic() + budget
-    while asked and not all(r.records_path.exists() for r in asked):
-        if time.monotonic() >= stop:
-            break
-        time.sleep(STACK_POLL)
+    asked = ask_ranks(ranks, SIGNAL, _all_exist, budget)
     found, said = {}, {}
     for r in asked:
         try:
@@ -128,6 +107,10 @@ def ask_all(
         except (OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError):
             continue
     return found, said
+
+
+def _all_exist(asked: Sequence[LiveRank]) -> bool:
+    return all(r.records_path.exists() for r in asked)
 
 
 def _standing_path(path: str | Path) -> Path:

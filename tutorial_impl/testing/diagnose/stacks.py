@@ -22,25 +22,15 @@ import os
 import re
 import signal
 import sysconfig
-import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from tutorial_impl.testing.settings.timing import DUMP_BUDGET, STACK_POLL
+from tutorial_impl.testing.diagnose.ask import LiveRank, ask
+from tutorial_impl.testing.settings.timing import DUMP_BUDGET
 
 _ENTRY = " in rank_main"  # the harness frame every rank's stack ends in
-
-
-class LiveRank(Protocol):
-    """What ``dump_stacks`` needs to know of a rank (``supervise.Proc``)."""
-
-    rank: int
-    stack_path: Path
-
-    @property
-    def pid(self) -> int | None: ...
 
 
 def dump_stacks(ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET) -> dict[int, str]:
@@ -50,24 +40,24 @@ def dump_stacks(ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET) -> dict[
     still starting, or died meanwhile) maps to an empty string.
     """
     ranks = list(ranks)
-    for r in ranks:
-        if r.pid is None:
-            continue
-        try:
-            os.kill(r.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
     # faulthandler writes from the signal handler, even while the rank is blocked in C++;
     # wait until every file has stopped growing (or the budget is spent).
-    sizes: dict[int, int] = {}
-    stop = time.monotonic() + budget
-    while ranks and time.monotonic() < stop:
-        time.sleep(STACK_POLL)
-        now = {r.rank: _size(r.stack_path) for r in ranks}
-        if now == sizes and all(now.values()):
-            break
-        sizes = now
+    ask(ranks, signal.SIGUSR1, _stopped_growing(), budget)
     return {r.rank: trim(_read(r.stack_path)) for r in ranks}
+
+
+def _stopped_growing() -> Callable[[Sequence[LiveRank]], bool]:
+    """A readiness test for ``ask``: every file written and of the same size as last look."""
+    sizes: dict[int, int] = {}
+
+    def ready(asked: Sequence[LiveRank]) -> bool:
+        now = {r.rank: _size(r.stack_path) for r in asked}
+        done = now == sizes and all(now.values())
+        sizes.clear()
+        sizes.update(now)
+        return done
+
+    return ready
 
 
 def trim(dump: str) -> str:

@@ -46,11 +46,12 @@ from tutorial_impl.testing.verdict.errors import RankError, RankResults
 P = ParamSpec("P")
 
 
-class Forked:
+class Forked(runner.OwnRanks):
     """Fresh ranks per call: honours every field of a call, keeps nothing between calls."""
 
     name = "forked"
     cannot: Mapping[str, str] = MappingProxyType({})
+    serial = False  # fresh ranks may run side by side for the threads of one test
 
     def gather(self, call: Call) -> Finished:
         __tracebackhide__ = True

@@ -20,13 +20,20 @@ A strategy is what it declares and what it does, never a decision:
 * ``test_ended(failed)``: the plugin's word after each test's body (a warm world that served
   a failed test is retired); ``close()``: let go of what is kept between tests (a module of
   tests ended, or the session).
+* What the face (``plugin``, ``fixtures``) asks, declared so that it names no strategy:
+  ``size`` (a world size fixed for the session: the torchrun job's), ``serial`` (one set of
+  ranks, which the calls of a test's threads take in turn), ``own_ranks`` (the ranks are
+  processes this pytest starts: it leases their GPUs and prints their output) and
+  ``why_not_here(settings)`` (a test this strategy cannot run on this host: a skip at
+  collection). ``OwnRanks`` holds what forked and warm share of these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+from tutorial_impl.testing import backends
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.strategies.warm import audit
 from tutorial_impl.testing.verdict.decision import Finished, decide
@@ -36,6 +43,12 @@ from tutorial_impl.testing.verdict.errors import RankResults
 class Strategy(Protocol):
     name: str
     cannot: Mapping[str, str]  # Call field -> why this strategy cannot honour it
+    size: int | None  # a world size fixed for the session (the torchrun job's), else None
+    serial: bool  # one set of ranks: the calls of a test's threads take turns
+    own_ranks: bool  # the ranks are processes this pytest starts (not a job's workers)
+
+    def why_not_here(self, settings: Any) -> str | None:
+        """Why a test with these settings (``config.Settings``) cannot run here, or None."""
 
     def gather(self, call: Call) -> Finished:
         """Every rank's report for ``call``, and what was seen around them; never a verdict."""
@@ -45,6 +58,16 @@ class Strategy(Protocol):
 
     def close(self) -> None:
         """Let go of what is kept between tests: a module of tests ended, or the session."""
+
+
+class OwnRanks:
+    """What the strategies that start their own rank processes (forked, warm) declare alike."""
+
+    size: int | None = None
+    own_ranks = True
+
+    def why_not_here(self, settings: Any) -> str | None:
+        return backends.why_not_here(settings.backend, settings.world_size, settings.gpus)
 
 
 def refusal(strategy: Strategy, call: Call) -> str | None:

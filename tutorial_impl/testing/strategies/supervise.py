@@ -1,17 +1,10 @@
 """Waiting for rank processes, with deadlines and no leftovers: the engine under the forked
 and the warm runners. It gathers one ``outcome.Report`` per rank; ``verdict`` decides.
 
-The waiting is where multi-rank tests usually go wrong, so here are the rules it keeps:
+The waiting is where multi-rank tests usually go wrong. Its rules (fail fast, a skip's grace,
+a hang that cannot resolve, the deadline) are written once, in ``waiting``, for torchrun's
+workers too; ``_Watch`` is the evidence they read here: each rank's pipe and process.
 
-* **Fail fast.** The first rank that raises or dies ends the wait (after ``CRASH_GRACE``,
-  in which a death that caused it, or a failure of another rank, may still arrive); the
-  others are stopped, since they are probably blocked in a collective waiting for it.
-* **A hang that cannot resolve ends when seen.** While a rank has returned and others run,
-  every ``stranded.POLL`` s their records and ``Standing`` are asked for: peers blocked in a
-  collective of the returned rank's group, one it never entered, are stopped at once
-  (``stranded``); a passing test's ranks end before the first look.
-* **A skip is no verdict until every rank has ended.** After a rank skips (or xfails), the
-  others get ``SKIP_GRACE`` seconds to end by themselves: a failure anywhere beats a skip.
 * **Crashes are seen at once.** Each process's *sentinel* (a file descriptor that becomes
   readable when the process exits) is waited on together with its result pipe, so a rank
   killed by a signal or by ``os._exit`` is noticed immediately rather than at a timeout.
@@ -50,7 +43,8 @@ from tutorial_impl.testing.faults import inject as faults
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rank.debugging import Deadline
-from tutorial_impl.testing.settings.timing import CRASH_GRACE, SKIP_GRACE
+from tutorial_impl.testing.settings.timing import CRASH_GRACE
+from tutorial_impl.testing.strategies import waiting
 from tutorial_impl.testing.verdict.decision import Finished
 from tutorial_impl.testing.verdict.errors import RankExited, prefixed
 
@@ -174,7 +168,7 @@ def supervise(
         fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.files.fault))},
         swept={rank: killed for rank, killed in swept.items() if killed},
         unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.files.fault))},
-        stranded=watch.stranded or watch.stranded_in(found),
+        stranded=watch.stranded_seen or watch.stranded_in(found),
     )
 
 
@@ -191,7 +185,7 @@ class _Watch:
         self.procs = procs
         self.since_ns, self.timeout = since_ns, timeout
         self.standings: dict[int, Standing] = {}
-        self.stranded: Stranded | None = None  # seen while some ranks ran (``stranded``)
+        self.stranded_seen: Stranded | None = None  # seen while some ranks ran (``stranded``)
         self.look_at: float | None = None  # when to look for it next
         self.pending = {p.rank: p for p in procs}
         self.stream, self.prefix, self.may_exit = stream, prefix, may_exit
@@ -209,51 +203,53 @@ class _Watch:
         return found
 
     def run(self, deadline: Deadline) -> None:
-        while self.pending:
-            left = deadline.remaining()  # paused while a rank is being debugged
+        """Wait by the rules (``waiting.wait``); the ranks still running then are stopped."""
+        ending = waiting.wait(self, deadline, CRASH_GRACE)
+        if ending is not None:
             if self.skip_at is not None:
-                left = min(left, self.skip_at + SKIP_GRACE - time.monotonic())
-            if left <= 0:
-                timed_out = deadline.remaining() <= 0
-                if self.skip_at is not None:
-                    self.skip_wait = time.monotonic() - self.skip_at
-                self.stop_the_rest(_o.TimedOut if timed_out else _o.Stopped)
-                return
-            handles = self.handles()
-            poll = RELAY_POLL if self.stream else deadline.poll
-            left = min(left, poll) if poll else left
-            if self.look_at is not None:
-                left = max(0.0, min(left, self.look_at - time.monotonic()))
-            ready = wait(list(handles), timeout=left)
-            self.relay()
-            for handle in ready:
-                self.take(handles[handle])
-            if any(isinstance(self.reports[r].outcome, _o.Failure) for r in self.order):
-                self.gather(CRASH_GRACE)
-                self.stop_the_rest(_o.Stopped)
-                return
-            if self.pending and self.look():
-                self.stop_the_rest(_o.Stopped)
-                return
+                self.skip_wait = time.monotonic() - self.skip_at
+            self.stop_the_rest(ending)
+
+    # --- the evidence ``waiting.wait`` reads ------------------------------------------
+    def settle(self, wait_for: float) -> bool:
+        """Take the reports and deaths that arrive within ``wait_for`` s (back at the first,
+        at the next look for a stranding, and at the next relay of a streaming run)."""
+        if self.stream:
+            wait_for = min(wait_for, RELAY_POLL)
+        if self.look_at is not None:
+            wait_for = max(0.0, min(wait_for, self.look_at - time.monotonic()))
+        handles = self.handles()
+        ready = wait(list(handles), timeout=wait_for)
+        self.relay()
+        for handle in ready:
+            self.take(handles[handle])
+        return not self.pending
+
+    def failed(self) -> bool:
+        return any(isinstance(self.reports[r].outcome, _o.Failure) for r in self.order)
+
+    def skipped_since(self) -> float | None:
+        return self.skip_at
 
     def returned(self) -> list[int]:
         return [r for r in self.order if isinstance(self.reports[r].outcome, _o.Returned)]
 
-    def look(self) -> bool:
-        """Whether the ranks still running are stranded (``stranded``): looked at every
-        ``POLL`` s from ``POLL`` s after a rank returned; never while none has."""
-        now = time.monotonic()
-        if not self.returned():
+    def stranded(self, now: bool = False) -> bool:
+        """Whether the ranks still running are stranded (``diagnose.stranded``): looked at
+        every ``POLL`` s from ``POLL`` s after a rank returned (or ``now``); never while
+        none has."""
+        moment = time.monotonic()
+        if not self.pending or not self.returned():
             self.look_at = None
             return False
-        if self.look_at is None or now < self.look_at:
-            self.look_at = self.look_at or now + POLL
+        if not now and (self.look_at is None or moment < self.look_at):
+            self.look_at = self.look_at or moment + POLL
             return False
-        self.look_at = now + POLL
+        self.look_at = moment + POLL
         found, said = records.ask_all([p for p in self.procs if p.process.exitcode is None])
         self.standings.update(said)
-        self.stranded = self.stranded_in(self.this_test(found))
-        return self.stranded is not None
+        self.stranded_seen = self.stranded_in(self.this_test(found))
+        return self.stranded_seen is not None
 
     def stranded_in(self, found: dict[int, list[Record]]) -> Stranded | None:
         running = [r for r, rep in self.reports.items() if isinstance(rep.outcome, _o.Unfinished)]
@@ -290,17 +286,6 @@ class _Watch:
             self.skip_at = time.monotonic()
         self.reports[p.rank] = report
         self.order.append(p.rank)
-
-    def gather(self, grace: float) -> None:
-        """Take the reports that arrive within ``grace`` s (deaths, simultaneous failures)."""
-        end = time.monotonic() + grace
-        while self.pending and (left := end - time.monotonic()) > 0:
-            handles = self.handles()
-            ready = wait(list(handles), timeout=left)
-            if not ready:
-                return
-            for handle in ready:
-                self.take(handles[handle])
 
     def stop_the_rest(self, kind: type[_o.TimedOut] | type[_o.Stopped]) -> None:
         """The ranks still running: their stacks, and ``kind`` as their outcome."""

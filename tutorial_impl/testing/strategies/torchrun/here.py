@@ -35,10 +35,10 @@ from tutorial_impl.testing.rank.main import dumps_on_cpu
 from tutorial_impl.testing.settings.timing import (
     FINISH_GRACE,
     FORK_GRACE,
-    SKIP_GRACE,
     STORE_POLL_MAX,
     STORE_POLL_MIN,
 )
+from tutorial_impl.testing.strategies import waiting
 from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
 from tutorial_impl.testing.strategies.torchrun.job import Job
 
@@ -177,29 +177,52 @@ def _ended(
 def _wait(
     job: Job, key: str, done: threading.Event, timeout: float, look: torchrun_stranded.Look
 ) -> type | None:
-    """None once the function has ended; else the outcome class of why the wait ended.
+    """None once the function has ended; else the outcome class of why the wait ended, by
+    the rules every strategy keeps (``waiting.wait``); the other ranks then stop too."""
+    ending = waiting.wait(_Store(job, key, done, look), _Clock(timeout), FINISH_GRACE)
+    if ending is not None:
+        job.channel.set(f"{key}/failed")  # the others waiting stop too
+    return ending
 
-    Fail fast as forked ranks do: a failure elsewhere (or a lost worker) stops the wait at
-    once, and so does a returned rank that strands this one (``look``); a skip elsewhere
-    only after ``SKIP_GRACE`` s (a failure anywhere beats a skip)."""
-    failed, skipped = f"{key}/failed", f"{key}/skipped"
-    stop = time.monotonic() + timeout
-    pause, skip_seen = STORE_POLL_MIN, None
-    while not done.wait(pause):
-        pause = min(pause * 2, STORE_POLL_MAX)
-        if skip_seen is None and job.channel.has(skipped):
-            skip_seen = time.monotonic()
-        late_skip = skip_seen is not None and time.monotonic() - skip_seen > SKIP_GRACE
-        trouble = job.channel.has(failed) or late_skip or job.heartbeats.lost_ranks()
-        if trouble and not done.wait(FINISH_GRACE):
-            return _o.Stopped
-        if look.stranded() and not done.is_set():
-            job.channel.set(failed)  # the others waiting stop too
-            return _o.Stopped
-        if time.monotonic() > stop:
-            job.channel.set(failed)
-            return _o.TimedOut
-    return None
+
+class _Clock:
+    """The call's deadline, from now (a torchrun worker has no debugger to pause it for)."""
+
+    poll = None
+
+    def __init__(self, timeout: float) -> None:
+        self.end = time.monotonic() + timeout
+
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
+
+class _Store:
+    """The evidence one worker has of a call (``waiting.Evidence``): its own function's end,
+    and the job's store (another rank's failure or skip, lost workers, returned ranks'
+    answers), polled more slowly while nothing happens."""
+
+    def __init__(
+        self, job: Job, key: str, done: threading.Event, look: torchrun_stranded.Look
+    ) -> None:
+        self.job, self.key, self.done, self.look = job, key, done, look
+        self.pause, self.skip_seen = STORE_POLL_MIN, None
+
+    def settle(self, wait_for: float) -> bool:
+        ended = self.done.wait(min(wait_for, self.pause))
+        self.pause = min(self.pause * 2, STORE_POLL_MAX)
+        if self.skip_seen is None and self.job.channel.has(f"{self.key}/skipped"):
+            self.skip_seen = time.monotonic()
+        return ended
+
+    def failed(self) -> bool:
+        return self.job.channel.has(f"{self.key}/failed") or bool(self.job.heartbeats.lost_ranks())
+
+    def skipped_since(self) -> float | None:
+        return self.skip_seen
+
+    def stranded(self, now: bool = False) -> bool:
+        return self.look.stranded(now) and not self.done.is_set()
 
 
 def announce(job: Job, key: str, report: _o.Report) -> None:

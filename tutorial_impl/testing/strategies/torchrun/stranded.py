@@ -32,10 +32,11 @@ class Look:
         self.thread, self.deadline, self.stop = thread, deadline, stop
         self.next = time.monotonic() + POLL
 
-    def stranded(self) -> bool:
-        """Whether a rank that returned strands this one (looked at every ``POLL`` s)."""
+    def stranded(self, at_once: bool = False) -> bool:
+        """Whether a rank that returned strands this one (looked at every ``POLL`` s, or
+        ``at_once``)."""
         now = time.monotonic()
-        if now < self.next:
+        if now < self.next and not at_once:
             return False
         self.next = now + POLL
         channel, me = self.job.channel, self.job.launch.rank

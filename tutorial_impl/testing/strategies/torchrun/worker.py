@@ -36,6 +36,7 @@ import os
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.diagnose import records
@@ -49,6 +50,7 @@ from tutorial_impl.testing.strategies import protocol as runner
 from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
 from tutorial_impl.testing.strategies.torchrun.here import Answer, pickled, run_here
 from tutorial_impl.testing.strategies.torchrun.job import Job
+from tutorial_impl.testing.strategies.torchrun.launch import why_not_here as job_refuses
 from tutorial_impl.testing.verdict.decision import Finished
 
 NOT_HONOURED: Mapping[str, str] = MappingProxyType(
@@ -80,9 +82,18 @@ class Launched:
 
     name = "torchrun"
     cannot = NOT_HONOURED
+    serial = True  # this worker is one rank of one job
+    own_ranks = False  # the job's workers are torchrun's, each capturing its own output
 
     def __init__(self, job: Job) -> None:
         self.job = job
+
+    @property
+    def size(self) -> int:
+        return self.job.launch.world_size
+
+    def why_not_here(self, settings: Any) -> str | None:
+        return job_refuses(self.job.launch, settings)
 
     def gather(self, call: Call) -> Finished:
         __tracebackhide__ = True

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.rank import outcome as _o
@@ -118,6 +118,22 @@ class Audited:
             home=call.home / "fresh" if call.home is not None else None,
         )
         return dataclasses.replace(finished, audit=self.fresh.gather(fresh))
+
+    # What the face asks is the warm strategy's: the audit only adds a fresh run.
+    @property
+    def size(self) -> int | None:
+        return self.warm.size
+
+    @property
+    def serial(self) -> bool:
+        return self.warm.serial
+
+    @property
+    def own_ranks(self) -> bool:
+        return self.warm.own_ranks
+
+    def why_not_here(self, settings: Any) -> str | None:
+        return self.warm.why_not_here(settings)
 
     def test_ended(self, failed: bool) -> None:
         self.warm.test_ended(failed)

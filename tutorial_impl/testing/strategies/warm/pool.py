@@ -48,6 +48,7 @@ from tutorial_impl.testing.rank import debugging as _debugging
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies import supervise
+from tutorial_impl.testing.strategies.protocol import OwnRanks
 from tutorial_impl.testing.strategies.warm import loop as warm_rank
 from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats
 from tutorial_impl.testing.verdict.decision import Finished
@@ -103,11 +104,12 @@ def key_of(call: Call) -> tuple[Any, ...]:
     )
 
 
-class WarmPool:
+class WarmPool(OwnRanks):
     """The warm worlds of one pytest session (or one benchmark): the ``warm`` strategy."""
 
     name = "warm"
     cannot = NOT_WARM
+    serial = True  # a warm world is one set of ranks
 
     def __init__(self) -> None:
         self.worlds: OrderedDict[tuple[Any, ...], World] = OrderedDict()
