@@ -53,6 +53,16 @@ def builds_bf16_hook() -> bool:
     return (cuda and torch.cuda.nccl.version() >= (2, 10)) or xpu
 
 
+def test_fp16s_range_as_the_lesson_states_it() -> None:
+    """The lesson's numbers for fp16's range: 2^-25 (~3e-8) and below round to 0, anything
+    above it to at least 2^-24 (~6e-8); 65504 is the largest, 65520 and up are infinity.
+    bf16 keeps both ends (float32's exponent)."""
+    tiny, smallest = 2.0**-25, 2.0**-24
+    values = torch.tensor([tiny, tiny * 1.001, smallest, 65504.0, 65519.0, 65520.0])
+    assert values.half().tolist() == [0.0, smallest, smallest, 65504.0, 65504.0, float("inf")]
+    assert (values.bfloat16() > 0).all() and values.bfloat16().isfinite().all()
+
+
 def test_the_reference_plan_on_the_lessons_model() -> None:
     # 0.weight 32x8, 2.weight 32x32, 4.weight 4x32 compress; the three biases go whole.
     assert powersgd_plan(toy.mlp(0)) == (32 + 32 + 4, 32 + 32 + 4, 8 + 32 + 32)

@@ -15,7 +15,7 @@ In reading order; each lesson's tests are ``tests/ddp/test_ddp_0N_<name>.py``:
 ``tensor_parallel.py`` 10. tensor parallelism (column- then row-wise); FSDP2 + TP on 2 x 2
 ``checkpoint.py``   11. ``torch.distributed.checkpoint``: save at 4 ranks, load at 2 and 1
 ``accelerator.py``  12. ``torch.accelerator``: one device-agnostic step; NCCL's differences
-``compile_ddp.py``  13. ``torch.compile`` with DDP: the eager step, one graph per bucket
+``compile_ddp.py``  13. ``torch.compile`` with DDP: the eager step, graphs split at buckets
 ``comm_hooks.py``   14. comm hooks: fp16, bf16, PowerSGD; bytes sent and error
 ``pipeline_ddp.py`` 15. pipeline stages replicated with DDP on a 2 x 2 mesh (case 2)
 

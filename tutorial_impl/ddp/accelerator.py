@@ -15,10 +15,13 @@ naming its kind:
   nothing and needs no such device: the mapping is a table.
 
 ``pick_device`` and ``agnostic_step`` below are the whole pattern: pick this rank's device
-(``LOCAL_RANK``, which torchrun sets, is the index on this machine), move the model and the
-batch there, wrap in DDP with ``device_ids`` only when there is an accelerator, step. The
-same lines run here on CPU with gloo, and on GPUs with NCCL
-(``tests/ddp/test_ddp_12_accelerator.py`` has both; the GPU tests skip cleanly without CUDA).
+(``LOCAL_RANK``, which torchrun sets, is the index on this machine; a machine with fewer
+accelerators than ranks is refused, as ``select_gpu`` in ``dist_tuto/process.py`` refuses
+it: wrapping around with ``LOCAL_RANK % device_count()`` would put two ranks on one GPU,
+which NCCL rejects later as "Duplicate GPU detected"), move the model and the batch there,
+wrap in DDP with ``device_ids`` only when there is an accelerator, step. The same lines run
+here on CPU with gloo, and on GPUs with NCCL (``tests/ddp/test_ddp_12_accelerator.py`` has
+both; the GPU tests skip cleanly without CUDA).
 
 What NCCL does that gloo does not (each part of the GPU tests):
 
@@ -50,10 +53,16 @@ PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.p
 
 def pick_device(rank: int) -> torch.device:
     """This rank's device: its accelerator (by ``LOCAL_RANK``, the index on this machine),
-    or the CPU when there is none."""
+    or the CPU when there is none. One accelerator per rank: a ``LOCAL_RANK`` with no
+    accelerator of its own is a ``ValueError`` now, not a shared GPU later."""
     if not torch.accelerator.is_available():
         return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", rank)) % torch.accelerator.device_count()
+    index, count = int(os.environ.get("LOCAL_RANK", rank)), torch.accelerator.device_count()
+    if not 0 <= index < count:
+        raise ValueError(
+            f"local rank {index} needs its own accelerator, but this machine has {count}: "
+            f"start at most {count} ranks per machine"
+        )
     torch.accelerator.set_device_index(index)  # what torch.cuda.set_device(index) did
     return torch.device(torch.accelerator.current_accelerator().type, index)
 

@@ -8,8 +8,9 @@ same size. ``torch.distributed.algorithms.ddp_comm_hooks`` has three ideas:
 * **fp16 / bf16 compression** (``fp16_compress_hook``, ``bf16_compress_hook``): cast the
   bucket to 16 bits, all-reduce that, cast back. Half the bytes on the wire; each gradient
   keeps 11 (fp16) or 8 (bf16) significant bits instead of 24, so the average is off by about
-  one part in 2^11 or 2^8. fp16 has a narrow range (gradients below ~6e-8 become 0, above
-  65504 infinity); bf16 has float32's range and less precision.
+  one part in 2^11 or 2^8. fp16 has a narrow range: its smallest step is 2^-24 (~6e-8),
+  so gradients below half of it (2^-25, ~3e-8) round to 0, and from 65520 up to infinity
+  (65504 is its largest number); bf16 has float32's range and less precision.
 * **PowerSGD** (``powerSGD_hook``, Vogels et al. 2019): approximate each gradient matrix
   ``M`` (n x m) by a product of two thin matrices, ``P`` (n x r) and ``Q`` (m x r), with one
   step of power iteration, and all-reduce ``P`` and ``Q``: ``(n + m) r`` numbers instead of
