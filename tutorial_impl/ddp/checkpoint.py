@@ -122,6 +122,8 @@ def load_in_one_process(x, y, checkpoint: str) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=toy.LR, momentum=MOMENTUM)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
+    # torch warns "torch.distributed is disabled ... assuming the intent is to load in a
+    # single process" even when no_dist=True says so: here that is the intent.
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     loaded, buffers = whole(model), momentum(model, optimizer)

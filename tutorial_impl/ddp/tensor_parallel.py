@@ -29,6 +29,16 @@ TP left along dim 0 once more. Order matters: ``parallelize_module`` first, then
 ``fully_shard`` on the 1-D "dp" sub-mesh. A weight then carries two placements, one per mesh
 dimension.
 
+**A view must not leave an FSDP2 module.** ``RowwiseParallel`` hands back its output as
+``to_local()`` of a DTensor: a *view* of the DTensor's local tensor. FSDP2 hooks its
+pre-backward step (which all-gathers the parameters again for backward) onto the tensor its
+module returns; an in-place op on a view (``out += y``) replaces that tensor's autograd
+node and the hook with it, silently: no all-gather, a failing or wrong backward. torch warns
+("FSDP2-wrapped module returned a view tensor") whether or not an in-place op follows. The
+2-D step therefore returns a copy: a forward hook, registered before ``fully_shard`` so it
+runs before FSDP's, clones the output (batch x 4 floats). In your own model, return a fresh
+tensor from the root (``out.clone()``, or an out-of-place op last).
+
     python -m tutorial_impl.ddp.tensor_parallel     # 4 local ranks; or torchrun --nproc-per-node=4
 """
 
@@ -93,6 +103,10 @@ def fsdp_tp_step(mesh: DeviceMesh, x: torch.Tensor, y: torch.Tensor) -> dict:
     """One SGD step with TP over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]``: each "dp"
     coordinate trains on its half of the batch."""
     model = parallelize_module(toy.mlp(0, SIZES), mesh["tp"], PLAN)
+    # RowwiseParallel's output is a view (``to_local()``); FSDP2 must be handed a tensor of
+    # its own to hook its pre-backward on (see the module's docstring). Registered before
+    # ``fully_shard``, this hook runs before FSDP's own post-forward hook.
+    model.register_forward_hook(lambda module, args, output: output.clone())
     fully_shard(model, mesh=mesh["dp"])  # after TP: FSDP shards the TP shards once more
     optimizer = torch.optim.SGD(model.parameters(), lr=toy.LR)
     dp_index, dp_size = mesh.get_local_rank("dp"), mesh.size(0)
