@@ -18,7 +18,7 @@ import pytest
 EXPLAINED = {
     r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is "
     r"to load in a single process": (
-        "lesson 11 loads a checkpoint in a process with no process group on purpose "
+        "lesson D11 loads a checkpoint in a process with no process group on purpose "
         "(dcp.load(..., no_dist=True)); torch 2.13 warns even when no_dist=True says so"
     ),
 }

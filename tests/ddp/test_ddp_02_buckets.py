@@ -1,4 +1,4 @@
-"""2. DDP's all-reduces follow ``bucket_cap_mb`` and overlap backward (``ddp/buckets.py``).
+"""D2. DDP's all-reduces follow ``bucket_cap_mb`` and overlap backward (``ddp/buckets.py``).
 
 The claims: DDP makes one all-reduce per bucket; buckets are filled in the order backward
 produces gradients (the reverse of ``model.parameters()`` for a plain stack of layers) until

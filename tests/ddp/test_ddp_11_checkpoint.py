@@ -1,4 +1,4 @@
-"""11. Distributed checkpointing: saved at world 4, loaded at 2 and at 1 (``ddp/checkpoint.py``).
+"""D11. Distributed checkpointing: saved at world 4, loaded at 2 and at 1 (``ddp/checkpoint.py``).
 
 The claims: four FSDP2 ranks save a model and its optimizer after one step of SGD with
 momentum, each rank its own rows (``.metadata`` lists four chunks of 8 rows for a 32-row

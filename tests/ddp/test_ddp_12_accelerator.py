@@ -1,4 +1,4 @@
-"""12. One training step written with ``torch.accelerator`` (``ddp/accelerator.py``).
+"""D12. One training step written with ``torch.accelerator`` (``ddp/accelerator.py``).
 
 The claims: the backend for a device is a table, needing no such device (``cpu`` -> gloo,
 ``cuda`` -> nccl, ``xpu`` -> xccl); the lesson's device-agnostic DDP step, run here, picks
@@ -8,7 +8,7 @@ wrapped onto another rank's (checked here with a pretended two-accelerator machi
 CUDA machine (``pytest -m dist_gpu``, skipped cleanly elsewhere) the same function picks
 ``cuda`` and NCCL, with no line changed, and takes the same step; ``PREMUL_SUM`` there is
 ``factor * sum`` in one collective; and DDP takes the bf16 compression hook a CPU-only
-build refuses (lesson 14). The reference is one process on the CPU.
+build refuses (lesson D14). The reference is one process on the CPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""13. ``torch.compile`` with DDP: the eager step, graphs split where buckets end
+"""D13. ``torch.compile`` with DDP: the eager step, graphs split where buckets end
 (``ddp/compile_ddp.py``).
 
 The claims, on 2 ranks: a DDP model compiled with ``torch.compile`` takes the step the same
@@ -8,7 +8,7 @@ once its parameters reach the cap, the first piece's cap always 1 MiB, every lat
 ``bucket_cap_mb`` (25 MiB by default). With DDP's default caps (its first bucket 1 MiB too)
 that is one graph per DDP bucket: the last layer alone, then the other two. With an explicit
 ``bucket_cap_mb=25`` it is not: DDP makes one bucket of all three layers (measured here with
-lesson 2's hook), DDPOptimizer still two graphs. (A 1 MiB cap, one layer a graph, and
+lesson D2's hook), DDPOptimizer still two graphs. (A 1 MiB cap, one layer a graph, and
 ``optimize_ddp = False``, one graph, are the demo's: a compile costs about a second.)
 The expected split is computed here from the layers' sizes by that rule; torch's code is not
 consulted. The backend records graphs and compiles nothing, so no C++ compiler runs.
@@ -58,7 +58,7 @@ def layers_in(graph_inputs: list[str]) -> list[str]:
 
 def graphs_and_buckets(rank: int, size: int, setups: list) -> dict:
     """In the ranks: the lesson's compiled and eager steps, and, for the same caps, how many
-    buckets eager DDP reduces in its second iteration (lesson 2's hook, on layers of the
+    buckets eager DDP reduces in its second iteration (lesson D2's hook, on layers of the
     same sizes)."""
     seen = compile_ddp.compiled_and_eager(rank, size, setups)
     caps = [cap_mb for _, cap_mb, _ in setups]

@@ -1,4 +1,4 @@
-"""14. Communication hooks: the bytes each sends, and how far it lands (``ddp/comm_hooks.py``).
+"""D14. Communication hooks: the bytes each sends, and how far it lands (``ddp/comm_hooks.py``).
 
 The claims, on 2 ranks, every hook from the same parameters and batches: the float32
 all-reduce (DDP's default) sends the whole bucket, 4 bytes a parameter, and is the exact

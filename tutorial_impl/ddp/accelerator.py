@@ -1,4 +1,4 @@
-"""12. Device-agnostic code with ``torch.accelerator``: one training step for CPU, CUDA, XPU...
+"""D12. Device-agnostic code with ``torch.accelerator``: one training step for CPU, CUDA, XPU...
 
 The tutorials write ``cuda`` where they mean "the accelerator": ``torch.cuda.set_device``,
 ``device_ids=[rank]``, ``backend="nccl"``. A script written that way cannot run on a laptop,
@@ -29,7 +29,7 @@ What NCCL does that gloo does not (each part of the GPU tests):
   device_id=device)`` connects at once); gloo needs no device;
 * **``ReduceOp.PREMUL_SUM``**: multiply by a factor, then sum, in one collective (how a
   gradient is averaged without a separate division); gloo refuses it;
-* **the bf16 compression hook** of DDP (lesson 14): DDP refuses torch's
+* **the bf16 compression hook** of DDP (lesson D14): DDP refuses torch's
   ``bf16_compress_hook`` unless torch was built with CUDA 11+ and NCCL 2.10+ (or XPU and
   XCCL): this CPU-only build refuses it, whatever the group.
 
@@ -106,7 +106,7 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "12. One DDP step written with torch.accelerator: CPU here, GPUs elsewhere."
+        __name__, "D12. One DDP step written with torch.accelerator: CPU here, GPUs elsewhere."
     ).parse_args(argv)
     # The backend follows the device: gloo on a CPU-only machine, nccl with CUDA GPUs.
     accelerator = torch.accelerator.current_accelerator()

@@ -1,4 +1,4 @@
-"""2. Buckets: how many all-reduces DDP makes, and why they start before backward ends.
+"""D2. Buckets: how many all-reduces DDP makes, and why they start before backward ends.
 
 ``average_gradients`` waits for the whole backward pass, then all-reduces each gradient on
 its own: one collective per tensor, none of them overlapping any computation. DDP does two
@@ -209,7 +209,7 @@ def print_buckets(model: str, cap: Cap, iterations: list[list[BucketCall]]) -> N
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "2. DDP's buckets under several bucket_cap_mb values, from a comm hook."
+        __name__, "D2. DDP's buckets under several bucket_cap_mb values, from a comm hook."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 

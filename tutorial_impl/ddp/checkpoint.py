@@ -1,7 +1,7 @@
-"""11. Distributed checkpointing: save a sharded model at one world size, load it at another.
+"""D11. Distributed checkpointing: save a sharded model at one world size, load it at another.
 
 ``torch.save(model.state_dict())`` on rank 0 needs the whole model on rank 0. Under FSDP
-(lesson 6) no rank has it: each holds a shard of every parameter and of the optimizer's
+(lesson D6) no rank has it: each holds a shard of every parameter and of the optimizer's
 state. ``torch.distributed.checkpoint`` (DCP) saves the shards as they are:
 
 * ``get_state_dict(model, optimizer)`` gives both state dicts with the *sharded* values
@@ -53,7 +53,7 @@ MOMENTUM = 0.9
 
 
 def sharded(size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """``toy.mlp(0)`` under FSDP2 over ``size`` ranks (lesson 6), with SGD + momentum."""
+    """``toy.mlp(0)`` under FSDP2 over ``size`` ranks (lesson D6), with SGD + momentum."""
     model = fsdp.shard(toy.mlp(0), init_device_mesh("cpu", (size,)))
     return model, torch.optim.SGD(model.parameters(), lr=toy.LR, momentum=MOMENTUM)
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = toy.demo_parser(
         __name__,
-        "11. Save a sharded model and optimizer on 4 ranks, load on 2 and in one process.",
+        "D11. Save a sharded model and optimizer on 4 ranks, load on 2 and in one process.",
         world_size=None,
     )
     parser.add_argument(

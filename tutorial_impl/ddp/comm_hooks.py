@@ -1,6 +1,6 @@
-"""14. Communication hooks: send less per bucket (fp16, bf16, PowerSGD), and what it costs.
+"""D14. Communication hooks: send less per bucket (fp16, bf16, PowerSGD), and what it costs.
 
-Lesson 2 showed a *communication hook* is called once per bucket and returns a future of the
+Lesson D2 showed a *communication hook* is called once per bucket and returns a future of the
 averaged bucket; DDP's default divides by the world size and all-reduces the float32 bucket.
 A hook may send something smaller instead, as long as it returns a float32 bucket of the
 same size. ``torch.distributed.algorithms.ddp_comm_hooks`` has three ideas:
@@ -30,7 +30,7 @@ DDP refuses torch's ``bf16_compress_hook`` in a torch built without CUDA 11+ and
 CUDA 11+ and NCCL 2.10+"): it checks the build, not the group, and gloo on the CPU
 all-reduces bfloat16 fine. ``cast_hook(torch.bfloat16)`` below is the same hook written
 out (it is what torch's fp16 and bf16 hooks do, minus the ``torch.compile`` branch); on
-GPUs, lesson 12's GPU test registers torch's own.
+GPUs, lesson D12's GPU test registers torch's own.
 
     python -m tutorial_impl.ddp.comm_hooks      # 2 local ranks; or torchrun --nproc-per-node=2
 """
@@ -156,7 +156,7 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "14. DDP communication hooks: fp16, bf16, PowerSGD: bytes sent and error."
+        __name__, "D14. DDP communication hooks: fp16, bf16, PowerSGD: bytes sent and error."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 

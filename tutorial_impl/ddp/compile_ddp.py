@@ -1,9 +1,9 @@
-"""13. ``torch.compile`` with DDP: the same step, and the graph split where buckets end.
+"""D13. ``torch.compile`` with DDP: the same step, and the graph split where buckets end.
 
 ``torch.compile(ddp_model)`` traces the model's forward into a graph (TorchDynamo) and hands
 it to a *backend* that compiles it ("inductor" by default: generated C++ or Triton kernels).
 A compiled graph runs backward as one autograd node: every gradient of the graph is written
-when that node finishes. Lesson 2's overlap would be lost: DDP launches a bucket's
+when that node finishes. Lesson D2's overlap would be lost: DDP launches a bucket's
 all-reduce when the bucket's last gradient is written, so all buckets would wait for the
 end of backward.
 
@@ -139,7 +139,7 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "13. torch.compile with DDP: DDPOptimizer's graphs, counted under three caps."
+        __name__, "D13. torch.compile with DDP: DDPOptimizer's graphs, counted under three caps."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 

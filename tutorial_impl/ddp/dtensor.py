@@ -1,6 +1,6 @@
-"""7. DeviceMesh and DTensor: one tensor laid out over a 2 x 2 grid of ranks.
+"""D7. DeviceMesh and DTensor: one tensor laid out over a 2 x 2 grid of ranks.
 
-FSDP (lesson 6), tensor parallelism and pipeline schedules all describe *where the pieces
+FSDP (lesson D6), tensor parallelism and pipeline schedules all describe *where the pieces
 of a tensor live* with two objects:
 
 * a ``DeviceMesh`` arranges the ranks in a grid, here 4 ranks as 2 x 2 with named dimensions
@@ -117,7 +117,7 @@ def demo(rank: int, size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
         __name__,
-        "7. DeviceMesh and DTensor: Shard, Replicate, Partial and redistribute "
+        "D7. DeviceMesh and DTensor: Shard, Replicate, Partial and redistribute "
         "on a 2 x 2 mesh of 4 ranks.",
         world_size=None,
     ).parse_args(argv)

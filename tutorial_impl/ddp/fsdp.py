@@ -1,10 +1,10 @@
-"""6. FSDP2 (``fully_shard``): every rank holds a slice of each parameter, and steps it.
+"""D6. FSDP2 (``fully_shard``): every rank holds a slice of each parameter, and steps it.
 
 DDP keeps a whole copy of the model, its gradients and its optimizer state on every rank.
 Fully Sharded Data Parallel keeps a *shard*: with N ranks, each parameter is cut along dim
 0 into N pieces and rank r keeps piece r. The price is communication around every use:
 
-* **before** (between steps): each parameter is a ``DTensor`` (lesson 7) with placement
+* **before** (between steps): each parameter is a ``DTensor`` (lesson D7) with placement
   ``Shard(0)``: ``p.shape`` is the whole parameter's shape, ``p.to_local()`` the rows this
   rank holds. Rows split like ``torch.chunk``: a 3-row weight on 2 ranks is 2 + 1 rows.
 * **during** forward (and backward) of a module that was given ``fully_shard``: its
@@ -109,7 +109,7 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "6. FSDP2 fully_shard: what each rank holds before, during and after a step."
+        __name__, "D6. FSDP2 fully_shard: what each rank holds before, during and after a step."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 

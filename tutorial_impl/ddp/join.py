@@ -1,7 +1,7 @@
-"""5. Uneven inputs: a bare DDP loop blocks; ``Join`` lets every rank finish.
+"""D5. Uneven inputs: a bare DDP loop blocks; ``Join`` lets every rank finish.
 
 The tutorial's partitioning (``tutorial_impl/dist_tuto/partition.py``) cuts every rank's
-data to the same number of batches, and ``DistributedSampler`` pads (lesson 4), for one
+data to the same number of batches, and ``DistributedSampler`` pads (lesson D4), for one
 reason: every backward of a DDP model is a collective. A rank with one batch more than the
 others calls an all-reduce that nobody answers, and waits. By default it waits for the
 process group's timeout, then fails: ``init_process_group``'s default is 30 minutes for gloo
@@ -117,7 +117,7 @@ def demo(rank: int, size: int, deadline: float = 1.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
         __name__,
-        "5. Uneven inputs: a bare DDP loop blocks (seen with a short deadline); "
+        "D5. Uneven inputs: a bare DDP loop blocks (seen with a short deadline); "
         "Join lets every rank finish.",
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)

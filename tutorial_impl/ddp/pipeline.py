@@ -1,4 +1,4 @@
-"""8. Pipeline parallelism: the model split across ranks, fed micro-batches by a schedule.
+"""D8. Pipeline parallelism: the model split across ranks, fed micro-batches by a schedule.
 
 The DDP + RPC tutorial names two reasons to combine data and model parallelism and builds
 the first (a parameter server); its "case 2" is the PipeDream idea: *pipeline stages of the
@@ -122,7 +122,9 @@ def demo(rank: int, size: int, n_microbatches: int = 4) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "8. A model split over 2 ranks, 4 micro-batches, GPipe and 1F1B.", world_size=None
+        __name__,
+        "D8. A model split over 2 ranks, 4 micro-batches, GPipe and 1F1B.",
+        world_size=None,
     ).parse_args(argv)
     return toy.main(demo, 2, args.timeout, PRELOAD)
 

@@ -1,6 +1,6 @@
-"""10. Tensor parallelism: one layer's matrix cut across ranks; then FSDP2 + TP on a 2 x 2 mesh.
+"""D10. Tensor parallelism: one layer's matrix cut across ranks; then FSDP2 + TP on a 2 x 2 mesh.
 
-FSDP (lesson 6) cuts every parameter but gathers it whole before using it: each rank still
+FSDP (lesson D6) cuts every parameter but gathers it whole before using it: each rank still
 computes the whole layer, on its own rows of the batch. **Tensor parallelism** (TP) never
 gathers the weights: each rank computes *part of the layer* on the *whole* batch. For a
 two-layer MLP ``Linear(8, 32) -> ReLU -> Linear(32, 4)`` (Megatron-LM's split):
@@ -22,7 +22,7 @@ something before the block needs it (here ``x.requires_grad``). ``CommDebugMode`
 forward and backward separately. The optimizer steps each rank's shard: every rank ends with
 its piece of the step one process would take.
 
-**2-D**: on a 2 x 2 ``DeviceMesh`` ``("dp", "tp")`` (lesson 7) TP runs inside each row of the
+**2-D**: on a 2 x 2 ``DeviceMesh`` ``("dp", "tp")`` (lesson D7) TP runs inside each row of the
 mesh (``mesh["tp"]``) and FSDP2 across the rows (``mesh["dp"]``): each "dp" half of the world
 gets half the batch; within it, the two "tp" ranks split each layer; and FSDP shards what
 TP left along dim 0 once more. Order matters: ``parallelize_module`` first, then
@@ -137,7 +137,7 @@ def tensor_parallel_step(rank: int, size: int, x: torch.Tensor, y: torch.Tensor)
 
 
 def two_d_step(rank: int, size: int, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """``fsdp_tp_step`` on the 2 x 2 mesh ``("dp", "tp")`` of lesson 7."""
+    """``fsdp_tp_step`` on the 2 x 2 mesh ``("dp", "tp")`` of lesson D7."""
     check_world(size)
     mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=MESH_DIMS)
     try:
@@ -159,7 +159,7 @@ def demo(rank: int, size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
         __name__,
-        "10. Tensor parallelism (column- then row-wise) on 4 ranks; FSDP2 + TP on a 2 x 2 mesh.",
+        "D10. Tensor parallelism (column- then row-wise) on 4 ranks; FSDP2 + TP on a 2 x 2 mesh.",
         world_size=None,
     ).parse_args(argv)
     return toy.main(demo, 4, args.timeout, PRELOAD)
