@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tutorial_impl.ddp import toy
 from tutorial_impl.ddp.dtensor import MESH_SHAPE, destroy_mesh_groups
 from tutorial_impl.ddp.pipeline import record_order, stage_module
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo", "torch.distributed.pipelining"]
 DIMS = ("dp", "pp")  # rank 2i + j: pipeline i, stage j
@@ -135,8 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.pipeline_ddp import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

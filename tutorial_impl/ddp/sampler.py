@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.ddp import toy
+from tutorial_impl.dist_tuto.process import print_line
 
 
 def dataset(n: int) -> TensorDataset:
@@ -110,8 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.sampler import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

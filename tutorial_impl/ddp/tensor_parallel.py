@@ -55,7 +55,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from tutorial_impl.ddp import toy
 from tutorial_impl.ddp.dtensor import MESH_DIMS, MESH_SHAPE, destroy_mesh_groups
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 SIZES = (8, 32, 4)  # Linear(8, 32) -> ReLU -> Linear(32, 4): "0" and "2" in the Sequential
@@ -166,8 +166,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.tensor_parallel import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py
