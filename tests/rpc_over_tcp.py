@@ -12,7 +12,7 @@ without; 17.5 and 19.3 s of wall time against 16.4 and 13.6.
 A ``TensorPipeRpcBackendOptions`` given no ``_transports`` gets ``["uv"]``; one that names
 its transports keeps them. Messages, RRefs, distributed autograd and timeouts are the same
 over either transport; what differs is the words of a lost connection (shared memory:
-"eof", TCP: "EOF: end of file"), so lesson 8, which quotes them, keeps torch's defaults
+"eof", TCP: "EOF: end of file"), so lesson T8, which quotes them, keeps torch's defaults
 (``KEEP``, set in its ranks' environment). So do the CLI demos, fresh interpreters
 (``test_rpc_cli.py``, ``test_hybrid_cli.py``): the default transport stays proven end to
 end. Imported once in

@@ -1,4 +1,4 @@
-"""1. DDP takes the step ``average_gradients`` takes (``tutorial_impl/ddp/equivalence.py``).
+"""D1. DDP takes the step ``average_gradients`` takes (``tutorial_impl/ddp/equivalence.py``).
 
 The claim: wrapping a model in ``DistributedDataParallel`` and stepping gives every rank the
 parameters the tutorial's hand-written ``average_gradients`` gives, and both are the step one

@@ -1,4 +1,4 @@
-"""3. ``no_sync`` accumulation equals one step on the k-times batch (``ddp/no_sync.py``).
+"""D3. ``no_sync`` accumulation equals one step on the k-times batch (``ddp/no_sync.py``).
 
 The claim: k micro-batches per rank, the first k-1 backwards inside ``ddp.no_sync()`` and
 each loss divided by k, then one optimizer step, give the parameters of one step on the

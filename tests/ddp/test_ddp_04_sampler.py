@@ -1,4 +1,4 @@
-"""4. ``DistributedSampler``: shards, epochs, padding (``tutorial_impl/ddp/sampler.py``).
+"""D4. ``DistributedSampler``: shards, epochs, padding (``tutorial_impl/ddp/sampler.py``).
 
 The claims: the ranks' shards are disjoint and cover the data; every epoch reshuffles, from
 a generator seeded with ``seed + epoch`` (so ``set_epoch`` changes the shards, without it

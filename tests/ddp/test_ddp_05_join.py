@@ -1,4 +1,4 @@
-"""5. Uneven inputs: a bare loop blocks, ``Join`` finishes (``tutorial_impl/ddp/join.py``).
+"""D5. Uneven inputs: a bare loop blocks, ``Join`` finishes (``tutorial_impl/ddp/join.py``).
 
 The claims: without ``Join``, the rank with more batches waits in an all-reduce nobody
 answers (here until its group's short deadline, then gloo's "Timed out"); with ``Join`` every

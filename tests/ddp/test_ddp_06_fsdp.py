@@ -1,4 +1,4 @@
-"""6. FSDP2: one sharded step is one process's step (``tutorial_impl/ddp/fsdp.py``).
+"""D6. FSDP2: one sharded step is one process's step (``tutorial_impl/ddp/fsdp.py``).
 
 The claims: after ``fully_shard`` each rank holds, for every parameter, a ``DTensor`` placed
 ``Shard(0)`` whose local rows are exactly ``torch.chunk(whole, 2)[rank]`` (uneven when the

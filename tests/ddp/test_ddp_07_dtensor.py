@@ -1,4 +1,4 @@
-"""7. DeviceMesh and DTensor on a 2 x 2 mesh of 4 ranks (``tutorial_impl/ddp/dtensor.py``).
+"""D7. DeviceMesh and DTensor on a 2 x 2 mesh of 4 ranks (``tutorial_impl/ddp/dtensor.py``).
 
 The claims: rank ``2i + j`` sits at mesh coordinate ``(i, j)``, its "dp" group is the ranks
 that share its ``j`` and its "tp" group those that share its ``i``; ``Shard(d)`` on a mesh

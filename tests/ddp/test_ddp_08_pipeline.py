@@ -1,4 +1,4 @@
-"""8. Pipelining: a model split over 2 ranks, 4 micro-batches (``ddp/pipeline.py``).
+"""D8. Pipelining: a model split over 2 ranks, 4 micro-batches (``ddp/pipeline.py``).
 
 The claims: each rank holds only its stage's layers; under both ``ScheduleGPipe`` and
 ``Schedule1F1B`` the last stage's merged output is the whole model's output on the whole

@@ -1,4 +1,4 @@
-"""9. torchrun sets the workers' variables (``tutorial_impl/ddp/torchrun_env.py``).
+"""D9. torchrun sets the workers' variables (``tutorial_impl/ddp/torchrun_env.py``).
 
 The claim: torchrun's agents, not the workers and not the caller's environment, give each
 worker ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and the

@@ -1,4 +1,4 @@
-"""10. Tensor parallelism, then FSDP2 + TP on a 2 x 2 mesh (``ddp/tensor_parallel.py``).
+"""D10. Tensor parallelism, then FSDP2 + TP on a 2 x 2 mesh (``ddp/tensor_parallel.py``).
 
 The claims, on 4 ranks: with ``ColwiseParallel`` then ``RowwiseParallel`` each rank holds a
 quarter of the first weight's rows (and bias) and a quarter of the second weight's columns,
@@ -68,7 +68,7 @@ def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh_equal_one_process(run_ranks) ->
     start = toy.parameters(toy.mlp(0, tensor_parallel.SIZES))
     results = run_ranks(tensor_parallel.two_d_step, x, y, world_size=WORLD)
     for rank, seen in enumerate(results):
-        i, j = divmod(rank, 2)  # ("dp", "tp") coordinate, as in lesson 7
+        i, j = divmod(rank, 2)  # ("dp", "tp") coordinate, as in lesson D7
         where = f"rank {rank} at ({i}, {j})"
         # TP cuts first (by j), FSDP cuts what TP left along dim 0 (by i).
         expected = {

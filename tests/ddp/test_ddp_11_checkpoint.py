@@ -1,4 +1,4 @@
-"""11. Distributed checkpointing: saved at world 4, loaded at 2 and at 1 (``ddp/checkpoint.py``).
+"""D11. Distributed checkpointing: saved at world 4, loaded at 2 and at 1 (``ddp/checkpoint.py``).
 
 The claims: four FSDP2 ranks save a model and its optimizer after one step of SGD with
 momentum, each rank its own rows (``.metadata`` lists four chunks of 8 rows for a 32-row
@@ -6,8 +6,11 @@ weight, and for its momentum buffer); two ranks load it, each now holding 16 row
 parameters and momentum buffers of that step; one process with no process group loads it
 into an unsharded model the same way; and the second step taken from either is the second
 step of one process training on the whole batch, which it would not be without the momentum
-buffers. ``async_save`` returns before the files are written, the ranks take another step
-at once, and the checkpoint still holds the first step's values.
+buffers. ``async_save`` returns before its files are written (shown on 2 ranks by starting
+rank 1's save only once rank 0's has returned: rank 0's writer needs rank 1's save plan
+before anyone writes, so on return there is no file yet, and both are there after
+``result()``), the ranks take another step at once, and the checkpoint still holds the
+first step's values.
 
 The reference is SGD with momentum written out below, on the unsplit model, in this process.
 """
@@ -18,7 +21,10 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tutorial_impl.ddp import checkpoint, toy
 
@@ -67,6 +73,34 @@ def load_without_a_group(rank: int, size: int, x, y, directory: str) -> dict:
     return checkpoint.load_in_one_process(x, y, os.path.join(directory, "sync"))
 
 
+def files(directory: str) -> list[str]:
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def async_save_one_rank_first(rank: int, size: int, directory: str) -> dict:
+    """In the ranks: rank 0 calls ``async_save`` and looks at the directory when it returns;
+    only then (a barrier) does rank 1 call it. Rank 0's writer thread waits for rank 1's
+    plan before any file is written, so a synchronous save would never have returned."""
+    model, optimizer = checkpoint.sharded(size)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state, target = {"model": model_state, "optim": optim_state}, os.path.join(directory, "late")
+    writer_group = dist.new_group(backend="gloo")
+    seen: dict = {}
+    try:
+        if rank == 0:
+            future = dcp.async_save(state, checkpoint_id=target, process_group=writer_group)
+            seen = {"at_return": files(target), "done_at_return": future.done()}
+        dist.barrier()  # rank 0 has returned from async_save
+        if rank != 0:
+            future = dcp.async_save(state, checkpoint_id=target, process_group=writer_group)
+        future.result(timeout=60)
+        dist.barrier()  # every rank's files are written
+        seen["after_result"] = files(target)
+    finally:
+        dist.destroy_process_group(writer_group)
+    return seen
+
+
 def test_a_checkpoint_saved_at_world_4_loads_at_world_2_and_1(run_ranks, tmp_path) -> None:
     x, y = toy.batch(ROWS)
     first, second = momentum_steps(x, y, 2)
@@ -91,6 +125,9 @@ def test_a_checkpoint_saved_at_world_4_loads_at_world_2_and_1(run_ranks, tmp_pat
             close(seen["loaded"], first["params"])  # async too: the values of the call
             close(seen["momentum"], first["momentum"])
             close(seen["after_two"], second["params"])
+    late = run_ranks(async_save_one_rank_first, directory, world_size=2)
+    assert late[0]["at_return"] == [] and not late[0]["done_at_return"], late[0]
+    assert late[0]["after_result"] == [".metadata", "__0_0.distcp", "__1_0.distcp"], late[0]
 
     (alone,) = run_ranks(load_without_a_group, x, y, directory, world_size=1, backend=None)
     close(alone["loaded"], first["params"])

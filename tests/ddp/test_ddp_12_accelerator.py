@@ -1,12 +1,14 @@
-"""12. One training step written with ``torch.accelerator`` (``ddp/accelerator.py``).
+"""D12. One training step written with ``torch.accelerator`` (``ddp/accelerator.py``).
 
 The claims: the backend for a device is a table, needing no such device (``cpu`` -> gloo,
 ``cuda`` -> nccl, ``xpu`` -> xccl); the lesson's device-agnostic DDP step, run here, picks
 the CPU and gloo and takes one process's step on the whole batch; gloo refuses NCCL's
-``PREMUL_SUM``. On a CUDA machine (``pytest -m dist_gpu``, skipped cleanly elsewhere) the
-same function picks ``cuda`` and NCCL, with no line changed, and takes the same step;
-``PREMUL_SUM`` there is ``factor * sum`` in one collective; and DDP takes the bf16
-compression hook a CPU-only build refuses (lesson 14). The reference is one process on the CPU.
+``PREMUL_SUM``; a rank whose ``LOCAL_RANK`` has no accelerator of its own is refused, not
+wrapped onto another rank's (checked here with a pretended two-accelerator machine). On a
+CUDA machine (``pytest -m dist_gpu``, skipped cleanly elsewhere) the same function picks
+``cuda`` and NCCL, with no line changed, and takes the same step; ``PREMUL_SUM`` there is
+``factor * sum`` in one collective; and DDP takes the bf16 compression hook a CPU-only
+build refuses (lesson D14). The reference is one process on the CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +67,24 @@ def test_the_device_agnostic_step_runs_on_cpu_with_gloo(run_ranks) -> None:
         ), rank
         close(step["params"], reference, ATOL)
         assert "PREMUL_SUM" in seen["premul"] and "Gloo" in seen["premul"], seen["premul"]
+
+
+def test_more_ranks_than_accelerators_are_refused_not_wrapped(monkeypatch) -> None:
+    """A pretend machine with 2 accelerators: local ranks 0 and 1 get devices 0 and 1, local
+    rank 2 an error (``2 % 2`` would have given it rank 0's device, which NCCL refuses)."""
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", chosen.append)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    for local_rank in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        assert accelerator.pick_device(7) == torch.device("cuda", local_rank)
+    assert chosen == [0, 1]
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match="local rank 2 needs its own accelerator.* has 2"):
+        accelerator.pick_device(2)
+    assert chosen == [0, 1]  # nothing was set for the refused rank
 
 
 def bf16_hook_accepted(rank: int, size: int) -> str:

@@ -1,4 +1,4 @@
-"""14. Communication hooks: the bytes each sends, and how far it lands (``ddp/comm_hooks.py``).
+"""D14. Communication hooks: the bytes each sends, and how far it lands (``ddp/comm_hooks.py``).
 
 The claims, on 2 ranks, every hook from the same parameters and batches: the float32
 all-reduce (DDP's default) sends the whole bucket, 4 bytes a parameter, and is the exact
@@ -51,6 +51,16 @@ def builds_bf16_hook() -> bool:
     cuda = torch.version.cuda is not None and dist.is_nccl_available()
     xpu = dist.is_xccl_available() and torch.xpu.is_available()
     return (cuda and torch.cuda.nccl.version() >= (2, 10)) or xpu
+
+
+def test_fp16s_range_as_the_lesson_states_it() -> None:
+    """The lesson's numbers for fp16's range: 2^-25 (~3e-8) and below round to 0, anything
+    above it to at least 2^-24 (~6e-8); 65504 is the largest, 65520 and up are infinity.
+    bf16 keeps both ends (float32's exponent)."""
+    tiny, smallest = 2.0**-25, 2.0**-24
+    values = torch.tensor([tiny, tiny * 1.001, smallest, 65504.0, 65519.0, 65520.0])
+    assert values.half().tolist() == [0.0, smallest, smallest, 65504.0, 65504.0, float("inf")]
+    assert (values.bfloat16() > 0).all() and values.bfloat16().isfinite().all()
 
 
 def test_the_reference_plan_on_the_lessons_model() -> None:

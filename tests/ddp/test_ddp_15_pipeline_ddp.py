@@ -1,4 +1,4 @@
-"""15. The tutorial's "case 2": pipeline stages replicated with DDP (``ddp/pipeline_ddp.py``).
+"""D15. The tutorial's "case 2": pipeline stages replicated with DDP (``ddp/pipeline_ddp.py``).
 
 The claims, on 4 ranks as a 2 x 2 mesh ``("dp", "pp")``: rank ``2i + j`` is stage ``j`` of
 pipeline ``i``, its pipeline the ranks ``[2i, 2i + 1]`` and the copies of its stage
@@ -26,7 +26,7 @@ LAYERS = [["0.weight", "0.bias"], ["2.weight", "2.bias", "4.weight", "4.bias"]]
 
 def step_in_ranks(rank: int, size: int, x, y) -> dict:
     # Imported in the ranks: torch.distributed.pipelining imports torch._dynamo, a second
-    # of CPU in this test's own process, which needs nothing of it (as in lesson 8).
+    # of CPU in this test's own process, which needs nothing of it (as in lesson D8).
     from tutorial_impl.ddp import pipeline_ddp
 
     groups = len(dist.distributed_c10d._world.pg_map)  # the process groups that exist

@@ -149,7 +149,7 @@ def test_isend_buffer_must_not_change_before_wait(run_ranks):
 def test_a_ring_exchange_in_one_batch(run_ranks, world_size):
     """``batch_isend_irecv``: each rank lists its send first and still gets its left
     neighbour's value, where a ``send`` then ``recv`` on every rank would wait in its send until
-    the group's timeout (30 minutes by default) and then fail: lesson 8 measures it."""
+    the group's timeout (30 minutes by default) and then fail: lesson T8 measures it."""
     results = run_ranks(p2p.run_ring_exchange, world_size=world_size)
     assert results == [[float((rank - 1) % world_size)] * 2 for rank in range(world_size)]
 

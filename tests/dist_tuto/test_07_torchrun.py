@@ -5,7 +5,7 @@ What torchrun does. ``torchrun`` (``python -m torch.distributed.run``) is how th
 machine, its *agent*; the agents meet at a *rendezvous* (a store all of them can reach)
 and agree on who is who; then each agent starts its machine's workers, a fresh ``python -u
 YOUR COMMAND`` each, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-``MASTER_PORT`` set for it (lesson 9 of the DDP course lists them all); watches them; and
+``MASTER_PORT`` set for it (lesson D9 lists them all); watches them; and
 exits 0 only if every worker did. ``cli.launch`` notices it runs under an agent
 (TORCHELASTIC_RUN_ID and RANK are set) and runs just this worker's rank, so the very same
 ``python -m tutorial_impl train`` works both ways. On two machines:

@@ -1,4 +1,4 @@
-"""8. Failure (``tutorial_impl/dist_tuto/failure.py``): what the other ranks see, and when.
+"""T8. Failure (``tutorial_impl/dist_tuto/failure.py``): what the other ranks see, and when.
 
 The tutorial's programs assume every rank lives and calls the same collectives with the
 same tensors. Here each assumption is broken on purpose, on gloo, and what torch 2.13 does
@@ -59,7 +59,7 @@ from tutorial_impl.testing.faults.plan import Fault, Kill
 GROUP_TIMEOUT = timedelta(seconds=60)  # far above what any run here needs
 RPC_TIMEOUT = 20.0  # the course's default (tutorial_impl/rpc/workers.py)
 AT_ONCE = 5.0  # seconds: "at once" with room for a busy machine, far below either timeout
-TIMEOUT = timedelta(seconds=1.5)  # the group of lesson 4: its waits end here
+TIMEOUT = timedelta(seconds=1.5)  # the group of part 4: its waits end here
 WAIT = timedelta(seconds=20)  # a rank that waits for another's signal gives up after this
 FR_LOGGER = "Flight Recorder"  # the logger torch's analyzer writes its findings to
 # What gloo raises when a peer dropped the connection: its process died (the kernel closed its
@@ -217,7 +217,7 @@ def reads_finished(rank: int, within: float) -> bool:
 
 def send_then_recv(rank: int, world_size: int, group: dist.ProcessGroup) -> None:
     """A ring written with blocking calls: every rank sends first. A gloo send returns only
-    once its receiver has called recv (lesson 2), so no rank ever gets to its recv."""
+    once its receiver has called recv (lesson T2), so no rank ever gets to its recv."""
     dist.send(torch.ones(2), dst=(rank + 1) % world_size, group=group)
     dist.recv(torch.zeros(2), src=(rank - 1) % world_size, group=group)
 
@@ -288,7 +288,7 @@ def test_torchs_tools_name_the_rank_and_the_collective(waits, caplog):
     )
     assert 0.5 <= seconds < 0.5 + AT_ONCE
     # DETAIL: both ranks raise at the call, before any data moves, naming both fingerprints;
-    # the same 6-against-7 that aborted a receiver in lesson 3.
+    # the same 6-against-7 that aborted a receiver in part 3.
     for rank, report in enumerate((rank0, rank1)):
         error, seconds = report["detail"]
         assert error.startswith("RuntimeError: Detected mismatch between collectives on ranks.")

@@ -41,7 +41,7 @@ four times over. It inherits the agent's signal handlers, which ``call_main`` pu
 fresh interpreter has them. And nothing the lesson claims depends on it: a restarted worker,
 forked or fresh, is a new process that knows only the files (the test checks the new pids).
 How the suite runs such a job, and checks that no worker outlives it:
-``tests/torchrun_in_process.py``. Fresh workers under torchrun, and how they end: lesson 7.
+``tests/torchrun_in_process.py``. Fresh workers under torchrun, and how they end: lesson T7.
 """
 
 from __future__ import annotations

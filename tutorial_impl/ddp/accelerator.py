@@ -1,4 +1,4 @@
-"""12. Device-agnostic code with ``torch.accelerator``: one training step for CPU, CUDA, XPU...
+"""D12. Device-agnostic code with ``torch.accelerator``: one training step for CPU, CUDA, XPU...
 
 The tutorials write ``cuda`` where they mean "the accelerator": ``torch.cuda.set_device``,
 ``device_ids=[rank]``, ``backend="nccl"``. A script written that way cannot run on a laptop,
@@ -15,10 +15,13 @@ naming its kind:
   nothing and needs no such device: the mapping is a table.
 
 ``pick_device`` and ``agnostic_step`` below are the whole pattern: pick this rank's device
-(``LOCAL_RANK``, which torchrun sets, is the index on this machine), move the model and the
-batch there, wrap in DDP with ``device_ids`` only when there is an accelerator, step. The
-same lines run here on CPU with gloo, and on GPUs with NCCL
-(``tests/ddp/test_ddp_12_accelerator.py`` has both; the GPU tests skip cleanly without CUDA).
+(``LOCAL_RANK``, which torchrun sets, is the index on this machine; a machine with fewer
+accelerators than ranks is refused, as ``select_gpu`` in ``dist_tuto/process.py`` refuses
+it: wrapping around with ``LOCAL_RANK % device_count()`` would put two ranks on one GPU,
+which NCCL rejects later as "Duplicate GPU detected"), move the model and the batch there,
+wrap in DDP with ``device_ids`` only when there is an accelerator, step. The same lines run
+here on CPU with gloo, and on GPUs with NCCL (``tests/ddp/test_ddp_12_accelerator.py`` has
+both; the GPU tests skip cleanly without CUDA).
 
 What NCCL does that gloo does not (each part of the GPU tests):
 
@@ -26,7 +29,7 @@ What NCCL does that gloo does not (each part of the GPU tests):
   device_id=device)`` connects at once); gloo needs no device;
 * **``ReduceOp.PREMUL_SUM``**: multiply by a factor, then sum, in one collective (how a
   gradient is averaged without a separate division); gloo refuses it;
-* **the bf16 compression hook** of DDP (lesson 14): DDP refuses torch's
+* **the bf16 compression hook** of DDP (lesson D14): DDP refuses torch's
   ``bf16_compress_hook`` unless torch was built with CUDA 11+ and NCCL 2.10+ (or XPU and
   XCCL): this CPU-only build refuses it, whatever the group.
 
@@ -43,17 +46,23 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 
 
 def pick_device(rank: int) -> torch.device:
     """This rank's device: its accelerator (by ``LOCAL_RANK``, the index on this machine),
-    or the CPU when there is none."""
+    or the CPU when there is none. One accelerator per rank: a ``LOCAL_RANK`` with no
+    accelerator of its own is a ``ValueError`` now, not a shared GPU later."""
     if not torch.accelerator.is_available():
         return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", rank)) % torch.accelerator.device_count()
+    index, count = int(os.environ.get("LOCAL_RANK", rank)), torch.accelerator.device_count()
+    if not 0 <= index < count:
+        raise ValueError(
+            f"local rank {index} needs its own accelerator, but this machine has {count}: "
+            f"start at most {count} ranks per machine"
+        )
     torch.accelerator.set_device_index(index)  # what torch.cuda.set_device(index) did
     return torch.device(torch.accelerator.current_accelerator().type, index)
 
@@ -97,7 +106,7 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "12. One DDP step written with torch.accelerator: CPU here, GPUs elsewhere."
+        __name__, "D12. One DDP step written with torch.accelerator: CPU here, GPUs elsewhere."
     ).parse_args(argv)
     # The backend follows the device: gloo on a CPU-only machine, nccl with CUDA GPUs.
     accelerator = torch.accelerator.current_accelerator()
@@ -110,8 +119,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.accelerator import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

@@ -1,4 +1,4 @@
-"""2. Buckets: how many all-reduces DDP makes, and why they start before backward ends.
+"""D2. Buckets: how many all-reduces DDP makes, and why they start before backward ends.
 
 ``average_gradients`` waits for the whole backward pass, then all-reduces each gradient on
 its own: one collective per tensor, none of them overlapping any computation. DDP does two
@@ -11,18 +11,25 @@ things instead:
   bucket's all-reduce the moment its last gradient arrives, while autograd is still busy
   computing the gradients of earlier layers. Communication hides behind computation.
 
-A **communication hook** (``DDP.register_comm_hook``) is called once per bucket with the
-flat bucket, and must return a future of the reduced tensor. ``BucketLog`` wraps DDP's own
-default (``allreduce_hook``: divide by the world size, all-reduce SUM) and records every
-call: which parameters the bucket holds, and how many of the model's gradients do not exist
-yet. Counting calls counts all-reduces honestly, because the hook is the only thing that
-launches them.
+A **communication hook** (``DDP.register_comm_hook(state, hook)``) is called once per bucket
+as ``hook(state, bucket)``, and must return a future of the reduced tensor. ``BucketLog``
+wraps DDP's own default (``allreduce_hook``: divide by the group's size, all-reduce SUM)
+and records every call: which parameters the bucket holds, and how many of the model's
+gradients do not exist yet. Counting calls counts all-reduces honestly, because the hook is
+the only thing that launches them. ``allreduce_hook``'s first argument is the group to
+reduce over, and ``None`` means the *default* group (the world), not DDP's: a hook must
+pass on the ``process_group`` its DDP was built with, or a DDP over a subgroup all-reduces
+with every rank of the world (wrong sums, or a hang if the others never call it).
 
-One thing the documentation does not say: in the *first* iteration (unless
-``find_unused_parameters=True``) DDP puts every parameter in one bucket, because it does not
-trust ``model.parameters()`` to be the order backward produces gradients in. It records the
-real order during that first backward and rebuilds the buckets by ``bucket_cap_mb`` before
-the second. So the count follows ``bucket_cap_mb`` from the second iteration on.
+One thing the documentation does not say: in the *first* iteration DDP puts every parameter
+in one bucket, because it does not trust ``model.parameters()`` to be the order backward
+produces gradients in. It records the real order during that first backward and rebuilds
+the buckets by ``bucket_cap_mb`` before the second. So the count follows ``bucket_cap_mb``
+from the second iteration on. Two settings bucket from the start instead:
+``find_unused_parameters=True``, and ``bucket_cap_mb_list=`` (a cap per bucket, the last
+repeated): its first iteration's buckets are filled in ``model.parameters()`` order, the
+first cap for the bucket of the *first* layers, and rebuilt in gradient order for the
+second iteration, the first cap then for the *last* layers (measured in the lesson's test).
 
 And one thing the default does that an explicit cap does not: with ``bucket_cap_mb=None``
 the *first* bucket (the last layers' gradients, ready first) is capped at
@@ -47,7 +54,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 WIDE = (512, 512, 512, 512)  # toy.mlp's sizes for three Linear(512, 512): 1 MiB a weight
@@ -69,6 +76,8 @@ class BucketLog:
     """A comm hook's state: the model it watches, and every call so far."""
 
     model: nn.Module
+    # DDP's own group (``ddp.process_group``): the one its all-reduces must run over.
+    group: dist.ProcessGroup | None = None
     iteration: int = 0
     calls: list[BucketCall] = field(default_factory=list)
     # (iteration, parameter) each time autograd has written a gradient: the order backward
@@ -108,13 +117,24 @@ def logging_allreduce_hook(
     names = [log.names[p] for p in bucket.parameters()]
     numel = bucket.buffer().numel()
     log.calls.append(BucketCall(log.iteration, bucket.index(), names, numel, missing))
-    return allreduce_hook(None, bucket)  # None: DDP's own process group
+    # DDP's group, not None: None would be the default group, the whole world.
+    return allreduce_hook(log.group, bucket)
 
 
-def watched_ddp(model: nn.Module, bucket_cap_mb: float | None) -> tuple[DDP, BucketLog]:
-    """``model`` in DDP with buckets of ``bucket_cap_mb`` MiB, and the log of its buckets."""
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    log = BucketLog(model)
+# A cap in MiB for every bucket, None for DDP's default, or a tuple: ``bucket_cap_mb_list``.
+Cap = float | None | tuple[float, ...]
+
+
+def watched_ddp(
+    model: nn.Module, bucket_cap_mb: Cap, process_group: dist.ProcessGroup | None = None
+) -> tuple[DDP, BucketLog]:
+    """``model`` in DDP over ``process_group`` (None: the world), buckets of ``bucket_cap_mb``
+    MiB (a tuple: one cap per bucket), and the log of its buckets."""
+    if isinstance(bucket_cap_mb, tuple):
+        ddp = DDP(model, bucket_cap_mb_list=list(bucket_cap_mb), process_group=process_group)
+    else:
+        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
+    log = BucketLog(model, group=ddp.process_group)
     ddp.register_comm_hook(log, logging_allreduce_hook)  # before the first backward
     return ddp, log
 
@@ -132,7 +152,7 @@ def train(ddp: DDP, log: BucketLog, x: torch.Tensor, y: torch.Tensor, iterations
 def watched_run(
     rank: int,
     size: int,
-    cap_mb: float | None,
+    cap_mb: Cap,
     iterations: int = 2,
     sizes: tuple[int, ...] = toy.SIZES,
 ) -> BucketLog:
@@ -148,10 +168,10 @@ def watched_run(
 def buckets_by_cap(
     rank: int,
     size: int,
-    caps_mb: list[float | None],
+    caps_mb: list[Cap],
     iterations: int = 2,
     sizes: tuple[int, ...] = toy.SIZES,
-) -> dict[float | None, list[list[BucketCall]]]:
+) -> dict[Cap, list[list[BucketCall]]]:
     """For each cap, train a fresh DDP model (``toy.mlp`` of ``sizes``) ``iterations`` steps;
     the hook's calls per iteration."""
     runs = {cap: watched_run(rank, size, cap, iterations, sizes) for cap in caps_mb}
@@ -162,7 +182,8 @@ def demo(rank: int, size: int) -> None:
     """Print the buckets of the first two iterations (rank 0 only): the toy model under three
     caps, then three ``Linear(512, 512)`` under the default and an explicit 25 MiB."""
     runs = [
-        ("toy model", toy.SIZES, [None, 4096 / 2**20, 1 / 2**20]),  # default, 4 KiB, 1 byte
+        # default, 4 KiB, 1 byte; a list: 16 bytes for the first bucket, 4 KiB for the rest
+        ("toy model", toy.SIZES, [None, 4096 / 2**20, 1 / 2**20, (16 / 2**20, 4096 / 2**20)]),
         ("3 x Linear(512, 512)", WIDE, [None, 25]),  # the default's 1 MiB first bucket
     ]
     for model, sizes, caps in runs:
@@ -171,8 +192,11 @@ def demo(rank: int, size: int) -> None:
                 print_buckets(model, cap, iterations)
 
 
-def print_buckets(model: str, cap: float | None, iterations: list[list[BucketCall]]) -> None:
-    label = "default" if cap is None else f"{cap * 2**20:g} bytes"
+def print_buckets(model: str, cap: Cap, iterations: list[list[BucketCall]]) -> None:
+    if isinstance(cap, tuple):
+        label = "list " + ", ".join(f"{c * 2**20:g}" for c in cap) + " bytes"
+    else:
+        label = "default" if cap is None else f"{cap * 2**20:g} bytes"
     print_line(f"{model}, bucket_cap_mb = {label}:")
     for i, calls in enumerate(iterations):
         print_line(f"  iteration {i}: {len(calls)} all_reduce call(s)")
@@ -185,14 +209,10 @@ def print_buckets(model: str, cap: float | None, iterations: list[list[BucketCal
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "2. DDP's buckets under several bucket_cap_mb values, from a comm hook."
+        __name__, "D2. DDP's buckets under several bucket_cap_mb values, from a comm hook."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.buckets import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

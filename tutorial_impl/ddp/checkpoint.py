@@ -1,7 +1,7 @@
-"""11. Distributed checkpointing: save a sharded model at one world size, load it at another.
+"""D11. Distributed checkpointing: save a sharded model at one world size, load it at another.
 
 ``torch.save(model.state_dict())`` on rank 0 needs the whole model on rank 0. Under FSDP
-(lesson 6) no rank has it: each holds a shard of every parameter and of the optimizer's
+(lesson D6) no rank has it: each holds a shard of every parameter and of the optimizer's
 state. ``torch.distributed.checkpoint`` (DCP) saves the shards as they are:
 
 * ``get_state_dict(model, optimizer)`` gives both state dicts with the *sharded* values
@@ -46,14 +46,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 
 from tutorial_impl.ddp import fsdp, toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 MOMENTUM = 0.9
 
 
 def sharded(size: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """``toy.mlp(0)`` under FSDP2 over ``size`` ranks (lesson 6), with SGD + momentum."""
+    """``toy.mlp(0)`` under FSDP2 over ``size`` ranks (lesson D6), with SGD + momentum."""
     model = fsdp.shard(toy.mlp(0), init_device_mesh("cpu", (size,)))
     return model, torch.optim.SGD(model.parameters(), lr=toy.LR, momentum=MOMENTUM)
 
@@ -122,6 +122,8 @@ def load_in_one_process(x, y, checkpoint: str) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=toy.LR, momentum=MOMENTUM)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
+    # torch warns "torch.distributed is disabled ... assuming the intent is to load in a
+    # single process" even when no_dist=True says so: here that is the intent.
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     loaded, buffers = whole(model), momentum(model, optimizer)
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = toy.demo_parser(
         __name__,
-        "11. Save a sharded model and optimizer on 4 ranks, load on 2 and in one process.",
+        "D11. Save a sharded model and optimizer on 4 ranks, load on 2 and in one process.",
         world_size=None,
     )
     parser.add_argument(
@@ -178,8 +180,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.checkpoint import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

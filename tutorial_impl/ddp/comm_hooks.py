@@ -1,6 +1,6 @@
-"""14. Communication hooks: send less per bucket (fp16, bf16, PowerSGD), and what it costs.
+"""D14. Communication hooks: send less per bucket (fp16, bf16, PowerSGD), and what it costs.
 
-Lesson 2 showed a *communication hook* is called once per bucket and returns a future of the
+Lesson D2 showed a *communication hook* is called once per bucket and returns a future of the
 averaged bucket; DDP's default divides by the world size and all-reduces the float32 bucket.
 A hook may send something smaller instead, as long as it returns a float32 bucket of the
 same size. ``torch.distributed.algorithms.ddp_comm_hooks`` has three ideas:
@@ -8,8 +8,9 @@ same size. ``torch.distributed.algorithms.ddp_comm_hooks`` has three ideas:
 * **fp16 / bf16 compression** (``fp16_compress_hook``, ``bf16_compress_hook``): cast the
   bucket to 16 bits, all-reduce that, cast back. Half the bytes on the wire; each gradient
   keeps 11 (fp16) or 8 (bf16) significant bits instead of 24, so the average is off by about
-  one part in 2^11 or 2^8. fp16 has a narrow range (gradients below ~6e-8 become 0, above
-  65504 infinity); bf16 has float32's range and less precision.
+  one part in 2^11 or 2^8. fp16 has a narrow range: its smallest step is 2^-24 (~6e-8),
+  so gradients below half of it (2^-25, ~3e-8) round to 0, and from 65520 up to infinity
+  (65504 is its largest number); bf16 has float32's range and less precision.
 * **PowerSGD** (``powerSGD_hook``, Vogels et al. 2019): approximate each gradient matrix
   ``M`` (n x m) by a product of two thin matrices, ``P`` (n x r) and ``Q`` (m x r), with one
   step of power iteration, and all-reduce ``P`` and ``Q``: ``(n + m) r`` numbers instead of
@@ -29,7 +30,7 @@ DDP refuses torch's ``bf16_compress_hook`` in a torch built without CUDA 11+ and
 CUDA 11+ and NCCL 2.10+"): it checks the build, not the group, and gloo on the CPU
 all-reduces bfloat16 fine. ``cast_hook(torch.bfloat16)`` below is the same hook written
 out (it is what torch's fp16 and bf16 hooks do, minus the ``torch.compile`` branch); on
-GPUs, lesson 12's GPU test registers torch's own.
+GPUs, lesson D12's GPU test registers torch's own.
 
     python -m tutorial_impl.ddp.comm_hooks      # 2 local ranks; or torchrun --nproc-per-node=2
 """
@@ -47,7 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]
 ITERATIONS = 3  # PowerSGD all-reduces plainly for start_powerSGD_iter = 2 iterations first
@@ -155,14 +156,10 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "14. DDP communication hooks: fp16, bf16, PowerSGD: bytes sent and error."
+        __name__, "D14. DDP communication hooks: fp16, bf16, PowerSGD: bytes sent and error."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.comm_hooks import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

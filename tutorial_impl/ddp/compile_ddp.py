@@ -1,20 +1,25 @@
-"""13. ``torch.compile`` with DDP: the same step, and a graph split at every bucket.
+"""D13. ``torch.compile`` with DDP: the same step, and the graph split where buckets end.
 
 ``torch.compile(ddp_model)`` traces the model's forward into a graph (TorchDynamo) and hands
 it to a *backend* that compiles it ("inductor" by default: generated C++ or Triton kernels).
 A compiled graph runs backward as one autograd node: every gradient of the graph is written
-when that node finishes. Lesson 2's overlap would be lost: DDP launches a bucket's
+when that node finishes. Lesson D2's overlap would be lost: DDP launches a bucket's
 all-reduce when the bucket's last gradient is written, so all buckets would wait for the
 end of backward.
 
-So when the model is a DDP model, Dynamo's **DDPOptimizer** cuts the graph in pieces that
-follow DDP's buckets: it walks the graph from the output back, fills a bucket with the
-parameters of the operations it meets until ``bucket_cap_mb`` is reached (the first one
-at ``dist._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, as DDP's own first bucket), and makes each
-bucket a subgraph compiled on its own. In backward each subgraph is its own node again:
-when the last layer's subgraph has finished its backward, its gradients are written and its
-bucket's all-reduce starts while the earlier subgraphs still compute. One subgraph a bucket,
-"graph breaks at bucket boundaries", is torch's reason; the lesson counts them.
+So when the model is a DDP model, Dynamo's **DDPOptimizer** cuts the graph in pieces meant
+to follow DDP's buckets: it walks the graph from the output back, fills a piece with the
+parameters of the operations it meets until ``bucket_cap_mb`` is reached, and makes each
+piece a subgraph compiled on its own. In backward each subgraph is its own node again:
+when the last layer's subgraph has finished its backward, its gradients are written and a
+bucket's all-reduce can start while the earlier subgraphs still compute ("graph breaks at
+bucket boundaries" is torch's reason). The lesson counts them.
+
+The pieces are DDP's buckets only with DDP's default caps. DDPOptimizer caps its *first*
+piece at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) whatever ``bucket_cap_mb`` says, while
+DDP caps its first bucket at 1 MiB only when ``bucket_cap_mb`` is left at its default. With
+``bucket_cap_mb=25`` the three layers here are one DDP bucket but two graphs (the last
+layer alone, then the other two): the test measures both.
 
 To count without compiling anything, the lesson's backend only *records* each graph it is
 given and returns the graph's own ``forward`` (plain PyTorch ops: no C++ compiler, no
@@ -43,13 +48,19 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]
 WIDTH, LAYERS = 512, ("a", "b", "c")  # 512 * 512 + 512 floats: 1,050,624 bytes a layer
-# (name, bucket_cap_mb, DDPOptimizer on): DDP's default (25 MiB, the first bucket 1 MiB), a
-# 1 MiB cap (every layer reaches it), and the default with the splitting turned off.
-SETUPS = [("default", None, True), ("1 MiB", 1.0, True), ("not split", None, False)]
+# (name, bucket_cap_mb, DDPOptimizer on): DDP's default (25 MiB, the first bucket 1 MiB),
+# an explicit 25 MiB (one DDP bucket, two graphs), a 1 MiB cap (every layer reaches it),
+# and the default with the splitting turned off.
+SETUPS = [
+    ("default", None, True),
+    ("25 MiB", 25.0, True),
+    ("1 MiB", 1.0, True),
+    ("not split", None, False),
+]
 
 
 class Wide(nn.Module):
@@ -128,14 +139,10 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "13. torch.compile with DDP: DDPOptimizer's graph per bucket, counted."
+        __name__, "D13. torch.compile with DDP: DDPOptimizer's graphs, counted under three caps."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.compile_ddp import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

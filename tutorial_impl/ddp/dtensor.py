@@ -1,6 +1,6 @@
-"""7. DeviceMesh and DTensor: one tensor laid out over a 2 x 2 grid of ranks.
+"""D7. DeviceMesh and DTensor: one tensor laid out over a 2 x 2 grid of ranks.
 
-FSDP (lesson 6), tensor parallelism and pipeline schedules all describe *where the pieces
+FSDP (lesson D6), tensor parallelism and pipeline schedules all describe *where the pieces
 of a tensor live* with two objects:
 
 * a ``DeviceMesh`` arranges the ranks in a grid, here 4 ranks as 2 x 2 with named dimensions
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 MESH_SHAPE, MESH_DIMS = (2, 2), ("dp", "tp")
 
@@ -117,7 +117,7 @@ def demo(rank: int, size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
         __name__,
-        "7. DeviceMesh and DTensor: Shard, Replicate, Partial and redistribute "
+        "D7. DeviceMesh and DTensor: Shard, Replicate, Partial and redistribute "
         "on a 2 x 2 mesh of 4 ranks.",
         world_size=None,
     ).parse_args(argv)
@@ -125,8 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.dtensor import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

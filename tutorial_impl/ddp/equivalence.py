@@ -1,4 +1,4 @@
-"""1. DDP is the tutorial's ``average_gradients``, done for you during backward.
+"""D1. DDP is the tutorial's ``average_gradients``, done for you during backward.
 
 Section 4.4 of the tutorial (``tutorial_impl/dist_tuto/sgd.py``) averages gradients by hand:
 after ``backward`` every rank all-reduces every gradient and divides by the world size, then
@@ -13,7 +13,7 @@ see and one they cannot:
   size *before* the all-reduce; ``average_gradients`` sums and then divides. With two ranks,
   dividing by 2 is exact in floating point, so both give bitwise the same gradients.
 * **The timing** (invisible in the result): DDP all-reduces buckets of gradients while
-  backward is still running; that is lesson 2, ``buckets.py``.
+  backward is still running; that is lesson D2, ``buckets.py``.
 
     python -m tutorial_impl.ddp.equivalence       # 2 local ranks; or under torchrun
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 from tutorial_impl.dist_tuto.sgd import average_gradients
 
 # Every rank's first optimizer imports torch._dynamo (~1.3 s of CPU): the server the local
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl.ddp.equivalence",
-        description="1. One SGD step with DDP and with the tutorial's average_gradients.",
+        description="D1. One SGD step with DDP and with the tutorial's average_gradients.",
     )
     parser.add_argument("--world-size", type=int, default=2, help="number of ranks")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the run")
@@ -97,8 +97,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.equivalence import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

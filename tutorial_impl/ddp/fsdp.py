@@ -1,10 +1,10 @@
-"""6. FSDP2 (``fully_shard``): every rank holds a slice of each parameter, and steps it.
+"""D6. FSDP2 (``fully_shard``): every rank holds a slice of each parameter, and steps it.
 
 DDP keeps a whole copy of the model, its gradients and its optimizer state on every rank.
 Fully Sharded Data Parallel keeps a *shard*: with N ranks, each parameter is cut along dim
 0 into N pieces and rank r keeps piece r. The price is communication around every use:
 
-* **before** (between steps): each parameter is a ``DTensor`` (lesson 7) with placement
+* **before** (between steps): each parameter is a ``DTensor`` (lesson D7) with placement
   ``Shard(0)``: ``p.shape`` is the whole parameter's shape, ``p.to_local()`` the rows this
   rank holds. Rows split like ``torch.chunk``: a 3-row weight on 2 ranks is 2 + 1 rows.
 * **during** forward (and backward) of a module that was given ``fully_shard``: its
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 SIZES = (8, 32, 32, 3)  # the last layer's 3 rows do not split evenly over 2 ranks
@@ -109,14 +109,10 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "6. FSDP2 fully_shard: what each rank holds before, during and after a step."
+        __name__, "D6. FSDP2 fully_shard: what each rank holds before, during and after a step."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.fsdp import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

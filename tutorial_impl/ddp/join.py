@@ -1,7 +1,7 @@
-"""5. Uneven inputs: a bare DDP loop blocks; ``Join`` lets every rank finish.
+"""D5. Uneven inputs: a bare DDP loop blocks; ``Join`` lets every rank finish.
 
 The tutorial's partitioning (``tutorial_impl/dist_tuto/partition.py``) cuts every rank's
-data to the same number of batches, and ``DistributedSampler`` pads (lesson 4), for one
+data to the same number of batches, and ``DistributedSampler`` pads (lesson D4), for one
 reason: every backward of a DDP model is a collective. A rank with one batch more than the
 others calls an all-reduce that nobody answers, and waits. By default it waits for the
 process group's timeout, then fails: ``init_process_group``'s default is 30 minutes for gloo
@@ -39,7 +39,7 @@ from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -117,15 +117,11 @@ def demo(rank: int, size: int, deadline: float = 1.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
         __name__,
-        "5. Uneven inputs: a bare DDP loop blocks (seen with a short deadline); "
+        "D5. Uneven inputs: a bare DDP loop blocks (seen with a short deadline); "
         "Join lets every rank finish.",
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.join import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

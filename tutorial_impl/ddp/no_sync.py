@@ -1,4 +1,4 @@
-"""3. Gradient accumulation: ``no_sync`` for k-1 micro-batches, then one synced backward.
+"""D3. Gradient accumulation: ``no_sync`` for k-1 micro-batches, then one synced backward.
 
 A batch too large for memory is split into k micro-batches whose gradients add up in
 ``.grad`` before one optimizer step. Under DDP every backward all-reduces, so accumulating
@@ -12,7 +12,7 @@ Two details make the result equal one step on the k-times-larger batch:
 * the synced backward must be the *last* one: gradients accumulated after it would stay
   local, and the ranks would step apart.
 
-``accumulate`` records, with the comm hook of lesson 2, how many all-reduces each
+``accumulate`` records, with the comm hook of lesson D2, how many all-reduces each
 micro-batch's backward made, and one gradient as it stood before the synced backward (the
 ranks' values differ there: nothing was exchanged yet).
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tutorial_impl.ddp import toy
 from tutorial_impl.ddp.buckets import watched_ddp
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 
@@ -74,14 +74,10 @@ def demo(rank: int, size: int, k: int = 4) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "3. Gradient accumulation with DDP's no_sync: all-reduces per micro-batch."
+        __name__, "D3. Gradient accumulation with DDP's no_sync: all-reduces per micro-batch."
     ).parse_args(argv)
     return toy.main(demo, args.world_size, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.no_sync import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

@@ -1,4 +1,4 @@
-"""8. Pipeline parallelism: the model split across ranks, fed micro-batches by a schedule.
+"""D8. Pipeline parallelism: the model split across ranks, fed micro-batches by a schedule.
 
 The DDP + RPC tutorial names two reasons to combine data and model parallelism and builds
 the first (a parameter server); its "case 2" is the PipeDream idea: *pipeline stages of the
@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from tutorial_impl.ddp import toy
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo", "torch.distributed.pipelining"]
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
@@ -122,14 +122,12 @@ def demo(rank: int, size: int, n_microbatches: int = 4) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "8. A model split over 2 ranks, 4 micro-batches, GPipe and 1F1B.", world_size=None
+        __name__,
+        "D8. A model split over 2 ranks, 4 micro-batches, GPipe and 1F1B.",
+        world_size=None,
     ).parse_args(argv)
     return toy.main(demo, 2, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.pipeline import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

@@ -1,9 +1,9 @@
-"""15. The tutorial's "case 2": pipeline stages, each replicated with DDP, on a 2 x 2 mesh.
+"""D15. The tutorial's "case 2": pipeline stages, each replicated with DDP, on a 2 x 2 mesh.
 
 The DDP + RPC tutorial's second case combines model and data parallelism the PipeDream way:
-cut the model into pipeline stages (lesson 8), and run several copies of the pipeline, each
+cut the model into pipeline stages (lesson D8), and run several copies of the pipeline, each
 on its own share of the batch, the copies of one stage keeping their gradients in step
-with DDP. Four ranks as a 2 x 2 mesh ``("dp", "pp")`` (lesson 7's layout, other names):
+with DDP. Four ranks as a 2 x 2 mesh ``("dp", "pp")`` (lesson D7's layout, other names):
 
 * rank ``2i + j`` holds stage ``j`` of pipeline ``i``. Its "pp" group, ``[2i, 2i + 1]``, is
   its pipeline: activations go forward and their gradients back along it (``PipelineStage``
@@ -13,7 +13,7 @@ with DDP. Four ranks as a 2 x 2 mesh ``("dp", "pp")`` (lesson 7's layout, other 
 
 Two things make the two kinds of parallelism fit. The schedule runs one backward per
 micro-batch; DDP would all-reduce after each. ``PipelineStage`` knows DDP: it runs every
-backward but the last inside ``no_sync`` (lesson 3), so each stage all-reduces once a step.
+backward but the last inside ``no_sync`` (lesson D3), so each stage all-reduces once a step.
 And the averages compose: the schedule divides by the number of micro-batches
 (``scale_grads``), DDP by the number of copies, so with equal shares and a mean loss the
 gradient is the whole batch's mean: every stage takes one process's step on its layers.
@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tutorial_impl.ddp import toy
 from tutorial_impl.ddp.dtensor import MESH_SHAPE, destroy_mesh_groups
 from tutorial_impl.ddp.pipeline import record_order, stage_module
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo", "torch.distributed.pipelining"]
 DIMS = ("dp", "pp")  # rank 2i + j: pipeline i, stage j
@@ -85,7 +85,7 @@ def replicated_pipeline_step(rank: int, size: int, x: torch.Tensor, y: torch.Ten
             else:
                 schedule.step(target=ys)
 
-        # As in lesson 8: the first step also runs a trial micro-batch to learn the shapes;
+        # As in lesson D8: the first step also runs a trial micro-batch to learn the shapes;
         # rehearse it, then count and step the second.
         step()
         step()
@@ -110,7 +110,7 @@ class Reduces:
 
 
 def count_then_allreduce(state: Reduces, bucket: dist.GradBucket):
-    """Lesson 2's idea: count the buckets DDP all-reduces, then do what DDP does, over the
+    """Lesson D2's idea: count the buckets DDP all-reduces, then do what DDP does, over the
     stage's copies. (``allreduce_hook(None, ...)`` would use the *default* group, all four
     ranks, where the other stage never joins: a hang.)"""
     state.count += 1
@@ -129,14 +129,10 @@ def demo(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
-        __name__, "15. Two pipelines of 2 stages, each stage replicated with DDP.", world_size=None
+        __name__, "D15. Two pipelines of 2 stages, each stage replicated with DDP.", world_size=None
     ).parse_args(argv)
     return toy.main(demo, 4, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.pipeline_ddp import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

@@ -1,4 +1,4 @@
-"""4. ``DistributedSampler``: each rank's share of the data, per epoch, and its padding.
+"""D4. ``DistributedSampler``: each rank's share of the data, per epoch, and its padding.
 
 The tutorial's ``DataPartitioner`` (``tutorial_impl/dist_tuto/partition.py``) shuffles once
 with a fixed seed and cuts the data into fixed slices. ``DistributedSampler`` is the library's
@@ -13,7 +13,7 @@ version, used as a ``DataLoader``'s ``sampler``, with three behaviours worth kno
   order.
 * **Padding.** Every rank must yield the same number of samples, or the ranks take different
   numbers of steps and one waits in an all-reduce until the process group's timeout (30
-  minutes by default on gloo; lesson 5). When the dataset does not divide by the world size,
+  minutes by default on gloo; lesson D5). When the dataset does not divide by the world size,
   the sampler *repeats* indices from the start of the permutation until it does. So a padded
   sample is seen twice per epoch: it counts twice in any average over the epoch (a loss, an
   accuracy, a gradient). ``drop_last=True`` drops the tail instead: then some samples are not
@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.ddp import toy
+from tutorial_impl.dist_tuto.process import print_line
 
 
 def dataset(n: int) -> TensorDataset:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl.ddp.sampler",
-        description="4. DistributedSampler: shards per epoch, padding and drop_last.",
+        description="D4. DistributedSampler: shards per epoch, padding and drop_last.",
     )
     parser.add_argument("--world-size", type=int, default=2, help="number of ranks")
     parser.add_argument("--samples", type=int, default=7, help="dataset size (default 7)")
@@ -110,8 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.sampler import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

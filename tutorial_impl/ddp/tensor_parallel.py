@@ -1,6 +1,6 @@
-"""10. Tensor parallelism: one layer's matrix cut across ranks; then FSDP2 + TP on a 2 x 2 mesh.
+"""D10. Tensor parallelism: one layer's matrix cut across ranks; then FSDP2 + TP on a 2 x 2 mesh.
 
-FSDP (lesson 6) cuts every parameter but gathers it whole before using it: each rank still
+FSDP (lesson D6) cuts every parameter but gathers it whole before using it: each rank still
 computes the whole layer, on its own rows of the batch. **Tensor parallelism** (TP) never
 gathers the weights: each rank computes *part of the layer* on the *whole* batch. For a
 two-layer MLP ``Linear(8, 32) -> ReLU -> Linear(32, 4)`` (Megatron-LM's split):
@@ -22,12 +22,22 @@ something before the block needs it (here ``x.requires_grad``). ``CommDebugMode`
 forward and backward separately. The optimizer steps each rank's shard: every rank ends with
 its piece of the step one process would take.
 
-**2-D**: on a 2 x 2 ``DeviceMesh`` ``("dp", "tp")`` (lesson 7) TP runs inside each row of the
+**2-D**: on a 2 x 2 ``DeviceMesh`` ``("dp", "tp")`` (lesson D7) TP runs inside each row of the
 mesh (``mesh["tp"]``) and FSDP2 across the rows (``mesh["dp"]``): each "dp" half of the world
 gets half the batch; within it, the two "tp" ranks split each layer; and FSDP shards what
 TP left along dim 0 once more. Order matters: ``parallelize_module`` first, then
 ``fully_shard`` on the 1-D "dp" sub-mesh. A weight then carries two placements, one per mesh
 dimension.
+
+**A view must not leave an FSDP2 module.** ``RowwiseParallel`` hands back its output as
+``to_local()`` of a DTensor: a *view* of the DTensor's local tensor. FSDP2 hooks its
+pre-backward step (which all-gathers the parameters again for backward) onto the tensor its
+module returns; an in-place op on a view (``out += y``) replaces that tensor's autograd
+node and the hook with it, silently: no all-gather, a failing or wrong backward. torch warns
+("FSDP2-wrapped module returned a view tensor") whether or not an in-place op follows. The
+2-D step therefore returns a copy: a forward hook, registered before ``fully_shard`` so it
+runs before FSDP's, clones the output (batch x 4 floats). In your own model, return a fresh
+tensor from the root (``out.clone()``, or an out-of-place op last).
 
     python -m tutorial_impl.ddp.tensor_parallel     # 4 local ranks; or torchrun --nproc-per-node=4
 """
@@ -45,7 +55,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from tutorial_impl.ddp import toy
 from tutorial_impl.ddp.dtensor import MESH_DIMS, MESH_SHAPE, destroy_mesh_groups
-from tutorial_impl.dist_tuto.process import print_line, run_main
+from tutorial_impl.dist_tuto.process import print_line
 
 PRELOAD = ["torch._dynamo"]  # the first optimizer imports it: see equivalence.py
 SIZES = (8, 32, 4)  # Linear(8, 32) -> ReLU -> Linear(32, 4): "0" and "2" in the Sequential
@@ -93,6 +103,10 @@ def fsdp_tp_step(mesh: DeviceMesh, x: torch.Tensor, y: torch.Tensor) -> dict:
     """One SGD step with TP over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]``: each "dp"
     coordinate trains on its half of the batch."""
     model = parallelize_module(toy.mlp(0, SIZES), mesh["tp"], PLAN)
+    # RowwiseParallel's output is a view (``to_local()``); FSDP2 must be handed a tensor of
+    # its own to hook its pre-backward on (see the module's docstring). Registered before
+    # ``fully_shard``, this hook runs before FSDP's own post-forward hook.
+    model.register_forward_hook(lambda module, args, output: output.clone())
     fully_shard(model, mesh=mesh["dp"])  # after TP: FSDP shards the TP shards once more
     optimizer = torch.optim.SGD(model.parameters(), lr=toy.LR)
     dp_index, dp_size = mesh.get_local_rank("dp"), mesh.size(0)
@@ -123,7 +137,7 @@ def tensor_parallel_step(rank: int, size: int, x: torch.Tensor, y: torch.Tensor)
 
 
 def two_d_step(rank: int, size: int, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """``fsdp_tp_step`` on the 2 x 2 mesh ``("dp", "tp")`` of lesson 7."""
+    """``fsdp_tp_step`` on the 2 x 2 mesh ``("dp", "tp")`` of lesson D7."""
     check_world(size)
     mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=MESH_DIMS)
     try:
@@ -145,15 +159,11 @@ def demo(rank: int, size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = toy.demo_parser(
         __name__,
-        "10. Tensor parallelism (column- then row-wise) on 4 ranks; FSDP2 + TP on a 2 x 2 mesh.",
+        "D10. Tensor parallelism (column- then row-wise) on 4 ranks; FSDP2 + TP on a 2 x 2 mesh.",
         world_size=None,
     ).parse_args(argv)
     return toy.main(demo, 4, args.timeout, PRELOAD)
 
 
 if __name__ == "__main__":
-    # As a script this file is ``__main__``, where forked ranks cannot look ``demo`` up by
-    # name: run the package's copy of the module instead.
-    from tutorial_impl.ddp.tensor_parallel import main as package_main
-
-    run_main(package_main)
+    toy.run_as_script(main)  # the package's copy of this module: see toy.py

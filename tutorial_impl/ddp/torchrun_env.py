@@ -1,4 +1,4 @@
-"""9. torchrun: who sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE, and to what.
+"""D9. torchrun: who sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE, and to what.
 
 Every lesson before this one started its ranks itself. In practice one runs
 
@@ -115,7 +115,7 @@ class WorkerEnv:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="torchrun ... tutorial_impl/ddp/torchrun_env.py",
-        description="9. A torchrun worker that reports the variables its agent set.",
+        description="D9. A torchrun worker that reports the variables its agent set.",
     )
     parser.add_argument("--out", type=Path, help="write rank<RANK>.json here (else print)")
     args = parser.parse_args(argv)

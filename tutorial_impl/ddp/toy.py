@@ -15,10 +15,15 @@ DDP does when ranks do *not* agree, in ``equivalence.py``).
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.nn as nn
+
+from tutorial_impl.dist_tuto.process import run_main
 
 # (in, hidden, hidden, out): the parameters are 256 + 32, 1024 + 32, 128 + 4 floats.
 SIZES = (8, 32, 32, 4)
@@ -94,3 +99,27 @@ def main(
     from tutorial_impl import cli
 
     return cli.exit_status(lambda: cli.launch(demo, world_size, "gloo", timeout, preload))
+
+
+def run_as_script(main: Callable[[], int | None]) -> NoReturn:
+    """A lesson's ``if __name__ == "__main__":``, in one line: run its demo's ``main``.
+
+    Run as ``python -m tutorial_impl.ddp.<lesson>`` (or as a file), the lesson is the module
+    ``__main__``, and the ranks the demo starts (forked from a server started before it)
+    cannot look ``__main__.demo`` up by name. The same file imported under its package's
+    name can be looked up, so this runs that copy's ``main`` (``run_main``: its exit status,
+    and a torchrun worker's careful exit)."""
+    run_main(package_copy(main))
+
+
+def package_copy(function: Callable) -> Callable:
+    """``function`` as defined by its module imported under the package's name (itself when
+    it is not ``__main__``'s)."""
+    if function.__module__ != "__main__":
+        return function
+    spec = function.__globals__.get("__spec__")  # None when run as a file, not with -m
+    if spec is not None:
+        name = spec.name
+    else:
+        name = f"{__package__}.{Path(function.__globals__['__file__']).stem}"
+    return getattr(importlib.import_module(name), function.__qualname__)

@@ -116,7 +116,7 @@ def timed_run(fn: Any, rank: int, late: float = LATE) -> list[Span]:
 
 
 def trace_p2p(rank: int, size: int, late: float = LATE) -> dict[str, list[Span]]:
-    """Both modes of lesson 2 on ranks 0 and 1, timed; each mode starts at a barrier.
+    """Both modes of lesson T2 on ranks 0 and 1, timed; each mode starts at a barrier.
 
     A rank function (a gloo process group of at least 2 ranks): ``{mode: spans}`` on ranks 0
     and 1, ``{}`` elsewhere.
