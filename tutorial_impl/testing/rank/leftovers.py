@@ -13,23 +13,34 @@ own copy of itself (``allow_children``) and takes over the guarantee:
   parent exits is handed to the rank, not to init; a child that left the rank's session
   (``start_new_session=True``) or daemonized stays within reach.
 * **When its function has ended**, before it reports, the rank kills every process it still
-  has (its children, and the orphans handed to it meanwhile, generation after generation)
-  and reaps them (``kill_leftovers``). Forked, that is the rank's last act before the parent
-  kills its process group; warm, the rank lives on and serves the next test, so the kill
-  happens at the end of every test. Under torchrun the worker does the same at the end of
-  each call, sparing the children it had before the call (a fixture's server, say).
+  has (its children, the processes its multiprocessing forkserver started for it, which are
+  that server's children, not the rank's, and the orphans handed to it meanwhile, generation
+  after generation) and reaps them (``kill_leftovers``). Forked, that is the rank's last act
+  before the parent kills its process group; warm, the rank lives on and serves the next
+  test, so the kill happens at the end of every test. Under torchrun the worker does the
+  same at the end of each call, sparing what it had before the call (``spared``: a
+  fixture's server, say). Nothing respawns what is killed: a forgotten pool's maintenance
+  thread is stopped first, and each round is frozen (SIGSTOP) before any of it is killed.
 * **A rank the harness stops** (a deadline, a failure elsewhere) never reaches that point:
   the parent freezes it (SIGSTOP: it can start nothing more) and kills everything under it,
   then its process group (``kill_tree``, from ``supervise``). A rank that dies by itself (a
   crash, ``os._exit``) takes the rest of its process group with it, but a child it had moved
   to a session of its own is orphaned to init before anyone can see it: that one case stays.
+* **multiprocessing's own helpers** (its forkserver, its resource tracker) are no leftovers:
+  started once and kept for the rank's later children, as in any program, they end with the
+  rank (they read a pipe whose other end it holds; forked, its process group goes too). A
+  stopped rank's are killed without a word.
 
 What had to be killed is not a failure of the test: plain pytest lets a test leave a child
 running, and the interpreter's exit (multiprocessing's at-exit hook) ends a pool the test
-forgot. But it is named, rank, pid and command line, as a ``LeftoverProcessWarning`` in
-pytest's warnings summary (``warn``), which a project makes an error with ``-W error`` or
-``filterwarnings``. DataLoader workers, a pool used in ``with`` and a joined process have
-ended before their function returns: nothing is said about them.
+forgot. But each is named once, with its rank and pid, by what it is (``describe``): a
+multiprocessing process by its class and name (``ForkProcess 'ForkPoolWorker-1:2'``), a
+fork by that (its command line is its parent's, the harness's server's), anything else by
+its command line; as a ``LeftoverProcessWarning`` in pytest's warnings summary (``warn``),
+which a project makes an error with ``-W error`` or ``filterwarnings``. DataLoader workers,
+a pool used in ``with`` and a joined process have ended before their function returns:
+nothing is said about them; DataLoader workers still alive are named as any process (the
+DataLoader's SIGCHLD handler, which would raise in the rank, is set aside meanwhile).
 """
 
 from __future__ import annotations
