@@ -150,6 +150,12 @@ def _children_of(parent: int) -> list[int]:
         tasks = after
 
 
+def live_children(parent: int) -> list[int]:
+    """The live children of ``parent``, from its tasks' ``children`` lists (no scan of every
+    process, as ``children`` makes, where the kernel has them)."""
+    return [pid for pid in _children_of(parent) if running(pid)]
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid``, parents before their children: what it started,
     whatever session or process group each moved to (an exited process's own children have

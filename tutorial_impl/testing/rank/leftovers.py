@@ -116,13 +116,13 @@ def kill_leftovers(keep: frozenset[int] = frozenset()) -> tuple[Leftover, ...]:
     named = _started_by_multiprocessing()
     killed: dict[int, Leftover] = {}
     with _sigchld_set_aside():
-        _stop_pool_handlers()
         stop = time.monotonic() + KILL_GRACE
         while time.monotonic() < stop:
             found = [pid for pid in _started_here() if pid not in keep]
             if not found:
                 break
             frozen = _freeze(found)
+            _stop_pool_handlers(set(frozen))
             for pid in frozen:
                 killed.setdefault(pid, Leftover(pid, describe(pid, named)))
             for pid in frozen:
@@ -144,8 +144,8 @@ def _started_here() -> list[int]:
     helpers = _mp_helpers()
     found = [pid for pid in proctable.own_children() if pid not in helpers]
     server = _mp_forkserver()
-    if server is not None and proctable.running(server):
-        found += [pid for pid in proctable.children(server) if pid not in found]
+    if server is not None:
+        found += [pid for pid in proctable.live_children(server) if pid not in found]
     return found
 
 
@@ -285,11 +285,12 @@ def _seen_from_outside(pid: int, rank: int, rank_command: str) -> str | None:
     return command
 
 
-def _stop_pool_handlers() -> None:
-    """Stop the maintenance thread of every ``multiprocessing.Pool`` of this process whose
-    workers are processes: it starts a new worker for each that ends (a forgotten
+def _stop_pool_handlers(doomed: set[int]) -> None:
+    """Stop the maintenance thread of each ``multiprocessing.Pool`` of this process with a
+    worker among ``doomed``: it starts a new worker for each that ends (a forgotten
     ``Pool(2)`` killed worker by worker was 22 processes), and it ends on its next wake-up
-    (a worker's end) once its state says so, as ``Pool.terminate`` has it."""
+    (a worker's end) once its state says so, as ``Pool.terminate`` has it. A pool whose
+    workers are all spared (a fixture's, under torchrun) keeps its thread."""
     pool = sys.modules.get("multiprocessing.pool")
     if pool is None:
         return
@@ -298,7 +299,7 @@ def _stop_pool_handlers() -> None:
         target = getattr(thread, "_target", None)
         args = getattr(thread, "_args", ())
         if getattr(target, "__func__", None) is handle and len(args) > 5:
-            if any(isinstance(w, multiprocessing.process.BaseProcess) for w in args[5]):
+            if any(getattr(worker, "pid", None) in doomed for worker in args[5]):
                 thread._state = pool.TERMINATE  # type: ignore[attr-defined]
 
 
@@ -318,7 +319,13 @@ def _sigchld_set_aside() -> Iterator[None]:
 
 def _reap(killed: dict[int, Leftover]) -> None:
     """Reap the killed: multiprocessing's own through its bookkeeping (a process it started
-    and someone else reaped would look alive to it for ever), the rest here."""
+    and someone else reaped would look alive to it for ever; one its forkserver started is
+    over once that server has said so, which ``join`` waits for), the rest here."""
+    stop = time.monotonic() + KILL_GRACE
+    mine = os.getpid()
+    for process in list(multiprocessing.process._children):  # type: ignore[attr-defined]
+        if process.pid in killed and getattr(process, "_parent_pid", None) == mine:
+            process.join(max(0.0, stop - time.monotonic()))
     multiprocessing.active_children()
     for pid in killed:
         try:
