@@ -211,8 +211,9 @@ KEPT: list[object] = []  # what a rank function forgot, kept alive as a program'
 
 def leave_one_of_each(rank: int, world_size: int, pid_dir: str, stop: bool) -> None:
     """Leave a process of each kind running: a forgotten fork ``Pool(2)`` (its maintenance
-    thread respawns a killed worker), a process of multiprocessing's forkserver (that
-    server's child, not the rank's), a bare fork, a subprocess in a session of its own.
+    thread respawns a killed worker), a ``DataLoader``'s two workers (its SIGCHLD handler
+    raises when one is killed), a process of multiprocessing's forkserver (that server's
+    child, not the rank's), a bare fork, a subprocess in a session of its own.
     ``stop``: rank 1 then fails while rank 0 waits, so the harness stops rank 0 and kills
     its processes from outside (``kill_tree``); else both return (``kill_leftovers``)."""
     import multiprocessing as mp
@@ -220,6 +221,9 @@ def leave_one_of_each(rank: int, world_size: int, pid_dir: str, stop: bool) -> N
     pool = mp.get_context("fork").Pool(2)
     KEPT.append(pool)
     assert pool.map(abs, [-1, -2]) == [1, 2]
+    batches = iter(torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2))
+    KEPT.append(batches)
+    assert next(batches).tolist() == [0, 1]
     served = mp.get_context("forkserver").Process(target=time.sleep, args=(600,), name="served")
     served.start()
     fork = os.fork()
@@ -247,12 +251,13 @@ def leave_one_of_each(rank: int, world_size: int, pid_dir: str, stop: bool) -> N
 # harness stopped it): (pattern, how many); multiprocessing's helpers are never named.
 NAMED_INSIDE = [
     (r"pid \d+ \(multiprocessing ForkProcess 'ForkPoolWorker-[\d:]+'\)", 2),
+    (r"pid \d+ \(multiprocessing Process 'Process-[\d:]+'\)", 2),  # the DataLoader's
     (r"pid \d+ \(multiprocessing ForkServerProcess 'served'\)", 1),
     (r"pid \d+ \(a fork of pid {rank} \(os\.fork: no command line of its own\)\)", 1),
     (r"pid \d+ \(sleep 600\)", 1),
 ]
 NAMED_OUTSIDE = [
-    (r"pid \d+ \(a fork of the rank \(os\.fork, or a process multiprocessing forked\)\)", 3),
+    (r"pid \d+ \(a fork of the rank \(os\.fork, or a process multiprocessing forked\)\)", 5),
     (r"pid \d+ \(a process multiprocessing's forkserver \(pid \d+\) started for the rank\)", 1),
     (r"pid \d+ \(sleep 600\)", 1),
 ]
@@ -262,8 +267,9 @@ NAMED_OUTSIDE = [
 def test_each_leftover_is_killed_and_named_once_by_what_it_is(tmp_path, stop):
     """However a rank ends, each process it left is killed and named once: a forgotten
     pool's two workers (not the replacements its thread would start as they die), a
-    forkserver-context process, a fork, a subprocess; not multiprocessing's own forkserver
-    and resource tracker, nor anything by the harness server's command line."""
+    DataLoader's (the rank reports: its test passes), a forkserver-context process, a fork,
+    a subprocess; not multiprocessing's own forkserver and resource tracker, nor anything by
+    the harness server's command line."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if stop:
@@ -277,7 +283,7 @@ def test_each_leftover_is_killed_and_named_once_by_what_it_is(tmp_path, stop):
     for rank, text in enumerate(said):
         table = NAMED_OUTSIDE if stop and rank == 0 else NAMED_INSIDE
         rank_pid = records[f"rank-{rank}"][0]
-        assert text.startswith(f"rank {rank} left 5 process(es) running"), text
+        assert text.startswith(f"rank {rank} left 7 process(es) running"), text
         for pattern, count in table:
             found = re.findall(pattern.format(rank=rank_pid), text)
             assert len(found) == count, (pattern, text)
