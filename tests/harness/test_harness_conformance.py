@@ -697,6 +697,121 @@ def test_c34d_a_peer_that_returned_is_said_to_have_returned(run_ranks):
     run_ranks(rank_0_returns_early, backend=None)
 
 
+# Processes a rank starts (issue 50), by any start method or context: each is killed when
+# its function ends (or when the harness stops its rank) and named once, by what it is,
+# not by a server's command line; multiprocessing's own helpers (its forkserver, its
+# resource tracker) are neither; a DataLoader left running passes with the warning in every
+# mode; a thread left past the grace is named. Each process signs: none outlives the run.
+import multiprocessing as mp
+import re
+
+from tutorial_impl.testing import LeftoverProcessWarning
+
+KEPT = []  # what a rank function forgot, alive after it returns (a global, as in a program)
+
+
+def sign(what, pids):
+    for pid in pids:
+        proctable.record(PIDS, f"{what}@{pid}", pid)
+    return sorted(pids)
+
+
+def sign_helpers():  # multiprocessing's forkserver and resource tracker, where started
+    from multiprocessing import forkserver, resource_tracker
+
+    found = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+    own = proctable.children(os.getpid())  # (a rank may share its parent's tracker)
+    return sign("mp-helper", [pid for pid in found if pid in own])
+
+
+def still_running(pids, within=2.0):
+    deadline = time.monotonic() + within
+    while [p for p in pids if proctable.running(p)] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [p for p in pids if proctable.running(p)]
+
+
+def forget_processes(rank, world_size, then_wait=False):
+    note()
+    # Python 3.11's start method on Linux: a pool's workers are forks of the rank; 3.14's:
+    # children of multiprocessing's forkserver, not of the rank. (A forkserver pool would
+    # leave its semaphores to the resource tracker, which complains at exit.)
+    pools = [mp.get_context("fork").Pool(2)] if rank == 0 else []
+    if rank == (0 if then_wait else 1):
+        name = f"left-by-rank-{rank}"
+        mp.get_context("forkserver").Process(target=time.sleep, args=(600,), name=name).start()
+    KEPT.extend(pools)
+    assert [pool.map(abs, [-1, -2]) for pool in pools] == [[1, 2]] * len(pools)
+    sign_helpers()
+    left = sign("left", [p.pid for p in mp.active_children()])
+    if then_wait:  # rank 1 fails while rank 0 waits: the harness stops rank 0
+        dist.barrier()
+        if rank == 1:
+            raise ValueError("rank 1 fails while rank 0 waits")
+        dist.barrier()
+    return left
+
+
+def test_c50pa_forgotten_processes_are_killed_and_named_once(run_ranks):
+    with pytest.warns(LeftoverProcessWarning) as caught:
+        left = run_ranks(forget_processes)
+    said = sorted(str(w.message) for w in caught if w.category is LeftoverProcessWarning)
+    assert len(said) == 2 and len(left[0]) == 2 and len(left[1]) == 1, (left, said)
+    for rank, (pids, text) in enumerate(zip(left, said)):
+        assert text.startswith(f"rank {rank} left {len(pids)} process(es) running"), text
+        assert sorted(map(int, re.findall(r"(?:: |; )pid (\\d+) \\(", text))) == pids, (pids, text)
+        assert "import main" not in text, text  # no server's command line
+    assert said[0].count("ForkPoolWorker") == 2 and "'left-by-rank-1'" in said[1], said
+    assert still_running(left[0] + left[1]) == []
+
+
+def test_c50pb_a_stopped_ranks_processes_are_named_once(run_ranks):
+    run_ranks(forget_processes, True)
+
+
+def pool_in_a_with(rank, world_size):
+    note()
+    with mp.get_context("forkserver").Pool(2) as pool:
+        squares = pool.map(abs, [-1, -2])
+    sign_helpers()
+    return squares, os.getpid()
+
+
+@pytest.mark.filterwarnings("error::tutorial_impl.testing.LeftoverProcessWarning")
+def test_c50pc_multiprocessings_own_helpers_are_no_leftovers(run_ranks):
+    first, again = run_ranks(pool_in_a_with), run_ranks(pool_in_a_with)
+    assert [squares for squares, _ in first + again] == [[1, 2]] * 4
+    if pytestmark or LAUNCHED:  # warm, or a torchrun worker: the same ranks serve both
+        assert [pid for _, pid in again] == [pid for _, pid in first], "the world was retired"
+
+
+def leave_a_loader(rank, world_size):
+    note()
+    from torch.utils.data import DataLoader
+
+    if rank == 1:  # its workers are alive when the function returns: killed, named
+        batches = iter(DataLoader(list(range(8)), batch_size=2, num_workers=2))
+        KEPT.append(batches)
+        assert next(batches).tolist() == [0, 1]
+    return sign("left", [p.pid for p in mp.active_children()])
+
+
+def test_c50pd_a_loader_left_running_passes_with_a_warning(run_ranks):
+    left = run_ranks(leave_a_loader)
+    assert len(left[1]) == 2 and still_running(left[1]) == [], left
+
+
+def leave_a_thread(rank, world_size):
+    note()
+    if rank == 1:  # the function warns nothing else: the thread alone is named
+        threading.Thread(target=time.sleep, args=(3,), name="lingers-past-the-grace").start()
+    return rank
+
+
+def test_c50pe_a_thread_left_past_the_grace_is_named(run_ranks):
+    assert run_ranks(leave_a_thread) == [0, 1]
+
+
 STEP_LINE = next(n for n, line in enumerate(open(__file__), 1) if "# c29b's step" in line)
 
 
@@ -1079,6 +1194,24 @@ CASES: dict[str, Case] = {
                 r"still in a collective with it: no rank crashed\)$"
             ),
         )
+    ),
+    # Processes a rank starts (issue 50): rank 0, stopped in its barrier, is named from
+    # outside: two forks of the rank and one process of its forkserver, the forkserver and
+    # its resource tracker killed without a word.
+    "test_c50pa_forgotten_processes_are_killed_and_named_once": Case(Expect("passed")),
+    "test_c50pb_a_stopped_ranks_processes_are_named_once": Case(
+        Expect(
+            "failed",
+            "rank 1 raised ValueError: rank 1 fails while rank 0 waits",
+            warnings=(r"\A(?![\s\S]*import main;)[\s\S]*rank 0 left 3 process\(es\) running",),
+        )
+    ),
+    "test_c50pc_multiprocessings_own_helpers_are_no_leftovers": Case(Expect("passed")),
+    "test_c50pd_a_loader_left_running_passes_with_a_warning": Case(
+        Expect("passed", warnings=(r"LeftoverProcessWarning: rank 1 left 2 process\(es\)",))
+    ),
+    "test_c50pe_a_thread_left_past_the_grace_is_named": Case(
+        Expect("passed", warnings=(r"RankThreadWarning: rank 1: thread 'lingers-past-the-grace'",))
     ),
     "test_c19e_patches_all_reduce": Case(Expect("passed")),
     "test_c19f_all_reduces_for_real": Case(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,6 +203,94 @@ def test_a_skip_leaves_nothing_behind(tmp_path, monkeypatch):
     # Asked of the kernel by pid, not "children of the forkserver": under xdist the server
     # is shared by every worker, and the other workers' ranks are its children too.
     assert set(proctable.recorded(tmp_path)) == {"rank0", "rank1"}
+    assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
+
+
+KEPT: list[object] = []  # what a rank function forgot, kept alive as a program's global would
+
+
+def leave_one_of_each(rank: int, world_size: int, pid_dir: str, stop: bool) -> None:
+    """Leave a process of each kind running: a forgotten fork ``Pool(2)`` (its maintenance
+    thread respawns a killed worker), a ``DataLoader``'s two workers (its SIGCHLD handler
+    raises when one is killed), a process of multiprocessing's forkserver (that server's
+    child, not the rank's), a bare fork, a subprocess in a session of its own.
+    ``stop``: rank 1 then fails while rank 0 waits, so the harness stops rank 0 and kills
+    its processes from outside (``kill_tree``); else both return (``kill_leftovers``)."""
+    import multiprocessing as mp
+
+    pool = mp.get_context("fork").Pool(2)
+    KEPT.append(pool)
+    assert pool.map(abs, [-1, -2]) == [1, 2]
+    batches = iter(torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=2))
+    KEPT.append(batches)
+    assert next(batches).tolist() == [0, 1]
+    served = mp.get_context("forkserver").Process(target=time.sleep, args=(600,), name="served")
+    served.start()
+    fork = os.fork()
+    if fork == 0:
+        time.sleep(600)
+        os._exit(0)
+    sleeper = subprocess.Popen(SLEEPER, start_new_session=True)
+    for what, pid in [("served", served.pid), ("fork", fork), ("sleep", sleeper.pid)]:
+        proctable.record(pid_dir, f"{what}-{rank}", pid)
+    for i, worker in enumerate(mp.active_children()):
+        if worker is not served:
+            proctable.record(pid_dir, f"worker{i}-{rank}", worker.pid)
+    from multiprocessing import forkserver
+
+    proctable.record(pid_dir, f"helper-{rank}", forkserver._forkserver._forkserver_pid)
+    proctable.record_self(pid_dir, f"rank-{rank}")
+    dist.barrier()
+    if stop:
+        if rank == 1:
+            raise ValueError("rank 1 fails while rank 0 waits")
+        dist.barrier()
+
+
+# What each leftover is named, in the rank's own words (it returned) and from outside (the
+# harness stopped it): (pattern, how many); multiprocessing's helpers are never named.
+NAMED_INSIDE = [
+    (r"pid \d+ \(multiprocessing ForkProcess 'ForkPoolWorker-[\d:]+'\)", 2),
+    (r"pid \d+ \(multiprocessing Process 'Process-[\d:]+'\)", 2),  # the DataLoader's
+    (r"pid \d+ \(multiprocessing ForkServerProcess 'served'\)", 1),
+    (r"pid \d+ \(a fork of pid {rank} \(os\.fork: no command line of its own\)\)", 1),
+    (r"pid \d+ \(sleep 600\)", 1),
+]
+NAMED_OUTSIDE = [
+    (r"pid \d+ \(a fork of the rank \(os\.fork, or a process multiprocessing forked\)\)", 5),
+    (r"pid \d+ \(a process multiprocessing's forkserver \(pid \d+\) started for the rank\)", 1),
+    (r"pid \d+ \(sleep 600\)", 1),
+]
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["returned", "stopped"])
+def test_each_leftover_is_killed_and_named_once_by_what_it_is(tmp_path, stop):
+    """However a rank ends, each process it left is killed and named once: a forgotten
+    pool's two workers (not the replacements its thread would start as they die), a
+    DataLoader's (the rank reports: its test passes), a forkserver-context process, a fork,
+    a subprocess; not multiprocessing's own forkserver and resource tracker, nor anything by
+    the harness server's command line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if stop:
+            with pytest.raises(RankFailed, match="rank 1 fails while rank 0 waits"):
+                run_ranks(leave_one_of_each, str(tmp_path), stop, world_size=2)
+        else:
+            run_ranks(leave_one_of_each, str(tmp_path), stop, world_size=2)
+    said = sorted(str(w.message) for w in caught if w.category is LeftoverProcessWarning)
+    records = proctable.recorded(tmp_path)
+    assert len(said) == 2, said
+    for rank, text in enumerate(said):
+        table = NAMED_OUTSIDE if stop and rank == 0 else NAMED_INSIDE
+        rank_pid = records[f"rank-{rank}"][0]
+        assert text.startswith(f"rank {rank} left 7 process(es) running"), text
+        for pattern, count in table:
+            found = re.findall(pattern.format(rank=rank_pid), text)
+            assert len(found) == count, (pattern, text)
+        left = {pid for name, (pid, _) in records.items() if name.endswith(f"-{rank}")}
+        left -= {rank_pid, records[f"helper-{rank}"][0]}
+        assert sorted(map(int, re.findall(r"(?:: |; )pid (\d+) \(", text))) == sorted(left), text
+        assert "import main" not in text, text
     assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
 
 

@@ -100,6 +100,15 @@ def children(parent: int) -> list[int]:
     return [pid for pid, fields in _live_stats() if int(fields[1]) == parent]
 
 
+def parent(pid: int) -> int | None:
+    """Process ``pid``'s parent pid, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def own_children() -> list[int]:
     """This process's live children. Cheap in the common case, none at all: one system call
     (``waitid`` without waiting or reaping); else its tasks' ``children`` lists, or, on a
@@ -139,6 +148,12 @@ def _children_of(parent: int) -> list[int]:
         if after == tasks:
             return sorted(found) if listed else children(parent)
         tasks = after
+
+
+def live_children(parent: int) -> list[int]:
+    """The live children of ``parent``, from its tasks' ``children`` lists (no scan of every
+    process, as ``children`` makes, where the kernel has them)."""
+    return [pid for pid in _children_of(parent) if running(pid)]
 
 
 def descendants(pid: int) -> list[int]:

@@ -114,7 +114,7 @@ def run_here(
         done.set()
 
     leftovers.become_subreaper()  # what the function starts stays within reach
-    before = frozenset(proctable.own_children())  # not the function's: spared
+    before = leftovers.spared()  # not the function's: spared (forkserver-started ones too)
     tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
     sys.stdout, sys.stderr = tee_out, tee_err
     # Not a daemon, as a forked rank's main thread is not: the threads the function starts
