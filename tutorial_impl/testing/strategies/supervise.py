@@ -226,8 +226,7 @@ class _Watch:
                 left = max(0.0, min(left, self.look_at - time.monotonic()))
             ready = wait(list(handles), timeout=left)
             self.relay()
-            for handle in ready:
-                self.take(handles[handle])
+            self.take_ready(handles, ready)
             if any(isinstance(self.reports[r].outcome, _o.Failure) for r in self.order):
                 self.gather(CRASH_GRACE)
                 self.stop_the_rest(_o.Stopped)
@@ -291,6 +290,15 @@ class _Watch:
         self.reports[p.rank] = report
         self.order.append(p.rank)
 
+    def take_ready(self, handles: dict[Any, Proc], ready: list[Any]) -> None:
+        """Take every report ``ready`` holds, in the order the ranks ended (``Report.at``),
+        not the order of their handles: a parent behind under load finds several at once,
+        and the first failure is the cause."""
+        start = len(self.order)
+        for handle in ready:
+            self.take(handles[handle])
+        self.order[start:] = sorted(self.order[start:], key=lambda r: self.reports[r].at)
+
     def gather(self, grace: float) -> None:
         """Take the reports that arrive within ``grace`` s (deaths, simultaneous failures)."""
         end = time.monotonic() + grace
@@ -299,8 +307,7 @@ class _Watch:
             ready = wait(list(handles), timeout=left)
             if not ready:
                 return
-            for handle in ready:
-                self.take(handles[handle])
+            self.take_ready(handles, ready)
 
     def stop_the_rest(self, kind: type[_o.TimedOut] | type[_o.Stopped]) -> None:
         """The ranks still running: their stacks, and ``kind`` as their outcome."""
