@@ -446,3 +446,28 @@ def test_the_guides_module_names_import_as_it_says():
     assert len(named) >= 5
     missing = [f"{m}.{a}" for m, a in sorted(named) if not hasattr(names[m], a)]
     assert missing == []
+
+
+def test_after_its_close_a_groups_collectives_fail_at_once(monkeypatch):
+    """After this rank's ``Close`` the faulty groups made before it fail each collective at
+    once, before gloo (handed to gloo, rank 1's next collective once waited out the group's
+    timeout); a group made after it is untouched."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(faults, "close_sockets", lambda sockets: 0)
+    injector = faults.Injector()
+    monkeypatch.setattr(faults, "INJECTOR", injector)
+    injector.arm((Fault(1, Close(), step="cut"),), rank=1, world_size=2)
+    called: list[str] = []
+    plain = SimpleNamespace(allreduce=lambda *a: called.append("gloo") or "work")
+    old = SimpleNamespace(_born=injector.closes, _names=("0", "default_pg"), _plain=plain)
+    old._reached = lambda op, p2p: None
+    intercept = faulty_group._intercept("allreduce", "all_reduce")
+    assert intercept(old) == "work" and called == ["gloo"]
+    injector.step("cut")  # the Close fires
+    with pytest.raises(dist.DistBackendError, match="^Connection closed by peer: .* group 0"):
+        intercept(old)
+    assert called == ["gloo"]  # never handed to gloo
+    new = SimpleNamespace(_born=injector.closes, _names=("1", "x"), _plain=plain)
+    new._reached = old._reached
+    assert intercept(new) == "work" and called == ["gloo", "gloo"]
