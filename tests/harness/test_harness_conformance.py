@@ -882,6 +882,87 @@ def test_c29f_a_faulty_test_after_a_fired_close_passes(run_ranks):
     assert run_ranks(step_sums, faults=Fault(1, Delay(0.01), step="step", at=1)) == [8.0, 8.0]
 
 
+# Issue 50: the harness's own files closed under "-W error"; first lines that name the
+# thing (an unprintable exception, a sleeping rank, a deprecation made an error); a failed
+# test's rank output in junit; a world size no host starts; an early return before DTensor's
+# redistribute, seen at once.
+@pytest.mark.filterwarnings("error")
+def test_c50a_a_fault_fires_under_warnings_as_errors(run_ranks):
+    assert run_ranks(sum_of_ranks, faults=Fault(1, Delay(0.01))) == [1.0, 1.0]
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+def raise_unprintable(rank, world_size):
+    note()
+    if rank == 1:
+        raise Unprintable()
+    dist.barrier()
+
+
+def test_c50b_an_unprintable_exception_by_its_type(run_ranks):
+    run_ranks(raise_unprintable)
+
+
+def sleeping(rank, world_size):
+    note()
+    time.sleep(20)  # the sleeper's line
+
+
+@pytest.mark.rank_timeout(2)
+def test_c50c_a_sleeping_rank_at_its_line(run_ranks):
+    run_ranks(sleeping)
+
+
+def call_deprecated(rank, world_size):
+    from typing_extensions import deprecated
+
+    note()
+    old = deprecated("old thing, use new")(lambda: rank)
+    return old() if rank == 1 else rank  # the deprecated call
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+def test_c50d_a_deprecation_made_an_error_at_the_users_call(run_ranks):
+    run_ranks(call_deprecated)
+
+
+def say_then_fail_on_1(rank, world_size):
+    note()
+    print(f"said by rank {rank}", flush=True)
+    dist.barrier()
+    assert rank != 1, "rank 1 disagrees"
+
+
+def test_c50e_a_failed_tests_rank_output_is_in_junit(run_ranks):
+    run_ranks(say_then_fail_on_1)
+
+
+@pytest.mark.world_size(10**6)
+def test_c50f_a_world_size_the_host_cannot_start(run_ranks):
+    run_ranks(sum_of_ranks)
+
+
+def early_before_redistribute(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    note()
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    if rank == 1:
+        return "done early"
+    return sharded.redistribute(mesh, [Replicate()]).to_local().sum().item()  # the redistribute
+
+
+@pytest.mark.rank_timeout(10)
+def test_c50g_an_early_return_before_a_redistribute(run_ranks):
+    run_ranks(early_before_redistribute)
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -960,6 +1041,16 @@ NEVER = (
     "harness deadline of {} s)"
 )
 
+SLEEP_LINE = next(
+    i for i, line in enumerate(STRANGER.splitlines(), 1) if "the sleeper's line" in line
+)
+DEPRECATED_LINE = next(
+    i for i, line in enumerate(STRANGER.splitlines(), 1) if "the deprecated call" in line
+)
+REDISTRIBUTE_LINE = next(
+    i for i, line in enumerate(STRANGER.splitlines(), 1) if "# the redistribute" in line
+)
+
 # --- the expected table ------------------------------------------------------------------
 
 NOT_RUN = "not run"  # the strategy's run does not include the case
@@ -970,12 +1061,13 @@ class Expect:
     """What a case must give: its verdict; the first line of its junit message (a string:
     exactly that; a pattern: ``re.search`` finds it; None: not checked); at most how many
     seconds it may take (junit's time, setup to teardown); patterns its entry in pytest's
-    warnings summary must match."""
+    warnings summary must match; patterns its junit ``system-out`` must match."""
 
     verdict: str
     first_line: str | re.Pattern[str] | None = None
     within: float | None = None
     warnings: tuple[str, ...] = ()
+    out: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -1304,6 +1396,49 @@ CASES: dict[str, Case] = {
     "test_c29d_a_fault_on_all_gather_into_tensor_fires": Case(Expect("passed")),
     "test_c29e_a_close_the_ranks_survive": Case(Expect("passed")),
     "test_c29f_a_faulty_test_after_a_fired_close_passes": Case(Expect("passed")),
+    # Issue 50's cases, each the same in every mode.
+    "test_c50a_a_fault_fires_under_warnings_as_errors": Case(Expect("passed")),
+    "test_c50b_an_unprintable_exception_by_its_type": Case(
+        Expect("failed", f"rank 1 raised {MODULE}.Unprintable: <str() failed>", within=5)
+    ),
+    "test_c50c_a_sleeping_rank_at_its_line": Case(
+        Expect(
+            "failed",
+            "rank(s) 0, 1 still running after the harness deadline of 2 s: "
+            + ", ".join(f"rank {r} at {MODULE}.py:{SLEEP_LINE} in sleeping" for r in (0, 1)),
+        )
+    ),
+    "test_c50d_a_deprecation_made_an_error_at_the_users_call": Case(
+        Expect(
+            "failed",
+            f"rank 1 raised DeprecationWarning: old thing, use new (at {MODULE}.py:"
+            f"{DEPRECATED_LINE})",
+        )
+    ),
+    "test_c50e_a_failed_tests_rank_output_is_in_junit": Case(
+        Expect(
+            "failed",
+            "rank 1 raised AssertionError: rank 1 disagrees",
+            out=(r"said by rank 0\b", r"said by rank 1\b"),
+        )
+    ),
+    "test_c50f_a_world_size_the_host_cannot_start": Case(
+        Expect(
+            "error",
+            re.compile(
+                r"^harness configuration: @pytest\.mark\.world_size\(1000000\): world size "
+                r"1000000 is more ranks than this host can start: at most \d+ \("
+            ),
+        )
+    ),
+    "test_c50g_an_early_return_before_a_redistribute": Case(
+        Expect(
+            "failed",
+            f"rank 1 returned after scatter #1; rank 0 waits in all_gather #2 at {MODULE}.py:"
+            f"{REDISTRIBUTE_LINE}" + NEVER.format(10),
+            within=5,
+        )
+    ),
     "test_c27d_raise_at_a_step": Case(
         Expect(
             "failed",
@@ -1333,6 +1468,7 @@ class Got:
     verdict: str
     first_line: str | None = ""  # None: unknown (no junit XML; verdicts from progress lines)
     time: float | None = 0.0
+    out: str | None = ""  # its junit system-out (None: unknown)
 
 
 @dataclass
@@ -1349,9 +1485,11 @@ def read_junit(path: Path) -> dict[str, Got]:
     """junit name -> verdict, first line of its message, time."""
     found = {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        verdicts, lines = [], []
+        verdicts, lines, out = [], [], ""
         for child in case:
             message = child.get("message", "")
+            if child.tag == "system-out":
+                out += child.text or ""
             if child.tag == "failure":
                 verdicts.append("failed")
             elif child.tag == "error":
@@ -1365,7 +1503,10 @@ def read_junit(path: Path) -> dict[str, Got]:
             lines.append((message.splitlines() or [""])[0])
         name = case.get("name", "")
         got = Got(
-            " + ".join(verdicts) or "passed", lines[0] if lines else "", float(case.get("time", 0))
+            " + ".join(verdicts) or "passed",
+            lines[0] if lines else "",
+            float(case.get("time", 0)),
+            out,
         )
         earlier = found.get(name)
         if earlier is not None:  # a test's phases in two testcases (a failed call, then an
@@ -1374,6 +1515,7 @@ def read_junit(path: Path) -> dict[str, Got]:
                 f"{earlier.verdict} + {got.verdict}",
                 earlier.first_line or got.first_line,
                 (earlier.time or 0) + (got.time or 0),
+                (earlier.out or "") + (got.out or ""),
             )
         found[name] = got
     return found
@@ -1398,7 +1540,7 @@ def read_progress(output: str) -> dict[str, Got]:
         verdict = PROGRESS[word]
         if name in found:  # a failed call, then an error in teardown
             verdict = f"{found[name].verdict} + error in teardown"
-        found[name] = Got(verdict, None, None)
+        found[name] = Got(verdict, None, None, None)
     return found
 
 
@@ -1450,6 +1592,9 @@ def deviations(run: Run, cases: dict[str, Case] = CASES) -> list[str]:
                 )
             if want.within is not None and g.time is not None and g.time > want.within:
                 out.append(f"{tag}: took {g.time:.1f} s, expected at most {want.within:g} s")
+            for pattern in want.out if g.out is not None else ():
+                if not re.search(pattern, g.out):
+                    out.append(f"{tag}: junit system-out has no /{pattern}/: {g.out[-300:]!r}")
             text = warnings_entries(run.output, n)
             for pattern in want.warnings:
                 if not re.search(pattern, text):
@@ -1477,7 +1622,8 @@ KNOWN_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="6">
 <testcase classname="m" name="test_a" time="0.1"/>
 <testcase classname="m" name="test_b" time="0.2">
-  <failure message="rank 1 raised ValueError: boom&#10;second line">tb</failure></testcase>
+  <failure message="rank 1 raised ValueError: boom&#10;second line">tb</failure>
+  <system-out>[rank 1] said this</system-out></testcase>
 <testcase classname="m" name="test_c" time="0.0">
   <error message="failed on setup with &quot;harness configuration: world_size(0)&quot;">e</error>
 </testcase>
@@ -1534,6 +1680,10 @@ def test_the_checker_sees_each_kind_of_deviation(tmp_path: Path) -> None:
     for name, case in planted.items():
         found = deviations(forked, {**KNOWN_TABLE, name: case})
         assert len(found) == 1 and found[0].startswith(name), (name, found)
+    said = {**KNOWN_TABLE, "test_b": Case(Expect("failed", out=(r"\[rank 1\] said",)))}
+    assert deviations(forked, said) == []
+    found = deviations(forked, {**said, "test_b": Case(Expect("failed", out=("rank 0 said",)))})
+    assert len(found) == 1 and "system-out" in found[0], found
     quiet = Run("forked", cases, KNOWN_OUTPUT.replace("rank 1: ", ""), 0.0, 0.0)
     assert len(deviations(quiet, KNOWN_TABLE)) == 1
     assert len(deviations(forked, {**KNOWN_TABLE, "test_g": Case(Expect("passed"))})) == 1
@@ -1566,7 +1716,8 @@ RUN_ARGS = [
     "-W",
     "always:shown-always",
 ]
-INI = "[pytest]\nfilterwarnings =\n    error:ini-decides\n"  # the project's, for c28b
+# The project's: c28b's filter; junit's system-out for c50e.
+INI = "[pytest]\njunit_logging = all\nfilterwarnings =\n    error:ini-decides\n"
 IN_PROCESS_LIMIT = 60.0  # seconds a forked or warm run of the file may take (deadlines: 3 s)
 
 

@@ -615,3 +615,51 @@ def test_the_readme_examples_pass_as_written(pytester):
     pytester.syspathinsert(pytester.path / "src")
     result = pytester.runpytest("-p", "no:cacheprovider", "tests")
     result.assert_outcomes(passed=6)
+
+
+LIVE_TESTS = """
+import os
+import sys
+import time
+
+
+def tick_then_wait(rank, world_size, sentinel):
+    print("tick", flush=True)
+    stop = time.monotonic() + 10
+    while not os.path.exists(sentinel) and time.monotonic() < stop:
+        time.sleep(0.05)
+    return os.path.exists(sentinel)  # the terminal showed a tick while the ranks ran
+
+
+class Terminal:  # stands for the terminal -s leaves the test: it marks the first tick
+    def __init__(self, real, sentinel):
+        self.real, self.sentinel, self.lines = real, sentinel, []
+
+    def write(self, text):
+        self.lines.append(text)
+        if "] tick" in text:
+            open(self.sentinel, "a").close()
+        return self.real.write(text)
+
+    def flush(self):
+        self.real.flush()
+
+
+def test_ranks_are_seen_live(run_ranks, tmp_path):
+    sentinel = str(tmp_path / "seen")
+    terminal = sys.stdout = Terminal(sys.stdout, sentinel)
+    try:
+        assert run_ranks(tick_then_wait, sentinel) == [True, True]
+    finally:
+        sys.stdout = terminal.real
+    assert "[rank 1] tick\\n" in terminal.lines
+"""
+
+
+def test_with_capture_off_rank_output_is_shown_live(pytester):
+    """docs/harness.md: ``pytest -n0 -s`` shows each rank's lines as they come. Each rank
+    prints, then waits (10 s at most) until the terminal has shown a line of it: it is
+    seen while the ranks run, not after they end."""
+    pytester.makepyfile(test_live=LIVE_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-s")
+    result.assert_outcomes(passed=1)

@@ -39,6 +39,7 @@ from tutorial_impl.testing.settings.config import (
     DEFAULT_INIT_METHOD,
     DEFAULT_WORLD_SIZE,
 )
+from tutorial_impl.testing.settings.matrix import check_world_size
 from tutorial_impl.testing.settings.timing import SECONDS, usable_seconds
 
 SAME = object()  # Source.keyword_default: the keyword's default is the field's
@@ -142,8 +143,7 @@ def build(fn: Callable[..., Any], args: tuple[Any, ...] = (), **options: Any) ->
         raise TypeError(f"unknown option(s) {unknown}; the options are {', '.join(OPTIONS)}")
     o = {**DEFAULTS, **options}
     world_size, backend, timeout = o["world_size"], o["backend"], o["timeout"]
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_world_size(world_size)  # a positive int, at most what the host can start
     if o["init_method"] not in INIT_METHODS:
         raise ValueError(
             f"unknown init method {o['init_method']!r}; expected one of {INIT_METHODS}"

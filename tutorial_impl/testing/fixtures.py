@@ -217,7 +217,16 @@ class RunRanksOfTest:
         size = self.session.size
         if size is not None and call.world_size != size:
             pytest.skip(f"needs world_size {call.world_size}; this torchrun job has another")
-        return self.session.strategy(self.settings, call), call
+        strategy = self.session.strategy(self.settings, call)
+        if strategy is FORKED and "stream" not in options and _live(self.config):
+            call = dataclasses.replace(call, stream=sys.stdout)  # each line as it comes
+        return strategy, call
+
+
+def _live(config: pytest.Config) -> bool:
+    """``-s`` (capture off) in a pytest that owns its terminal (not an xdist worker): fresh
+    ranks' output is copied to it as it comes (``stream=``), not after the ranks end."""
+    return config.getoption("capture", None) == "no" and not hasattr(config, "workerinput")
 
 
 # --- the public run_ranks inside a test ----------------------------------------------------

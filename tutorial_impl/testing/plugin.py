@@ -376,5 +376,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "setup" and problem is not None and crash is not None:
         crash.message = f"harness configuration: {problem}"  # not pytest.fail's "Failed: "
     if call.excinfo is not None:
-        report.rewrite(rep, call.excinfo.value)
+        report.rewrite(rep, call.excinfo.value, item)
     return rep

@@ -160,6 +160,64 @@ def test_a_subgroup_is_told_apart_from_the_default_one():
     assert find(records, standings, [1], [0], DEADLINE) is None
 
 
+FUNCOL = "/v/site-packages/torch/distributed/_functional_collectives.py"
+DTENSOR = "/v/site-packages/torch/distributed/tensor/_api.py"
+IN_REDISTRIBUTE = (
+    ("/v/site-packages/torch/_ops.py", 1, "__call__"),
+    (FUNCOL, 142, "wait_tensor"),
+    (FUNCOL, 1122, "wait"),
+    (DTENSOR, 731, "redistribute"),
+    USER,
+)
+
+
+def test_a_functional_collectives_wait_is_seen_when_its_only_unfinished_one_is_stranded():
+    """DTensor's ``redistribute`` waits in ``_functional_collectives.wait_tensor``, under a
+    call named for no collective: stranded when the rank's only unfinished collective is
+    one the returned rank never entered; never when another is unfinished too (the work
+    it waits for may be an older one), nor in a wait of another module's."""
+    records, standings = world_of_four()
+    standings.update(_peers_standing(WORLD, IN_REDISTRIBUTE))
+    found = find(records, standings, [1], PEERS, DEADLINE)
+    assert found is not None and sorted(found.waiting) == list(PEERS)
+    assert found.line(True, DEADLINE).startswith(
+        "rank 1 returned after all_reduce #3; ranks 0, 2, 3 wait in all_reduce #4 at test_x.py:12"
+    )
+    two_open = {
+        r: upto(r, 3) + [rec(r, 4, completed=False), rec(r, 5, completed=False)] for r in PEERS
+    }
+    assert find({**records, **two_open}, standings, [1], PEERS, DEADLINE) is None
+    elsewhere = tuple((p.replace("_functional", "_other"), n, f) for p, n, f in IN_REDISTRIBUTE)
+    standings.update(_peers_standing(WORLD, elsewhere))
+    assert find(records, standings, [1], PEERS, DEADLINE) is None
+
+
+def stranded_just_before_the_deadline(rank: int, world_size: int) -> float:
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if rank == 0:
+        dist.all_reduce(total)  # rank 1 returned after #1: rank 0 waits in #2 for good
+    return total.item()
+
+
+def test_a_stranding_no_look_saw_before_the_deadline_is_named_at_it(run_ranks, monkeypatch):
+    """A stranding that starts in the last ``POLL`` s before the deadline meets no look:
+    the records taken at the deadline name it all the same ("seen at the harness deadline"),
+    never a plain timeout. Here no look comes at all (``POLL`` an hour)."""
+    from tutorial_impl.testing.strategies import supervise
+
+    monkeypatch.setattr(supervise, "POLL", 3600.0)
+    with pytest.raises(RankTimeout) as error:
+        run_ranks(stranded_just_before_the_deadline, timeout=2)
+    assert error.value.headline.startswith(
+        "rank 1 returned after all_reduce #1; rank 0 waits in all_reduce #2 at "
+        "test_harness_stranded.py:"
+    )
+    assert error.value.headline.endswith(
+        "a hang that cannot resolve (seen at the harness deadline of 2 s)"
+    )
+
+
 def test_the_users_call_names_the_collective():
     records, standings = world_of_four()
     standings.update(_peers_standing(WORLD, ((TORCH, 1, "reduce_scatter_tensor"), USER)))

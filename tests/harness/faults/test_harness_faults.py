@@ -412,3 +412,62 @@ def test_run_ranks_refuses_a_bad_faults_option_before_any_rank_starts():
         assert refusal and "a kill on rank 0" in refusal, plan
     for plan in (Fault(1, Kill()), Fault(0, Hang()), Fault(0, Raise()), Fault(0, Exit(3))):
         assert reporter_killed(call.build(join, ((),), faults=plan)) is None, plan
+
+
+def test_the_parent_closes_the_fault_file_it_reads(tmp_path):
+    """``read_fired``/``read_unfired`` close the rank's fault file themselves: left to the
+    GC, its ResourceWarning fails every test in which a fault fired under ``-W error``."""
+    path = tmp_path / "rank1.fault"
+    report = faults.fired(1, Fault(1, Delay(0.1)), Point("all_reduce", 1, "0", "default_pg"))
+    faults._append(str(path), report)
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert faults.read_fired(path) == [report]
+        assert faults.read_unfired(path) == []
+        gc.collect()
+    assert [w for w in seen if issubclass(w.category, ResourceWarning)] == []
+    assert faults.read_fired(tmp_path / "none") == []
+
+
+def test_the_guides_module_names_import_as_it_says():
+    """docs/faults.md names ``faulty_group.X`` and ``fault_plan.X``: its own import line
+    gives both, and every attribute it names of them exists."""
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[3] / "docs" / "faults.md").read_text()
+    line = next(x for x in guide.splitlines() if "as faulty_group" in x and "import" in x)
+    names: dict[str, object] = {}
+    exec(line, names)  # noqa: S102 - the guide's own line
+    assert names["faulty_group"] is faulty_group and names["fault_plan"] is fault_plan
+    named = set(re.findall(r"\b(faulty_group|fault_plan)\.([A-Za-z_]\w*)", guide))
+    assert len(named) >= 5
+    missing = [f"{m}.{a}" for m, a in sorted(named) if not hasattr(names[m], a)]
+    assert missing == []
+
+
+def test_after_its_close_a_groups_collectives_fail_at_once(monkeypatch):
+    """After this rank's ``Close`` the faulty groups made before it fail each collective at
+    once, before gloo (handed to gloo, rank 1's next collective once waited out the group's
+    timeout); a group made after it is untouched."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(faults, "close_sockets", lambda sockets: 0)
+    injector = faults.Injector()
+    monkeypatch.setattr(faults, "INJECTOR", injector)
+    injector.arm((Fault(1, Close(), step="cut"),), rank=1, world_size=2)
+    called: list[str] = []
+    plain = SimpleNamespace(allreduce=lambda *a: called.append("gloo") or "work")
+    old = SimpleNamespace(_born=injector.closes, _names=("0", "default_pg"), _plain=plain)
+    old._reached = lambda op, p2p: None
+    intercept = faulty_group._intercept("allreduce", "all_reduce")
+    assert intercept(old) == "work" and called == ["gloo"]
+    injector.step("cut")  # the Close fires
+    with pytest.raises(dist.DistBackendError, match="^Connection closed by peer: .* group 0"):
+        intercept(old)
+    assert called == ["gloo"]  # never handed to gloo
+    new = SimpleNamespace(_born=injector.closes, _names=("1", "x"), _plain=plain)
+    new._reached = old._reached
+    assert intercept(new) == "work" and called == ["gloo", "gloo"]

@@ -21,6 +21,7 @@ import contextvars
 import inspect
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch  # noqa: F401  (imported once here: pytester's in-process runs cannot re-import it)
@@ -298,3 +299,36 @@ def test_a_gpu_test_leases_its_gpus_through_the_plugin(
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # restored after the test
     with backends.lease(2, ["0", "1"], timeout=1, directory=pytester.path) as both:
         assert both == ["0", "1"]  # and every lease given back
+
+
+def test_a_world_size_above_what_the_host_can_start_is_refused_naming_the_limit(monkeypatch):
+    """docs/harness.md: at most the smallest of 256, RLIMIT_NPROC / 16, RLIMIT_NOFILE / 8
+    and memory / 64 MiB; the message names the limit and what set it, before any rank."""
+    import resource
+
+    from tutorial_impl.testing import call
+    from tutorial_impl.testing.settings import matrix
+
+    limits = {resource.RLIMIT_NPROC: 10_000, resource.RLIMIT_NOFILE: 20_000}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limits[which], limits[which]))
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (64 << 30) // 4096}  # 64 GiB
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    assert matrix.world_size_limit() == (256, "the harness's cap, MAX_WORLD_SIZE = 256")
+    assert matrix.check_world_size(256) == 256
+    with pytest.raises(ValueError, match=r"^world_size 257 is more ranks than this host can "):
+        matrix.check_world_size(257)
+    limits[resource.RLIMIT_NPROC] = 1600  # 100 ranks of 16 threads
+    assert matrix.world_size_limit() == (100, "RLIMIT_NPROC 1600 / 16 per rank")
+    limits[resource.RLIMIT_NOFILE] = 400  # 50 ranks of 8 files in the parent
+    assert matrix.world_size_limit() == (50, "RLIMIT_NOFILE 400 / 8 per rank")
+    pages["SC_PHYS_PAGES"] = (2 << 30) // 4096  # 2 GiB: 32 ranks
+    assert matrix.world_size_limit() == (32, "2048 MiB of memory / 64 MiB per rank")
+    limits[resource.RLIMIT_NPROC] = resource.RLIM_INFINITY  # no limit: not counted
+    assert matrix.world_size_limit()[0] == 32
+    for bad, words in [(0, "positive integer"), (True, "positive integer"), (33, "at most 32")]:
+        with pytest.raises(ValueError, match=words):
+            call.build(print, world_size=bad)
+        with pytest.raises(ValueError, match=words):
+            matrix.check_world_size(bad, "size")
+    with pytest.raises(ValueError, match=r"world_size\(2, 33\): size 33 .* at most 32 \(2048"):
+        matrix.sizes(SimpleNamespace(args=(2, 33)))

@@ -115,15 +115,21 @@ def test_a_failure_report_shows_where_the_other_ranks_were(tmp_path, world_size)
     assert proctable.wait_until_gone(tmp_path) == {}
 
 
-def fail_two_ways(rank: int, world_size: int, second: str) -> None:
-    """Rank 2 raises at once; rank 1 fails a moment later (raising, or dying); rank 0 is busy
-    (in plain Python: a collective would fail too when a peer dies, a moment later or not)."""
+def fail_two_ways(rank: int, world_size: int, second: str, mark: str) -> None:
+    """Rank 2 raises first; rank 1 fails after it (raising a moment later, or dying at
+    once); rank 0 is busy (in plain Python: a collective would fail too when a peer dies,
+    a moment later or not). Rank 1 waits for rank 2's mark, written as it raises: under
+    load rank 2 may start later than rank 1, and 50 ms of sleep did not order them."""
     if rank == 2:
+        Path(mark).touch()
         raise KeyError("first")
     if rank == 1:
-        time.sleep(0.05)  # well inside the grace in which simultaneous failures are gathered
+        stop = time.monotonic() + 20
+        while not os.path.exists(mark) and time.monotonic() < stop:
+            time.sleep(0.005)
         if second == "dies":
-            os._exit(3)
+            os._exit(3)  # the cause whatever the order: a death makes its peers fail
+        time.sleep(0.1)  # inside the grace in which simultaneous failures are gathered
         raise ValueError("second")
     time.sleep(30)
 
@@ -133,12 +139,13 @@ def fail_two_ways(rank: int, world_size: int, second: str) -> None:
     ("dies", 1, "rank 1 exited with code 3 (os._exit or a crash) before returning a result "
      "(rank(s) 2 failed too)"),
 ])  # fmt: skip
-def test_every_failing_rank_is_named_and_the_cause_comes_first(second, cause, headline):
+def test_every_failing_rank_is_named_and_the_cause_comes_first(second, cause, headline, tmp_path):
     """Two ranks fail differently: the first to fail is the cause, unless the other died
     (a death is what makes its peers fail), and the other is named on the same first line.
     Rank 0, still busy, is where-were-the-others, not a failure."""
+    mark = str(tmp_path / "rank2-raised")
     with pytest.raises((RankFailed, RankCrashed)) as info:
-        run_ranks(fail_two_ways, second, world_size=3, timeout=DEADLINE)
+        run_ranks(fail_two_ways, second, mark, world_size=3, timeout=DEADLINE)
     err = info.value
     assert err.headline == headline
     assert err.rank == cause and err.failed_ranks == [1, 2]
@@ -451,3 +458,30 @@ def test_ranks_never_share_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set a device"))
     with pytest.raises(RuntimeError, match="world_size 4 but 2 GPU"):
         _ranks.init_process_group(spec)
+
+
+def test_reports_found_together_are_taken_in_the_order_the_ranks_ended(monkeypatch):
+    """A parent behind under load finds several reports ready at once: they are ordered by
+    when each rank ended (``Report.at``), not by their handles, so the first failure stays
+    the cause."""
+    from tutorial_impl.testing.rank import outcome
+    from tutorial_impl.testing.strategies import supervise
+
+    ended = {1: 20.0, 2: 10.0, 3: 30.0}  # rank 2 first, then 1, then 3
+    procs = [
+        supervise.Proc(rank, types.SimpleNamespace(pid=100 + rank), None, None)  # type: ignore
+        for rank in (1, 2, 3)
+    ]
+
+    def receive(p):
+        return outcome.Report(outcome.Raised("ValueError", str(p.rank), ""), p.pid, ended[p.rank])
+
+    monkeypatch.setattr(supervise, "receive", receive)
+    watch = supervise._Watch(procs, None, True, frozenset())
+    handles = {f"h{p.rank}": p for p in procs}
+    watch.take_ready(handles, ["h1", "h3"])  # in handle order: 1, then 3
+    watch.take_ready(handles, ["h2"])  # a later batch stays later
+    assert watch.order == [1, 3, 2]
+    watch = supervise._Watch(procs, None, True, frozenset())
+    watch.take_ready(handles, ["h3", "h1", "h2", "h1"])  # one handle twice: taken once
+    assert watch.order == [2, 1, 3]

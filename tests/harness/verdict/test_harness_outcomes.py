@@ -134,6 +134,70 @@ def test_where_reads_the_innermost_user_line_and_the_call_it_sits_in():
     assert forensics.where("") is None
 
 
+WARM_DUMP = """Thread 0x2 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/p/helper.py", line 7 in watch
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x1 (most recent call first):
+  File "/p/test_x.py", line 34 in sleeping
+  File "/x/tutorial_impl/testing/rank/outcome.py", line 9 in capture
+  File "/x/tutorial_impl/testing/strategies/warm/loop.py", line 160 in warm_rank_main
+  File "/x/multiprocessing/process.py", line 108 in run
+"""
+
+
+def test_a_warm_ranks_dump_is_read_from_its_own_thread():
+    """A warm rank's stack ends in ``warm_rank_main``: its place is its own thread's, the
+    same as a fresh rank's, never another thread's frames read with it ("in _bootstrap");
+    frames below the entry are cut as a fresh rank's are."""
+    assert str(forensics.where(WARM_DUMP)) == "at test_x.py:34 in sleeping"
+    assert "multiprocessing" not in forensics.trim(WARM_DUMP)
+    assert "in warm_rank_main" in forensics.trim(WARM_DUMP)
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_an_exception_whose_str_raises_is_reported_by_its_type():
+    try:
+        raise Unprintable()
+    except Unprintable as exc:
+        got = outcome.from_exception(exc)
+    assert isinstance(got, outcome.Raised)
+    assert got.summary.endswith("Unprintable: <str() failed>")
+    assert outcome.safe_str(Unprintable()) == outcome.UNPRINTABLE == "<str() failed>"
+    assert outcome.safe_str(ValueError("fine")) == "fine"
+    said = outcome.unpicklable("result of rank 0", Unprintable())
+    assert said.message == "result of rank 0: <str() failed>"
+
+
+def test_a_warning_made_an_error_is_located_at_the_users_frame():
+    """The innermost frame of the user's code, not the library's ``warnings.warn`` (here
+    a stand-in for ``typing_extensions``, a file of site-packages): the user's ``step``, or
+    this test where it calls the library itself."""
+    import warnings
+
+    lib = "/v/lib/python3.11/site-packages/typing_extensions.py"
+    scope: dict[str, object] = {"warnings": warnings}
+    library = "\n" * 9 + "def deprecated_call():\n    warnings.warn('old', DeprecationWarning)\n"
+    exec(compile(library, lib, "exec"), scope)  # noqa: S102 - a library's frame, by its path
+    user = "\n" * 11 + "def step():\n    deprecated_call()\n"
+    exec(compile(user, "/p/test_x.py", "exec"), scope)  # noqa: S102 - the user's frame
+    here = "test_harness_outcomes.py:"
+    for call, where in ((scope["step"], "test_x.py:13"), (scope["deprecated_call"], here)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                call()  # type: ignore[operator]
+            except DeprecationWarning as exc:
+                got = outcome._warned_at(exc)
+        assert got == where or (where == here and got.startswith(here)), got
+    assert outcome._warned_at(ValueError("not a warning")) is None
+
+
 def test_a_hang_in_different_collectives_says_so():
     where = {0: Place("t.py", 3, "f", "all_reduce"), 1: Place("t.py", 5, "f", "broadcast")}
     line = words.hang([0, 1], 5, where)
@@ -244,3 +308,28 @@ def test_xfail_in_a_rank_is_a_rank_xfailed_and_leaves_no_process(tmp_path):
         run_ranks(xfail_on_rank_0, str(tmp_path), world_size=2, timeout=30)
     assert (info.value.rank, info.value.reason) == (0, "known bug on rank 0")
     assert proctable.wait_until_gone(tmp_path) == {}
+
+
+def test_a_failed_tests_rank_output_reaches_junit_through_the_items_stdout():
+    """junit's ``system-out`` is written from the teardown report, whose sections are the
+    item's captured ones: ``rewrite`` adds each rank's output there (``Captured stdout``),
+    each line naming its rank; an empty output adds nothing, a passed report nothing."""
+    from types import SimpleNamespace
+
+    from tutorial_impl.testing.verdict import report
+
+    outputs = {0: "zero\n", 1: "", 2: "two\nlast"}
+    failed = errors.error_for(0, _raised(), "", outputs)
+    added: list[tuple[str, str, str]] = []
+    item = SimpleNamespace(add_report_section=lambda *section: added.append(section))
+    rep = SimpleNamespace(failed=True, when="call", longrepr=None, sections=[])
+    report.rewrite(rep, failed, item)
+    assert added == [
+        ("call", "stdout (rank 0)", "[rank 0] zero\n"),
+        ("call", "stdout (rank 2)", "[rank 2] two\n[rank 2] last\n"),
+    ]
+    assert [title for title, _ in rep.sections] == ["output of rank 0", "output of rank 2"]
+    added.clear()
+    report.rewrite(SimpleNamespace(failed=False, when="call", sections=[]), failed, item)
+    report.rewrite(rep, ValueError("not a rank's"), item)
+    assert added == []

@@ -12,6 +12,7 @@ involved (``test_harness_echo.py`` walks every order of its own cases).
 from __future__ import annotations
 
 import signal
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -137,8 +138,35 @@ def test_each_rule_of_the_verdict(row: Row) -> None:
     if row.error is None:
         assert repr(list(decide(run))) == row.first_line
         return
-    with pytest.raises(row.error) as caught:
-        decide(run)
-    assert type(caught.value) is row.error  # not a subclass standing in for another rule
-    headline = caught.value.headline.splitlines()[0]
+    error = verdict_of(run)
+    assert type(error) is row.error, error  # not another rule's error, nor a subclass
+    headline = error.headline.splitlines()[0]
     assert row.first_line in headline, headline
+
+
+def verdict_of(run: Finished) -> BaseException | None:
+    """What ``decide`` raised, whatever it was (None: it returned). Never ``pytest.raises``
+    here: a ``RankSkipped`` or ``RankXFailed`` that left the test would make the plugin
+    skip or xfail it (a planted "a skip replaces another rank's failure" turned the rows
+    that expect a failure into skips, and the run stayed green)."""
+    try:
+        decide(run)
+    except BaseException as exc:  # noqa: BLE001 - every kind is compared with the row
+        return exc
+    return None
+
+
+def test_a_skip_instead_of_the_rows_failure_fails_the_row(monkeypatch) -> None:
+    """The table's own check: a ``decide`` that skips where a row expects a failure fails
+    that row (it is never skipped or passed)."""
+    import tutorial_impl.testing.verdict.decision as decision
+
+    row = next(r for r in ROWS if r.error is RankFailed)
+
+    def skipping(run: Finished) -> None:
+        raise RankSkipped(0, "planted", {})
+
+    monkeypatch.setattr(sys.modules[__name__], "decide", skipping)
+    assert decision.decide is not skipping
+    with pytest.raises(AssertionError, match="RankSkipped|planted"):
+        test_each_rule_of_the_verdict(row)

@@ -13,7 +13,8 @@ C++ collective, holding the GIL or not. The parent (``supervise``) asks at two m
 
 Asking costs one signal per rank and a short wait for the files to stop growing: about
 0.1 s, never more than ``budget`` (1 s). Frames below the rank's entry point (the harness's
-``rank_main``, multiprocessing, the forkserver) are cut: they are the same in every dump.
+``rank_main`` or ``warm_rank_main``, multiprocessing, the forkserver) are cut: they are the
+same in every dump.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from typing import Any
 from tutorial_impl.testing.diagnose.ask import LiveRank, ask
 from tutorial_impl.testing.settings.timing import DUMP_BUDGET
 
-_ENTRY = " in rank_main"  # the harness frame every rank's stack ends in
+# The harness frame every rank's stack ends in: a fresh rank's, or a warm world's (whose
+# dump was read whole without it: another thread's ``_bootstrap`` named as the call).
+_ENTRIES = (" in rank_main", " in warm_rank_main")
 
 
 def dump_stacks(ranks: Iterable[LiveRank], budget: float = DUMP_BUDGET) -> dict[int, str]:
@@ -70,7 +73,7 @@ def trim(dump: str) -> str:
         if below_entry:
             continue
         out.append(line)
-        if line.endswith(_ENTRY):
+        if line.endswith(_ENTRIES):
             below_entry = True
     return "\n".join(out) + ("\n" if out else "")
 
@@ -152,7 +155,9 @@ def joining(frames: list[Frame]) -> str | None:
 def frames_of_dump(dump: str) -> list[Frame]:
     """The frames of the main thread of a faulthandler dump (the one that ends in the
     harness's ``rank_main``), most recent call first."""
-    threads = [block for block in dump.split("\n\n") if _ENTRY in block] or [dump]
+    blocks = dump.split("\n\n")
+    threads = [b for b in blocks if any(line.endswith(_ENTRIES) for line in b.splitlines())]
+    threads = threads or [dump]
     matches = (_FRAME.match(line) for line in threads[0].splitlines())
     return [(m["path"], int(m["line"]), m["func"]) for m in matches if m]
 

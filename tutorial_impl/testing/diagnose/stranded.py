@@ -15,7 +15,10 @@ ranks' answers from the job's store and looks at itself (``torchrun``).
 
 * its newest collective is unfinished, and its rank function's thread is inside a call that
   can be that collective (``userops.can_be``: blocked in it, not computing beside an
-  ``async_op`` work it may never wait for);
+  ``async_op`` work it may never wait for), or inside a functional collective's wait
+  (``userops.in_functional_wait``: DTensor's ``redistribute``, an ``AsyncCollectiveTensor``'s
+  first use) while that collective is its only unfinished one (so the work it waits for is
+  that one, or one that has ended);
 * that collective's group timeout is no shorter than the harness deadline (a shorter one
   ends the wait with an error the rank function may catch and go on from);
 * the returned rank is a member of that group, as both ranks see it (the same name, the same
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 from tutorial_impl.testing.diagnose.recorder import Record, collectives
 from tutorial_impl.testing.diagnose.stacks import Frame, Place, frames_of, place
-from tutorial_impl.testing.diagnose.userops import can_be, user_op
+from tutorial_impl.testing.diagnose.userops import can_be, in_functional_wait, user_op
 
 POLL = 0.3  # seconds between two looks, while some rank has returned and others run
 
@@ -151,7 +154,15 @@ def blocked_in(
     if newest.timeout_ms <= 0 or newest.timeout_ms < deadline * 1000:
         return None
     spot = own.where
-    if spot is None or not can_be(spot.call, newest.op):
+    if spot is None:
+        return None
+    if can_be(spot.call, newest.op):
+        called = user_op(spot.call, newest.op)
+    elif in_functional_wait(own.frames) and [c for c in done if not c.completed] == [newest]:
+        # A functional collective's wait (DTensor's redistribute): it waits for one of its
+        # works, and the newest is the only one unfinished: that one, or one that has ended.
+        called = ""
+    else:
         return None
     frames = newest.frames or ((spot.file, spot.line, spot.func),)
-    return dataclasses.replace(newest, frames=frames, called=user_op(spot.call, newest.op))
+    return dataclasses.replace(newest, frames=frames, called=called)

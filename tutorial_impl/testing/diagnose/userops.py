@@ -11,6 +11,10 @@ be the recorded op, so a hang's first line can use the user's word: ``reduce_sca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from tutorial_impl.testing.diagnose.stacks import Frame
+
 # torch.distributed's call -> the ops gloo records for it, where they differ from its name.
 IMPLEMENTED_BY: dict[str, frozenset[str]] = {
     "all_gather_into_tensor": frozenset({"all_gather"}),
@@ -35,3 +39,16 @@ def user_op(call: str | None, op: str) -> str:
     """The name a headline should use for recorded ``op``: the user's ``call`` where torch
     implements it with ``op``, else ``""`` (``op`` stands)."""
     return call if call is not None and call != op and can_be(call, op) else ""
+
+
+# Where a functional collective's work is waited for (``torch.ops._c10d_functional
+# .wait_tensor``, behind DTensor's ``redistribute`` and an ``AsyncCollectiveTensor``'s first
+# use): the user's call there is not the collective's name, and any collective may be waited.
+FUNCTIONAL = "/torch/distributed/_functional_collectives.py"
+FUNCTIONAL_WAIT = "wait_tensor"
+
+
+def in_functional_wait(frames: Sequence[Frame]) -> bool:
+    """Whether a thread's ``frames`` (most recent first) are inside the wait for a
+    functional collective's work."""
+    return any(func == FUNCTIONAL_WAIT and FUNCTIONAL in path for path, _, func in frames)

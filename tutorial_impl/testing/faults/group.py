@@ -129,6 +129,19 @@ def _sockets() -> dict[int, str]:
     return found
 
 
+def _closed(names: tuple[str, str] | None) -> None:
+    """A collective of a group whose sockets this rank's ``Close`` shut: it fails here, as
+    gloo's would ("Connection closed by peer"), at once. Handed to gloo, the closing rank's
+    own collective could wait out the group's timeout (under load, once in a run)."""
+    import torch.distributed as dist
+
+    name = f"group {names[0]}" if names else "its group"
+    raise dist.DistBackendError(
+        f"Connection closed by peer: an injected Close on this rank shut the sockets of {name} "
+        "(every later collective of the group fails: docs/faults.md)"
+    )
+
+
 def _intercept(method: str, op: str) -> Callable[..., Any]:
     """``method`` of the faulty group: count the point (a fault fires here), then the plain
     group's ``method`` (see the module's doc)."""
@@ -136,6 +149,8 @@ def _intercept(method: str, op: str) -> Callable[..., Any]:
 
     def intercept(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._reached(op, p2p)
+        if self._born != faults.INJECTOR.closes:
+            _closed(self._names)
         return getattr(self._plain, method)(*args, **kwargs)
 
     intercept.__name__ = intercept.__qualname__ = method
@@ -173,6 +188,7 @@ def group_class() -> type:
             self._seq = [0, 0]  # collectives, point-to-point: counted apart, as torch does
             self._base = (0, 0, 0)  # (injector epoch, seq, p2p seq) at the last arming
             self._names: tuple[str, str] | None = None
+            self._born = faults.INJECTOR.closes  # a later Close shuts this group
             self._lock = threading.Lock()
 
         def getBackendName(self) -> str:  # noqa: N802 - the trampoline's name

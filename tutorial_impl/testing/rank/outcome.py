@@ -39,6 +39,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tutorial_impl.testing.diagnose.stacks import place
 from tutorial_impl.testing.rank.caught import Catcher, Caught
 from tutorial_impl.testing.verdict import words
 
@@ -218,16 +219,36 @@ def from_exception(exc: BaseException) -> Raised | Skipped | XFailed:
     """The outcome of a rank function that raised ``exc`` (called inside its except block)."""
     kind = skip_kind(exc)
     if kind is not None:
-        return kind(str(getattr(exc, "msg", None) or exc))
-    return Raised(_type_name(exc), str(exc), traceback.format_exc(), _warned_at(exc))
+        return kind(safe_str(getattr(exc, "msg", None) or exc))
+    return Raised(_type_name(exc), safe_str(exc), traceback.format_exc(), _warned_at(exc))
+
+
+UNPRINTABLE = "<str() failed>"  # the message of an exception whose ``__str__`` raised
+
+
+def safe_str(exc: object) -> str:
+    """``str(exc)``, or ``UNPRINTABLE`` when its ``__str__`` raises (or returns no str): the
+    rank still reports the exception by its type, at once, instead of dying silently in
+    its own report (``exited with code 0``)."""
+    try:
+        return str(exc)
+    except BaseException:  # noqa: BLE001 - whatever __str__ raised, the rank reports
+        return UNPRINTABLE
 
 
 def _warned_at(exc: BaseException) -> str | None:
-    """Where a warning was raised as an exception (an "error" filter): its innermost line."""
+    """Where a warning was raised as an exception (an "error" filter): the innermost line of
+    the user's code in its traceback (``stacks.place``), not the library's ``warnings.warn``
+    (``typing_extensions.deprecated``'s wrapper, a ``stacklevel=2`` helper); the innermost
+    line when no frame is the user's."""
     if not isinstance(exc, Warning) or exc.__traceback__ is None:
         return None
-    last = traceback.extract_tb(exc.__traceback__)[-1]
-    return f"{os.path.basename(last.filename)}:{last.lineno}"
+    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    spot = place(frames[::-1])
+    if spot is not None:
+        return f"{spot.file}:{spot.line}"
+    path, line, _ = frames[-1]
+    return f"{os.path.basename(path)}:{line}"
 
 
 # True while a rank function runs in this thread (``capture``): a ``run_ranks`` called there
@@ -287,7 +308,8 @@ def capture(
 def _late_failure(text: str, exc: BaseException) -> Raised:
     """A thread's exception after the rank function returned, as the rank's failure."""
     name = text.splitlines()[0].removeprefix("Exception in thread ")
-    return Raised(_type_name(exc), words.AFTER_RETURN.format(message=exc, thread=name), text)
+    message = words.AFTER_RETURN.format(message=safe_str(exc), thread=name)
+    return Raised(_type_name(exc), message, text)
 
 
 def forked_child(rank: int, pid: int) -> Raised:
@@ -300,4 +322,5 @@ def forked_child(rank: int, pid: int) -> Raised:
 
 def unpicklable(what: str, exc: BaseException) -> Raised:
     """A result that could not cross the pipe: a failure of the rank, named as such."""
-    return Raised(type(exc).__name__, f"{what}: {exc}", f"{type(exc).__name__}: {what}: {exc}\n")
+    said = f"{what}: {safe_str(exc)}"
+    return Raised(type(exc).__name__, said, f"{type(exc).__name__}: {said}\n")

@@ -236,7 +236,7 @@ def world_size_of(item: Any, default: int = DEFAULT_WORLD_SIZE) -> int:
                 f"parametrize('world_size', ...): {size!r} is not a world size; "
                 "accepted: positive integers"
             )
-        return size
+        return _within_the_host(size, "parametrize('world_size', ...): world size")
     if matrix.FIXTURE in params:
         return int(params[matrix.FIXTURE])
     if marker is None:
@@ -244,7 +244,14 @@ def world_size_of(item: Any, default: int = DEFAULT_WORLD_SIZE) -> int:
     size = _one(marker, "n", "world_size(n) or world_size(n1, n2, ...) with positive integers")
     if not _positive_int(size):
         raise ConfigError(f"{_call(marker)}: {size!r} is not a world size; accepted: an int >= 1")
-    return size
+    return _within_the_host(size, f"{_call(marker)}: world size")
+
+
+def _within_the_host(size: int, what: str) -> int:
+    try:
+        return matrix.check_world_size(size, what)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def deadline_option(value: Any, source: str) -> float | None:

@@ -221,8 +221,7 @@ class _Watch:
         handles = self.handles()
         ready = wait(list(handles), timeout=wait_for)
         self.relay()
-        for handle in ready:
-            self.take(handles[handle])
+        self.take_ready(handles, ready)
         return not self.pending
 
     def failed(self) -> bool:
@@ -286,6 +285,15 @@ class _Watch:
             self.skip_at = time.monotonic()
         self.reports[p.rank] = report
         self.order.append(p.rank)
+
+    def take_ready(self, handles: dict[Any, Proc], ready: list[Any]) -> None:
+        """Take every report ``ready`` holds, in the order the ranks ended (``Report.at``),
+        not the order of their handles: a parent behind under load finds several at once,
+        and the first failure is the cause."""
+        start = len(self.order)
+        for handle in ready:
+            self.take(handles[handle])
+        self.order[start:] = sorted(self.order[start:], key=lambda r: self.reports[r].at)
 
     def stop_the_rest(self, kind: type[_o.TimedOut] | type[_o.Stopped]) -> None:
         """The ranks still running: their stacks, and ``kind`` as their outcome."""

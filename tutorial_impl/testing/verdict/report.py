@@ -9,7 +9,8 @@ pytest shows a failure in several places, and each reads something different:
   the headline and the failing rank's own traceback only;
 * **report sections**, the ``----- Captured stdout call -----`` blocks: here each other
   rank's Python stacks (where it was when the test failed) and what each rank printed, one
-  section per rank. junit XML carries them as ``system-out``.
+  section per rank. junit XML's ``system-out`` carries what each rank printed
+  (``for_junit``), with ``junit_logging = system-out`` or ``all``.
 
 ``pytest_runtest_makereport`` (in ``plugin.py``) calls ``rewrite`` on every call-phase report.
 """
@@ -43,8 +44,9 @@ def sections(error: RankError) -> list[tuple[str, str]]:
     return found
 
 
-def rewrite(report: Any, error: BaseException) -> None:
-    """Lead ``report`` with ``error``'s cause and give its details sections of their own."""
+def rewrite(report: Any, error: BaseException, item: Any = None) -> None:
+    """Lead ``report`` with ``error``'s cause and give its details sections of their own;
+    each rank's output also goes to ``item``'s captured stdout, for junit XML (``for_junit``)."""
     if not isinstance(error, RankError) or not report.failed:
         return
     crash = getattr(report.longrepr, "reprcrash", None)
@@ -52,3 +54,18 @@ def rewrite(report: Any, error: BaseException) -> None:
         crash.message = error.headline
     for title, text in sections(error):
         report.sections.append((title, text))
+    if item is not None:
+        for key, text in for_junit(error):
+            item.add_report_section(report.when, key, text)
+
+
+def for_junit(error: RankError) -> list[tuple[str, str]]:
+    """Each rank's output as a captured-stdout section (``Captured stdout (rank 1) call``).
+    junit XML's ``system-out`` (``junit_logging = system-out`` or ``all``) is written from
+    the test's teardown report, whose sections are the item's captured ones: the sections
+    ``rewrite`` gives the failed call's report never reach it. Each line names its rank."""
+    return [
+        (f"stdout (rank {rank})", prefixed(rank, text).rstrip("\n") + "\n")
+        for rank, text in sorted(error.outputs.items())
+        if text.strip()
+    ]
