@@ -30,7 +30,7 @@ from tutorial_impl.testing import (
     proctable,
     run_ranks,
 )
-from tutorial_impl.testing.strategies import supervise
+from tutorial_impl.testing.strategies import supervise, waiting
 
 GONE_WITHIN = 5.0  # seconds; the kill is immediate, this is slack for a loaded machine
 
@@ -195,7 +195,7 @@ def test_a_skip_leaves_nothing_behind(tmp_path, monkeypatch):
     """A skip the other rank outlives ends the run too (a failure: the other rank might still
     have failed, see ``verdict``), after ``SKIP_GRACE``: the rank left waiting in its
     barrier must not be left behind."""
-    monkeypatch.setattr(supervise, "SKIP_GRACE", 0.5)
+    monkeypatch.setattr(waiting, "SKIP_GRACE", 0.5)
     with pytest.raises(
         RankTimeout, match=r"rank 1 skipped \(rank 1 has no work here\) but rank\(s\) 0"
     ):

@@ -233,15 +233,14 @@ class _Watch:
     def returned(self) -> list[int]:
         return [r for r in self.order if isinstance(self.reports[r].outcome, _o.Returned)]
 
-    def stranded(self, now: bool = False) -> bool:
+    def stranded(self) -> bool:
         """Whether the ranks still running are stranded (``diagnose.stranded``): looked at
-        every ``POLL`` s from ``POLL`` s after a rank returned (or ``now``); never while
-        none has."""
+        every ``POLL`` s from ``POLL`` s after a rank returned; never while none has."""
         moment = time.monotonic()
         if not self.pending or not self.returned():
             self.look_at = None
             return False
-        if not now and (self.look_at is None or moment < self.look_at):
+        if self.look_at is None or moment < self.look_at:
             self.look_at = self.look_at or moment + POLL
             return False
         self.look_at = moment + POLL

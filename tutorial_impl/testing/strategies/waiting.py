@@ -10,9 +10,10 @@ the rules do not. Each supplies its ``Evidence`` and ``wait`` applies the rules:
 * **A skip is no verdict until every rank has ended.** After a skip (or xfail) the others get
   ``SKIP_GRACE`` s to end by themselves: a failure anywhere beats a skip.
 * **A hang that cannot resolve ends when seen**: a returned rank strands the ones still
-  running (``diagnose.stranded``); also when that is seen at the deadline itself.
+  running (``diagnose.stranded``), looked at as often as the evidence allows.
 * **Every wait has a deadline** (``Deadline``: paused while a rank is being debugged). At
-  it, the rest time out.
+  it, the rest time out; the verdict still names a stranding the records then show ("seen
+  at the harness deadline"), which no look saw in time.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class Evidence(Protocol):
     def skipped_since(self) -> float | None:
         """When (``time.monotonic``) a rank first skipped or xfailed, if one did."""
 
-    def stranded(self, now: bool = False) -> bool:
-        """Whether a returned rank strands the ones still running: looked at as often as
-        the evidence allows, or ``now``."""
+    def stranded(self) -> bool:
+        """Whether a returned rank strands the ones still running (looked at as often as
+        the evidence allows)."""
 
 
 def wait(
@@ -62,9 +63,7 @@ def wait(
         if skipped is not None:
             left = min(left, skipped + SKIP_GRACE - time.monotonic())
         if left <= 0:
-            if deadline.remaining() > 0 or evidence.stranded(now=True):
-                return Stopped  # a skip's grace ran out, or a stranding seen at the end
-            return TimedOut
+            return TimedOut if deadline.remaining() <= 0 else Stopped  # or a skip's grace
         if evidence.settle(min(left, deadline.poll) if deadline.poll else left):
             return None
         if evidence.failed():

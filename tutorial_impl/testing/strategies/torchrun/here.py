@@ -221,8 +221,8 @@ class _Store:
     def skipped_since(self) -> float | None:
         return self.skip_seen
 
-    def stranded(self, now: bool = False) -> bool:
-        return self.look.stranded(now) and not self.done.is_set()
+    def stranded(self) -> bool:
+        return self.look.stranded() and not self.done.is_set()
 
 
 def announce(job: Job, key: str, report: _o.Report) -> None:

@@ -32,11 +32,10 @@ class Look:
         self.thread, self.deadline, self.stop = thread, deadline, stop
         self.next = time.monotonic() + POLL
 
-    def stranded(self, at_once: bool = False) -> bool:
-        """Whether a rank that returned strands this one (looked at every ``POLL`` s, or
-        ``at_once``)."""
+    def stranded(self) -> bool:
+        """Whether a rank that returned strands this one (looked at every ``POLL`` s)."""
         now = time.monotonic()
-        if now < self.next and not at_once:
+        if now < self.next:
             return False
         self.next = now + POLL
         channel, me = self.job.channel, self.job.launch.rank
