@@ -32,6 +32,9 @@ from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies.warm import reuse
 
 
+_KEY = "tutorial_impl/warm-world"  # the warm ranks' keys on their world's store
+
+
 class WorldCheck:
     """What a warm rank's world looked like when it was made, to compare with after each
     test: its process groups, RPC agent, children and pending work (``reuse`` sees the rest:
@@ -42,6 +45,9 @@ class WorldCheck:
 
         c10d = dist.distributed_c10d
         self.default = c10d._get_default_group() if dist.is_initialized() else None
+        self.store = c10d._get_default_store() if self.default is not None else None
+        self.size = dist.get_world_size() if self.default is not None else 0
+        self.tasks = 0  # tests served: the key of each one's ``_all_returned``
         self.groups = set(c10d._world.pg_map)
         self.works: list[Any] = []  # this test's isend/irecv work (see ``_track_work``)
         _track_work(self.works)
@@ -54,11 +60,11 @@ class WorldCheck:
         self, meanwhile: Callable[[], str | None] = lambda: None, killed: tuple[Any, ...] = ()
     ) -> str | None:
         """What the last test left behind that a fresh world would not have, or None; else
-        ``meanwhile``'s answer (the rank's other checks). Both run while the world's barrier
-        is under way: a rank that waits for its peers there checks itself meanwhile.
-        ``killed``: the processes the test left running, which the rank killed before it
-        reported (``leftovers``): the world is retired all the same, as a fresh one would
-        have been with them (what else such a test left, nobody has looked at)."""
+        ``meanwhile``'s answer (the rank's other checks), which runs while the rank waits for
+        its peers to return (``_returned``). ``killed``: the processes the test left running,
+        which the rank killed before it reported (``leftovers``): the world is retired all
+        the same, as a fresh one would have been with them (what else such a test left,
+        nobody has looked at)."""
         import torch.distributed as dist
 
         c10d = dist.distributed_c10d
@@ -66,17 +72,42 @@ class WorldCheck:
         if default is not self.default:
             return "the default process group was destroyed or replaced"
         extra = [g for g in c10d._world.pg_map if g not in self.groups]
-        if extra:
-            return f"{len(extra)} process group(s) left behind (destroy_process_group)"
         if self.default is None:
-            return self._left(killed) or meanwhile()
+            return _left_behind(extra) or self._left(killed) or meanwhile()
         try:
-            barrier = dist.barrier(async_op=True)
+            done = self._returned()
             answer = self._left(killed) or meanwhile()
-            barrier.wait(timedelta(seconds=CHECK_DEADLINE))
+            self.store.wait([done], timedelta(seconds=CHECK_DEADLINE))
         except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
+            return f"not every rank returned from the test's function: {exc}"
+        # Every rank is out of the test: no peer still uses a group destroyed now, and no
+        # collective of the test can match the barrier (which an un-waited one would).
+        try:
+            left = _left_behind([g for g in extra if not _destroyed_if_a_meshs(dist, g)])
+            if left:
+                return left
+            dist.barrier(async_op=True).wait(timedelta(seconds=CHECK_DEADLINE))
+        except Exception as exc:  # noqa: BLE001
             return f"the world's barrier did not complete: {exc}"
         return answer
+
+    def _returned(self) -> str:
+        """Say, on the world's store, that this rank's test function returned; give the key
+        that is set once every rank has said so.
+
+        Not a collective: a rank that returned while a peer still waits in a collective it
+        never entered must not answer that collective (a ``barrier`` here would match a
+        user's ``barrier``, and the stranded peer would pass). The peer stays stranded, the
+        parent's verdict says so, as fresh ranks' would; the barrier after this only meets
+        ranks that are all out of the test (and still catches an un-waited collective)."""
+        self.tasks += 1
+        count = self.store.add(f"{_KEY}/returned", 1)
+        done = f"{_KEY}/all-returned/{self.tasks}"
+        if count == self.tasks * self.size:  # the last: every rank waits for this key
+            self.store.set(done, b"")
+            if self.tasks > 1:  # every rank is past the last one's wait (the parent waited)
+                self.store.delete_key(f"{_KEY}/all-returned/{self.tasks - 1}")
+        return done
 
     def _left(self, killed: tuple[Any, ...]) -> str | None:
         """An RPC agent, child processes or point-to-point work the test left, or None."""
@@ -94,6 +125,22 @@ class WorldCheck:
                 "send nobody received): it would take the next test's message"
             )
         return None
+
+
+def _left_behind(groups: list[Any]) -> str | None:
+    if groups:
+        return f"{len(groups)} process group(s) left behind (destroy_process_group)"
+    return None
+
+
+def _destroyed_if_a_meshs(dist: Any, group: Any) -> bool:
+    """Destroy ``group`` if torch made it for a ``DeviceMesh`` (its description says
+    ``mesh_<dim>``): a mesh has no call that destroys it, so a test cannot, and its groups
+    are part of the mesh the test built, gone with a fresh rank as they are here."""
+    if not str(getattr(group, "group_desc", "")).startswith("mesh_"):
+        return False
+    dist.destroy_process_group(group)
+    return True
 
 
 def _track_work(works: list[Any]) -> None:
