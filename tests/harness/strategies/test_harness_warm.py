@@ -297,3 +297,75 @@ def test_warm_audit_catches_what_a_warm_world_cannot_see(pytester, run_ranks):
             "FAILED test_nested.py::test_fails_alike - rank ? raised ValueError: the same*",
         ]
     )
+
+
+def _failed(outcomes: dict) -> BaseException:
+    """The error ``decide`` gives a run whose ranks ended as ``outcomes`` (0 reported first)."""
+    from tutorial_impl.testing.rank import outcome as _o
+    from tutorial_impl.testing.verdict.decision import Finished, decide
+    from tutorial_impl.testing.verdict.errors import RankError
+
+    reports = {r: _o.Report(o, pid=100 + r, at=0.0) for r, o in outcomes.items()}
+    with pytest.raises(RankError) as caught:
+        decide(Finished(len(outcomes), reports, sorted(outcomes), {}, deadline=60.0))
+    return caught.value
+
+
+def test_the_audit_lets_a_late_report_be_a_stop_but_no_other_difference():
+    """Two ranks raise the same error; under load one report comes after the others' failure
+    and the grace, and that rank is stopped: the same test, not a carried-over state (this
+    was a ``WarmAuditError``). Another error, or a return where a rank raised, still differs."""
+    from tutorial_impl.testing.rank import outcome as _o
+    from tutorial_impl.testing.strategies.warm.audit import Verdict, WarmAuditError, agree
+
+    def raised(message: str) -> _o.Raised:
+        return _o.Raised("KeyError", message, f"Traceback (most recent call last):\n{message}\n")
+
+    both = _failed({0: raised("'k'"), 1: raised("'k'")})
+    pairs = {  # fresh run's ranks -> whether it agrees with ``both`` (the warm run)
+        "rank 1 late": ({0: raised("'k'"), 1: _o.Stopped(None)}, True),
+        "rank 0 late": ({0: _o.Stopped(None), 1: raised("'k'")}, True),
+        "another error": ({0: _o.Stopped(None), 1: raised("'j'")}, False),
+        "one returned": ({0: raised("'k'"), 1: _o.Returned(1)}, False),
+        "its own error": ({0: raised("'k'"), 1: raised("'j'")}, False),
+    }
+    for case, (fresh, agrees) in pairs.items():
+        verdict = agree(Verdict(None, both), Verdict(None, _failed(fresh)))
+        assert (verdict.error is both) == agrees, case
+        assert agrees or isinstance(verdict.error, WarmAuditError), case
+    # Two stopped runs with nothing of their own in common are not the same failure.
+    crossed = _failed({0: raised("'k'"), 1: _o.Stopped(None)})
+    other = _failed({0: _o.Stopped(None), 1: raised("'j'")})
+    assert isinstance(agree(Verdict(None, crossed), Verdict(None, other)).error, WarmAuditError)
+
+
+def test_the_summary_counts_a_failed_test_once_and_a_caught_call_apart(tmp_path):
+    """Worlds retired for calls are counted by their test's verdict: a failed test once,
+    however many of its calls failed; a call that failed or skipped in a test that did not
+    fail, under its own reason (they were all "a test failed")."""
+    from types import SimpleNamespace
+
+    from tutorial_impl.testing.strategies.warm import summary
+
+    pool = warm.WarmPool()
+
+    def world(n: int) -> warm.World:
+        return warm.World((n,), [], SimpleNamespace(close=lambda: None), tmp_path / str(n), [])
+
+    first, second = world(1), world(2)
+    pool._call_failed(first, skipped=False)  # a failed call ...
+    pool.served += [first, second]  # ... and a world that served the same test
+    pool.test_ended(failed=True)
+    pool._call_failed(world(3), skipped=False)  # in pytest.raises: the test passes
+    pool.test_ended(failed=False)
+    pool._call_failed(world(4), skipped=True)  # every rank skipped
+    pool.test_ended(failed=False)
+    pool._call_failed(world(5), skipped=False)  # a script: no test ever ends
+    pool.close()
+    assert pool.stats.retired == {
+        summary.FAILED: 1,
+        summary.FAILED_TOO: 1,
+        summary.CAUGHT: 1,
+        summary.SKIPPED: 1,
+        summary.CALL_FAILED: 1,
+    }
