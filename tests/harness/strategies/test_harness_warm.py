@@ -71,6 +71,13 @@ def poison(rank, world_size, how, tmp):
         dist.irecv(torch.zeros(1), src=1)  # never waited, and rank 1 sends nothing
     if how == "async" and rank == 0:
         dist.all_reduce(torch.ones(1), async_op=True)  # never waited, rank 1 never joins it
+    if how == "skips" and rank == 1:
+        return rank  # rank 0 waits in a barrier rank 1 never enters: no check may answer it
+    if how == "skips":
+        dist.barrier()
+    if how == "mesh":  # torch's groups for a mesh (tp: one each) go with the test
+        from torch.distributed.device_mesh import init_device_mesh
+        init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["tp"].get_group()
     if how == "default":
         dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=f"file://{tmp}/default", rank=rank,
@@ -88,7 +95,7 @@ def test_02_opted_out(run_ranks):
     assert run_ranks(plain, "02_opted_out") == [0, 1]
 
 HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "async", "child", "default",
-       "parent"]
+       "skips", "mesh", "parent"]
 
 @pytest.mark.parametrize("how", HOW)
 def test_10_poison_then_next(run_ranks, how, tmp_path):
@@ -104,7 +111,8 @@ def test_11_after(run_ranks, how):
 """
 
 # The poisoning tests that fail as such; the others pass and leave their world dirty.
-FAILING = {"fails", "hangs", "kills", "parent"}
+FAILING = {"fails", "hangs", "kills", "skips", "parent"}
+CLEAN = {"mesh"}  # passes, and leaves nothing a fresh world would not have: the world is kept
 HOW = [
     "fails",
     "hangs",
@@ -116,6 +124,8 @@ HOW = [
     "async",
     "child",
     "default",
+    "skips",
+    "mesh",
     "parent",
 ]
 
@@ -156,6 +166,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(
     assert "rank 0 raised ValueError: boom" in out or "raised ValueError: boom" in out
     assert "RankTimeout" in out or "deadline" in out
     assert "SIGKILL" in out
+    assert "rank 1 returned after barrier #1; rank 0 waits in barrier #2" in out  # skips
 
     record = {name: pid for name, (pid, _) in proctable.recorded(pids).items()}
 
@@ -169,8 +180,9 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(
     for how in HOW[:-1]:  # all but "parent"
         # The poison ran in the world that served the test before it (it was warm) ...
         assert world(how) == world(f"before_{how}"), how
-        # ... and the next test got fresh ranks, and passed (counted above).
-        assert not set(world(f"after_{how}")) & set(world(how)), how
+        # ... and the next test got fresh ranks (the same, where it was clean), and passed.
+        assert (world(f"after_{how}") == world(how)) == (how in CLEAN), how
+        assert how in CLEAN or not set(world(f"after_{how}")) & set(world(how)), how
     assert world("parent") == world("before_parent")
     assert not set(world("after_parent")) & set(world("parent"))
     # No rank outlives the run.
