@@ -261,6 +261,7 @@ def test_a_bad_call_is_refused_before_any_world_starts():
 # warm call runs fresh too, and a verdict that differs fails the test.
 NESTED = """
 import pytest
+import torch.distributed as dist
 
 pytestmark = pytest.mark.warm_world
 STATE = {"inner": {}}  # one level deeper than a warm rank looks
@@ -289,6 +290,16 @@ def same_error(rank, world_size):
 
 def test_fails_alike(run_ranks):  # which rank's report comes first is a race, not a verdict
     run_ranks(same_error)
+
+
+def skips_the_barrier(rank, world_size):
+    if rank == 1:
+        return
+    dist.barrier()
+
+
+def test_skips_a_barrier(run_ranks):  # stranded warm as fresh: no warm state to blame
+    run_ranks(skips_the_barrier)
 """
 
 
@@ -298,15 +309,16 @@ def test_warm_audit_catches_what_a_warm_world_cannot_see(pytester, run_ranks):
     args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
     # Warm alone, the second test passes on the state the first left (a documented blind
     # spot); audited, it fails saying both verdicts.
-    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2, failed=1)
+    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2, failed=2)
     audited = pytester.runpytest_inprocess(*args, "--warm-audit")
-    audited.assert_outcomes(passed=1, failed=2)
+    audited.assert_outcomes(passed=1, failed=3)
     audited.stdout.fnmatch_lines(
         [
             "*WarmAuditError: --warm-audit: the warm world's verdict (passed) differs from "
             "fresh ranks' (failed, rank 0 raised KeyError: 'k', rank 1 raised KeyError: 'k')*",
             "FAILED test_nested.py::test_reads - --warm-audit*",
             "FAILED test_nested.py::test_fails_alike - rank ? raised ValueError: the same*",
+            "FAILED test_nested.py::test_skips_a_barrier - rank 1 returned before any *",
         ]
     )
 

@@ -32,9 +32,6 @@ from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies.warm import reuse
 
 
-_KEY = "tutorial_impl/warm-world"  # the warm ranks' keys on their world's store
-
-
 class WorldCheck:
     """What a warm rank's world looked like when it was made, to compare with after each
     test: its process groups, RPC agent, children and pending work (``reuse`` sees the rest:
@@ -45,9 +42,6 @@ class WorldCheck:
 
         c10d = dist.distributed_c10d
         self.default = c10d._get_default_group() if dist.is_initialized() else None
-        self.store = c10d._get_default_store() if self.default is not None else None
-        self.size = dist.get_world_size() if self.default is not None else 0
-        self.tasks = 0  # tests served: the key of each one's ``_all_returned``
         self.groups = set(c10d._world.pg_map)
         self.works: list[Any] = []  # this test's isend/irecv work (see ``_track_work``)
         _track_work(self.works)
@@ -57,14 +51,26 @@ class WorldCheck:
         self.works.clear()
 
     def leftovers(
-        self, meanwhile: Callable[[], str | None] = lambda: None, killed: tuple[Any, ...] = ()
+        self,
+        meanwhile: Callable[[], str | None] = lambda: None,
+        killed: tuple[Any, ...] = (),
+        all_returned: Callable[[float], bool] = lambda timeout: True,
     ) -> str | None:
         """What the last test left behind that a fresh world would not have, or None; else
-        ``meanwhile``'s answer (the rank's other checks), which runs while the rank waits for
-        its peers to return (``_returned``). ``killed``: the processes the test left running,
-        which the rank killed before it reported (``leftovers``): the world is retired all
-        the same, as a fresh one would have been with them (what else such a test left,
-        nobody has looked at)."""
+        ``meanwhile``'s answer (the rank's other checks), which runs before the rank waits
+        for the parent's word that every rank's function returned (``all_returned``, within
+        the time given). ``killed``: the processes the test left running, which the rank
+        killed before it reported (``leftovers``): the world is retired all the same, as a
+        fresh one would have been with them (what else such a test left, nobody has looked
+        at).
+
+        Nothing here is a collective until every rank has returned: a rank that returned while
+        a peer still waits in a collective it never entered must not answer it (a barrier
+        would match a user's ``barrier``, and the stranded peer would pass). The peer stays
+        stranded and the parent's verdict says so, as fresh ranks' would. Then a
+        ``DeviceMesh``'s groups are destroyed (no peer uses them any more) and a barrier of
+        the world meets only ranks that are out of the test (an un-waited collective still
+        holds it up)."""
         import torch.distributed as dist
 
         c10d = dist.distributed_c10d
@@ -72,42 +78,17 @@ class WorldCheck:
         if default is not self.default:
             return "the default process group was destroyed or replaced"
         extra = [g for g in c10d._world.pg_map if g not in self.groups]
-        if self.default is None:
-            return _left_behind(extra) or self._left(killed) or meanwhile()
-        try:
-            done = self._returned()
-            answer = self._left(killed) or meanwhile()
-            self.store.wait([done], timedelta(seconds=CHECK_DEADLINE))
-        except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
-            return f"not every rank returned from the test's function: {exc}"
-        # Every rank is out of the test: no peer still uses a group destroyed now, and no
-        # collective of the test can match the barrier (which an un-waited one would).
+        answer = self._left(killed) or meanwhile()
+        if not all_returned(CHECK_DEADLINE):
+            return f"the parent did not say within {CHECK_DEADLINE:g} s that every rank returned"
         try:
             left = _left_behind([g for g in extra if not _destroyed_if_a_meshs(dist, g)])
-            if left:
-                return left
+            if left or self.default is None:
+                return left or answer
             dist.barrier(async_op=True).wait(timedelta(seconds=CHECK_DEADLINE))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
             return f"the world's barrier did not complete: {exc}"
         return answer
-
-    def _returned(self) -> str:
-        """Say, on the world's store, that this rank's test function returned; give the key
-        that is set once every rank has said so.
-
-        Not a collective: a rank that returned while a peer still waits in a collective it
-        never entered must not answer that collective (a ``barrier`` here would match a
-        user's ``barrier``, and the stranded peer would pass). The peer stays stranded, the
-        parent's verdict says so, as fresh ranks' would; the barrier after this only meets
-        ranks that are all out of the test (and still catches an un-waited collective)."""
-        self.tasks += 1
-        count = self.store.add(f"{_KEY}/returned", 1)
-        done = f"{_KEY}/all-returned/{self.tasks}"
-        if count == self.tasks * self.size:  # the last: every rank waits for this key
-            self.store.set(done, b"")
-            if self.tasks > 1:  # every rank is past the last one's wait (the parent waited)
-                self.store.delete_key(f"{_KEY}/all-returned/{self.tasks - 1}")
-        return done
 
     def _left(self, killed: tuple[Any, ...]) -> str | None:
         """An RPC agent, child processes or point-to-point work the test left, or None."""
@@ -174,6 +155,15 @@ def _track_work(works: list[Any]) -> None:
         setattr(ProcessGroup, name, tracked(getattr(original, "__wrapped__", original)))
 
 
+ALL_RETURNED = "every rank returned"  # the parent's word to a warm rank (``pool``)
+
+
+def _all_returned(conn: Connection, timeout: float) -> bool:
+    """Whether the parent said, within ``timeout`` seconds, that every rank's function of
+    the test returned (it has their reports): only then may this rank meet its peers."""
+    return conn.poll(timeout) and pickle.loads(conn.recv_bytes()) == ALL_RETURNED
+
+
 def _fault_fired() -> str | None:
     """A world in which a fault was injected is not reused, whatever the verdict: its group
     may be closed (``Close``), out of step (a ``Raise`` before one rank's collective) or
@@ -214,7 +204,9 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             )
             # The test has been answered: the check and the next test's reset run while the
             # parent reports it and moves on (it reads the answer before the next task).
-            problem = _fault_fired() or world.leftovers(baseline.check_then_reset, report.killed)
+            problem = _fault_fired() or world.leftovers(
+                baseline.check_then_reset, report.killed, lambda t: _all_returned(conn, t)
+            )
             conn.send_bytes(pickle.dumps(problem))
             task = pickle.loads(conn.recv_bytes())  # EOF: the world is closed
     finally:

@@ -54,6 +54,7 @@ from tutorial_impl.testing.strategies.warm import summary
 from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats
 from tutorial_impl.testing.verdict.decision import Finished
 
+_ALL_RETURNED = pickle.dumps(warm_rank.ALL_RETURNED)
 MAX_WORLDS = 4  # warm worlds one pool keeps; the least recently used goes first
 MARKER = "warm_world"
 # What a warm world cannot serve: the fresh path honours these (``runner.refusal``).
@@ -144,8 +145,10 @@ class WarmPool:
                 raise
             if not finished.as_planned:
                 self._call_failed(world, skipped=_skipped(finished))
-            else:
-                world.unchecked = True  # the ranks check themselves now; read before next task
+            else:  # the ranks check themselves now, from this word on; read before next task
+                for p in world.procs:
+                    p.conn.send_bytes(_ALL_RETURNED)
+                world.unchecked = True
             return finished
 
     def _world_for(self, call: Call, specs: list[_call.RankSpec]) -> World:

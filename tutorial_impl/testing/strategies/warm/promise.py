@@ -35,9 +35,9 @@ DETECTED = (
     "a replaced default group",
     "a point-to-point operation never completed (an `isend`, `irecv`, or a `P2POp` of "
     "`batch_isend_irecv`, seen at torch's `ProcessGroup`, however it was called)",
-    "a barrier of the whole world, once every rank has returned from the test (on the world's "
-    "store: never a collective a rank still waiting could match), that does not complete "
-    "within 2 s (an un-waited async collective)",
+    "a barrier of the whole world, once the parent has every rank's report (never a "
+    "collective a rank still in the test could match), that does not complete within 2 s (an "
+    "un-waited async collective)",
     "a thread the test started still running, daemon or not",
     "the user's module globals changed (rebound, added, removed, or changed one level inside "
     "a dict, list, set, tensor, array or object; a module-level `nn.Module`'s parameters, "
