@@ -963,6 +963,43 @@ def test_c50g_an_early_return_before_a_redistribute(run_ranks):
     run_ranks(early_before_redistribute)
 
 
+# c35: a warm world's own machinery meets none of the test's: torch's groups of a DeviceMesh
+# go with the test (the next test runs in the same world), and a rank that returned while its
+# peer waits in a barrier is stranding it, in a world that served tests before (the world's
+# check after a test is no collective that could answer the peer's barrier).
+def mesh_sums(rank, world_size):
+    note()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))  # tp: groups of 1
+    total, one = torch.ones(1), torch.ones(1)
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    dist.all_reduce(one, group=mesh["tp"].get_group())
+    return total.item() + one.item()
+
+
+@pytest.mark.rank_timeout(10)
+def test_c35a_a_two_dimensional_device_mesh(run_ranks):
+    assert run_ranks(mesh_sums) == [3.0, 3.0]
+
+
+@pytest.mark.rank_timeout(10)
+def test_c35b_the_next_test_after_the_mesh(run_ranks):
+    assert run_ranks(sum_of_ranks) == [1.0, 1.0]
+
+
+def skips_the_barrier(rank, world_size):
+    note()
+    if rank == 1:
+        return
+    dist.barrier()  # c35c's barrier
+
+
+@pytest.mark.rank_timeout(10)
+def test_c35c_rank_1_skips_a_barrier(run_ranks):
+    run_ranks(skips_the_barrier)
+
+
 def test_c20_init_method_tcp(run_ranks):
     assert run_ranks(sum_of_ranks, init_method="tcp") == [1.0, 1.0]
 
@@ -1035,6 +1072,10 @@ EARLY_LINE = next(
 CAUGHT_LINE = next(
     i for i, line in enumerate(STRANGER.splitlines(), 1) if "the caught fault's" in line
 )
+BARRIER_LINE = next(i for i, line in enumerate(STRANGER.splitlines(), 1) if "c35c's" in line)
+# Warm, one world serves these in turn (the mesh's groups go with c35a; c35c strands rank 0).
+SAME_WORLD = ["test_c35a_a_two_dimensional_device_mesh", "test_c35b_the_next_test_after_the_mesh"]
+SAME_WORLD.append("test_c35c_rank_1_skips_a_barrier")
 # A hang that cannot resolve: the verdict comes when seen (``stranded``), not at the deadline.
 NEVER = (
     ", which rank 1 never entered: a hang that cannot resolve (ended when seen, not at the "
@@ -1439,6 +1480,16 @@ CASES: dict[str, Case] = {
             within=5,
         )
     ),
+    "test_c35a_a_two_dimensional_device_mesh": Case(Expect("passed")),
+    "test_c35b_the_next_test_after_the_mesh": Case(Expect("passed")),
+    "test_c35c_rank_1_skips_a_barrier": Case(
+        Expect(
+            "failed",
+            f"rank 1 returned before any collective; rank 0 waits in barrier #1 at {MODULE}.py:"
+            f"{BARRIER_LINE}" + NEVER.format(10),
+            within=2,
+        )
+    ),
     "test_c27d_raise_at_a_step": Case(
         Expect(
             "failed",
@@ -1785,6 +1836,8 @@ def run_in_process(
         problems.append(f"[forked] ranks served more than one test: {shared}")
     if strategy == "warm" and not shared and proctable.recorded(pids):
         problems.append("[warm] no rank served two tests: the warm run was not warm")
+    if strategy == "warm" and not any(set(SAME_WORLD) <= set(t) for t in shared.values()):
+        problems.append(f"[warm] no world served {SAME_WORLD} in turn: {shared}")
     if wall > IN_PROCESS_LIMIT:
         problems.append(f"[{strategy}] the run took {wall:.0f} s, limit {IN_PROCESS_LIMIT:g} s")
     if not (pytester.path / f"{strategy}.xml").exists():

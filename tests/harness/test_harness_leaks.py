@@ -30,7 +30,7 @@ from tutorial_impl.testing import (
     proctable,
     run_ranks,
 )
-from tutorial_impl.testing.strategies import supervise, waiting
+from tutorial_impl.testing.strategies import waiting
 
 GONE_WITHIN = 5.0  # seconds; the kill is immediate, this is slack for a loaded machine
 

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 import types
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tutorial_impl.testing.strategies.warm import fingerprint, reuse
+from tutorial_impl.testing.strategies.warm import reuse
 
 # Module-level state a test could leave behind (the "user's module" of the checks).
 CACHE: dict[str, int] = {}
@@ -42,6 +41,9 @@ GENERATOR = torch.Generator().manual_seed(0)
 
 class Settings:
     verbose = False
+
+    def describe(self) -> str:
+        return "settings"
 
 
 SETTINGS = Settings()
@@ -176,12 +178,25 @@ class _Renamed:
         names[self.name] = names.pop("0" + self.name)
 
 
-def _wrap(module: object, name: str, imported: bool) -> None:
-    """Replace ``module.name`` by a wrapper of it (``__wrapped__``), as an import may do."""
-    if imported:
-        sys.modules["_reuse_probe"] = types.ModuleType("_reuse_probe")
+def _wrap(module: object, name: str, imported: bool, torchs: bool = False) -> None:
+    """Replace ``module.name`` by a wrapper of it (``__wrapped__``), as an import may do:
+    torch's own (``torchs``: the wrapper torch._dynamo's import puts on ``manual_seed``)."""
+    if imported:  # a module of a new name: one more module loaded
+        probe = f"_reuse_probe{len(sys.modules)}"
+        sys.modules[probe] = types.ModuleType(probe)
     original = getattr(module, name)
-    setattr(module, name, functools.wraps(original)(lambda *a, **k: original(*a, **k)))
+    if torchs:
+        setattr(module, name, torch._disable_dynamo(original))
+    else:
+        setattr(module, name, functools.wraps(original)(lambda *a, **k: original(*a, **k)))
+
+
+def _tracer(*args: object) -> None:
+    return None
+
+
+def _call(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
+    return self._call_impl(*args, **kwargs)
 
 
 # What a test does that no reset can undo, and what after_task must name for it. The last
@@ -215,13 +230,39 @@ LEFT = {
     "profiler": (lambda: _enter(torch.autograd.profiler.profile()), "profiler was left running"),
     "inference": (lambda: _enter(torch.inference_mode()), "inference mode was left on"),
     "mode": (lambda: _enter(torch.device("meta")), "mode was left entered"),
+    # Methods of torch's classes and of a user's (undone after all, with ``time.time``).
+    "tensor method": (
+        lambda: setattr(torch.Tensor, "equal", lambda *a: True),
+        "torch.Tensor.equal was added (monkeypatched)",  # over TensorBase's
+    ),
+    "module call": (
+        lambda: setattr(torch.nn.Module, "__call__", _call),
+        "torch.nn.Module.__call__ was replaced (monkeypatched)",
+    ),
+    "work method": (
+        lambda: setattr(dist.Work, "wait", lambda *a: True),
+        "torch.distributed.Work.wait was replaced (monkeypatched)",
+    ),
+    "user method": (
+        lambda: setattr(Settings, "describe", lambda self: "patched"),
+        "Settings (its contents)",
+    ),
+    "import wraps": (
+        lambda: _wrap(torch.nn.functional, "gelu", True),  # a user's wrapper, not torch's
+        "torch.nn.functional.gelu was replaced (monkeypatched)",
+    ),
 }
 HARMLESS = {
     "untouched": lambda: None,
     "short thread": lambda: threading.Thread(target=time.sleep, args=(0.01,)).start(),
     "submodule": lambda: setattr(torch.nn, "lazy", types.ModuleType("torch.nn.lazy")),
     "user submodule": lambda: globals().update(sub=types.ModuleType(f"{__name__}.sub")),
-    "wrapped on import": lambda: _wrap(torch, "manual_seed", True),  # as torch._dynamo does
+    "wrapped on import": lambda: _wrap(torch, "manual_seed", True, torchs=True),  # as dynamo
+    # Hooks reset before the next test (``interpreter.hook_settings``), as ``sys`` and
+    # ``threading`` attributes too: not monkeypatches.
+    "trace": lambda: (sys.settrace(_tracer), threading.settrace(_tracer)),
+    "excepthook": lambda: setattr(sys, "excepthook", _tracer),
+    "thread excepthook": lambda: setattr(threading, "excepthook", _tracer),
     "group counter": lambda: setattr(dist.distributed_c10d, "_group_count", -1),
     "a setting": lambda: random.seed(0),  # reset before the next task: no problem
 }
@@ -247,28 +288,38 @@ def left_behind(rank: int, world_size: int, repeat: int) -> dict[str, object]:
     task.refresh()
     c10d.broadcast = lambda *args, **kwargs: None
     chained.append(task.after_task())
-    # Only such a task moves the reference: after one that wrapped a function on import, the
-    # function put back as it was is no change (as when the wrapper had not been seen).
+    # So does a task whose import wrapped a function, as torch._dynamo's does: the next task,
+    # which imports nothing, finds the wrapper, as a fresh rank after that import would
+    # (where the world was retired, "torch.manual_seed was replaced"); one that puts the
+    # function back as it was changed it.
     task = reuse.Baseline()
     task.before_task()
     seed = torch.manual_seed
-    _wrap(torch, "manual_seed", True)
+    _wrap(torch, "manual_seed", True, torchs=True)
+    chained.append(task.after_task())
+    task.reset()
+    task.refresh()
     chained.append(task.after_task())
     task.reset()
     task.refresh()
     torch.manual_seed = seed
     chained.append(task.after_task())
-    del sys.modules["_reuse_probe"]  # the cases below import it again
     seen, entered, clock = {}, [], time.time
+    call, describe = torch.nn.Module.__call__, Settings.describe
+    wait, gelu = dist.Work.wait, torch.nn.functional.gelu
     for case, do in {**HARMLESS, **{k: v[0] for k, v in LEFT.items()}}.items():
         task = reuse.Baseline()  # a world that found a problem is replaced: a new baseline
         task.before_task()
         left = do()
         seen[case] = task.after_task()
+        task.reset()
         entered += [left] if case in ("renamed", "profiler", "inference", "mode") else []
     for context in reversed(entered):
         context.__exit__(None, None, None)  # type: ignore[attr-defined]
     time.time = clock
+    del torch.Tensor.equal
+    torch.nn.Module.__call__, Settings.describe = call, describe
+    dist.Work.wait, torch.nn.functional.gelu = wait, gelu
     return dict(seen=seen, cost=sorted(cost)[len(cost) // 2], chained=chained)
 
 
@@ -278,60 +329,12 @@ def test_after_task_names_what_cannot_be_reset_and_costs_little(run_ranks):
         assert found["seen"][case] is None, (case, found["seen"][case])
     for case, (_, named) in LEFT.items():
         assert named in (found["seen"][case] or ""), (case, found["seen"][case])
-    own, patched, wrapped, unwrapped = found["chained"]
+    own, patched, wrapped, next_task, unwrapped = found["chained"]
     assert own is None and "distributed_c10d.broadcast was replaced" in (patched or "")
-    assert wrapped is None and unwrapped is None
+    assert wrapped is None and next_task is None
+    assert unwrapped == "torch.manual_seed was replaced (monkeypatched)"
     print(f"before_task + after_task: {found['cost'] * 1e3:.2f} ms of CPU (median)")
     assert found["cost"] < 0.010
-
-
-def test_a_dicts_table_is_the_same_only_while_every_binding_is():
-    """``fingerprint.table``, which spares a warm rank reading every object of the namespaces
-    it compares: on the interpreters it knows it is on, and it sees any binding change."""
-    known = sys.implementation.name == "cpython" and (3, 11) <= sys.version_info[:2] <= (3, 14)
-    if not known or sysconfig.get_config_var("Py_GIL_DISABLED"):
-        assert fingerprint.table({}) is None  # reuse compares the dicts themselves
-        return
-    names = {f"name{i}": object() for i in range(30)}
-    first = fingerprint.table(names)
-    assert first is not None and fingerprint.table(names) == first
-    kept = names["name5"]
-    names["name5"] = object()  # one value replaced
-    assert fingerprint.table(names) != first
-    names["name5"] = kept
-    assert fingerprint.table(names) == first  # the same objects again: the same table
-    names["renamed"] = names.pop("name29")  # the same objects in the same order, one new name
-    assert fingerprint.table(names) != first
-    names["name29"] = names.pop("renamed")
-    assert fingerprint.table(names) != first  # the same bindings, but one deleted and re-added
-
-
-def test_a_dicts_version_changes_with_every_change_of_it_and_no_other():
-    """``fingerprint.Version``, which spares a warm rank reading a namespace no test changed:
-    on CPython 3.11-3.13 a dict keeps a version tag (PEP 509) and it is read there; every kind
-    of change shows, no other dict's does. Elsewhere ``watch`` gives None (the tables then)."""
-    names = {f"name{i}": object() for i in range(30)}
-    tag = fingerprint.watch(names)
-    known = sys.implementation.name == "cpython" and (3, 11) <= sys.version_info[:2] <= (3, 13)
-    if tag is None:
-        assert not known or sysconfig.get_config_var("Py_GIL_DISABLED")
-        return
-    {}.update(other=1)  # another dict's change
-    assert tag.unchanged(names) and not tag.unchanged(dict(names))  # an equal copy is not it
-    changes = (
-        lambda d: d.__setitem__("name5", object()),  # rebound
-        lambda d: d.pop("name6"),
-        lambda d: d.__setitem__("added", 1),
-        lambda d: d.update(name7=object()),
-        lambda d: d.setdefault("set", 2),
-        lambda d: d.popitem(),
-        lambda d: d.clear(),
-    )
-    for change in changes:
-        tag = fingerprint.watch(names)
-        assert tag is not None and tag.unchanged(names)
-        change(names)
-        assert not tag.unchanged(names), change
 
 
 # A value other than the current one, for every ``interpreter`` setting that is not a bool
@@ -349,6 +352,17 @@ OTHER = {
     "umask": lambda v: 0o077 if v != 0o077 else 0o022,
     "signal mask": lambda v: {*v, signal.SIGWINCH},
     "socket default timeout": lambda v: 3.0,
+    "sys trace function": lambda v: _tracer,
+    "sys profile function": lambda v: _tracer,
+    "threading trace function": lambda v: _tracer,
+    "threading profile function": lambda v: _tracer,
+    "sys.excepthook": lambda v: _tracer,
+    "sys.unraisablehook": lambda v: _tracer,
+    "sys.displayhook": lambda v: _tracer,
+    "threading.excepthook": lambda v: _tracer,
+    "sys async generator hooks": lambda v: (_tracer, _tracer),
+    "sys coroutine origin tracking depth": lambda v: 5,
+    "sys dlopen flags": lambda v: v ^ __import__("os").RTLD_GLOBAL,
     "logging.disable": lambda v: logging.CRITICAL,
     "torch default dtype": lambda v: torch.float64,
     "torch intra-op threads": lambda v: v + 1,

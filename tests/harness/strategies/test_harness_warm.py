@@ -71,6 +71,13 @@ def poison(rank, world_size, how, tmp):
         dist.irecv(torch.zeros(1), src=1)  # never waited, and rank 1 sends nothing
     if how == "async" and rank == 0:
         dist.all_reduce(torch.ones(1), async_op=True)  # never waited, rank 1 never joins it
+    if how == "skips" and rank == 1:
+        return rank  # rank 0 waits in a barrier rank 1 never enters: no check may answer it
+    if how == "skips":
+        dist.barrier()
+    if how == "mesh":  # torch's groups for a mesh (tp: one each) go with the test
+        from torch.distributed.device_mesh import init_device_mesh
+        init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["tp"].get_group()
     if how == "default":
         dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=f"file://{tmp}/default", rank=rank,
@@ -88,7 +95,7 @@ def test_02_opted_out(run_ranks):
     assert run_ranks(plain, "02_opted_out") == [0, 1]
 
 HOW = ["fails", "hangs", "kills", "group", "rpc", "thread", "irecv", "async", "child", "default",
-       "parent"]
+       "skips", "mesh", "parent"]
 
 @pytest.mark.parametrize("how", HOW)
 def test_10_poison_then_next(run_ranks, how, tmp_path):
@@ -104,7 +111,8 @@ def test_11_after(run_ranks, how):
 """
 
 # The poisoning tests that fail as such; the others pass and leave their world dirty.
-FAILING = {"fails", "hangs", "kills", "parent"}
+FAILING = {"fails", "hangs", "kills", "skips", "parent"}
+CLEAN = {"mesh"}  # passes, and leaves nothing a fresh world would not have: the world is kept
 HOW = [
     "fails",
     "hangs",
@@ -116,6 +124,8 @@ HOW = [
     "async",
     "child",
     "default",
+    "skips",
+    "mesh",
     "parent",
 ]
 
@@ -156,6 +166,7 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(
     assert "rank 0 raised ValueError: boom" in out or "raised ValueError: boom" in out
     assert "RankTimeout" in out or "deadline" in out
     assert "SIGKILL" in out
+    assert "rank 1 returned after barrier #1; rank 0 waits in barrier #2" in out  # skips
 
     record = {name: pid for name, (pid, _) in proctable.recorded(pids).items()}
 
@@ -169,8 +180,9 @@ def test_a_poisoned_warm_world_is_replaced_and_nothing_is_skipped_or_left(
     for how in HOW[:-1]:  # all but "parent"
         # The poison ran in the world that served the test before it (it was warm) ...
         assert world(how) == world(f"before_{how}"), how
-        # ... and the next test got fresh ranks, and passed (counted above).
-        assert not set(world(f"after_{how}")) & set(world(how)), how
+        # ... and the next test got fresh ranks (the same, where it was clean), and passed.
+        assert (world(f"after_{how}") == world(how)) == (how in CLEAN), how
+        assert how in CLEAN or not set(world(f"after_{how}")) & set(world(how)), how
     assert world("parent") == world("before_parent")
     assert not set(world("after_parent")) & set(world("parent"))
     # No rank outlives the run.
@@ -249,6 +261,7 @@ def test_a_bad_call_is_refused_before_any_world_starts():
 # warm call runs fresh too, and a verdict that differs fails the test.
 NESTED = """
 import pytest
+import torch.distributed as dist
 
 pytestmark = pytest.mark.warm_world
 STATE = {"inner": {}}  # one level deeper than a warm rank looks
@@ -277,6 +290,16 @@ def same_error(rank, world_size):
 
 def test_fails_alike(run_ranks):  # which rank's report comes first is a race, not a verdict
     run_ranks(same_error)
+
+
+def skips_the_barrier(rank, world_size):
+    if rank == 1:
+        return
+    dist.barrier()
+
+
+def test_skips_a_barrier(run_ranks):  # stranded warm as fresh: no warm state to blame
+    run_ranks(skips_the_barrier)
 """
 
 
@@ -286,14 +309,87 @@ def test_warm_audit_catches_what_a_warm_world_cannot_see(pytester, run_ranks):
     args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
     # Warm alone, the second test passes on the state the first left (a documented blind
     # spot); audited, it fails saying both verdicts.
-    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2, failed=1)
+    pytester.runpytest_inprocess(*args).assert_outcomes(passed=2, failed=2)
     audited = pytester.runpytest_inprocess(*args, "--warm-audit")
-    audited.assert_outcomes(passed=1, failed=2)
+    audited.assert_outcomes(passed=1, failed=3)
     audited.stdout.fnmatch_lines(
         [
             "*WarmAuditError: --warm-audit: the warm world's verdict (passed) differs from "
             "fresh ranks' (failed, rank 0 raised KeyError: 'k', rank 1 raised KeyError: 'k')*",
             "FAILED test_nested.py::test_reads - --warm-audit*",
             "FAILED test_nested.py::test_fails_alike - rank ? raised ValueError: the same*",
+            "FAILED test_nested.py::test_skips_a_barrier - rank 1 returned before any *",
         ]
     )
+
+
+def _failed(outcomes: dict) -> BaseException:
+    """The error ``decide`` gives a run whose ranks ended as ``outcomes`` (0 reported first)."""
+    from tutorial_impl.testing.rank import outcome as _o
+    from tutorial_impl.testing.verdict.decision import Finished, decide
+    from tutorial_impl.testing.verdict.errors import RankError
+
+    reports = {r: _o.Report(o, pid=100 + r, at=0.0) for r, o in outcomes.items()}
+    with pytest.raises(RankError) as caught:
+        decide(Finished(len(outcomes), reports, sorted(outcomes), {}, deadline=60.0))
+    return caught.value
+
+
+def test_the_audit_lets_a_late_report_be_a_stop_but_no_other_difference():
+    """Two ranks raise the same error; under load one report comes after the others' failure
+    and the grace, and that rank is stopped: the same test, not a carried-over state (this
+    was a ``WarmAuditError``). Another error, or a return where a rank raised, still differs."""
+    from tutorial_impl.testing.rank import outcome as _o
+    from tutorial_impl.testing.strategies.warm.audit import Verdict, WarmAuditError, agree
+
+    def raised(message: str) -> _o.Raised:
+        return _o.Raised("KeyError", message, f"Traceback (most recent call last):\n{message}\n")
+
+    both = _failed({0: raised("'k'"), 1: raised("'k'")})
+    pairs = {  # fresh run's ranks -> whether it agrees with ``both`` (the warm run)
+        "rank 1 late": ({0: raised("'k'"), 1: _o.Stopped(None)}, True),
+        "rank 0 late": ({0: _o.Stopped(None), 1: raised("'k'")}, True),
+        "another error": ({0: _o.Stopped(None), 1: raised("'j'")}, False),
+        "one returned": ({0: raised("'k'"), 1: _o.Returned(1)}, False),
+        "its own error": ({0: raised("'k'"), 1: raised("'j'")}, False),
+    }
+    for case, (fresh, agrees) in pairs.items():
+        verdict = agree(Verdict(None, both), Verdict(None, _failed(fresh)))
+        assert (verdict.error is both) == agrees, case
+        assert agrees or isinstance(verdict.error, WarmAuditError), case
+    # Two stopped runs with nothing of their own in common are not the same failure.
+    crossed = _failed({0: raised("'k'"), 1: _o.Stopped(None)})
+    other = _failed({0: _o.Stopped(None), 1: raised("'j'")})
+    assert isinstance(agree(Verdict(None, crossed), Verdict(None, other)).error, WarmAuditError)
+
+
+def test_the_summary_counts_a_failed_test_once_and_a_caught_call_apart(tmp_path):
+    """Worlds retired for calls are counted by their test's verdict: a failed test once,
+    however many of its calls failed; a call that failed or skipped in a test that did not
+    fail, under its own reason (they were all "a test failed")."""
+    from types import SimpleNamespace
+
+    from tutorial_impl.testing.strategies.warm import summary
+
+    pool = warm.WarmPool()
+
+    def world(n: int) -> warm.World:
+        return warm.World((n,), [], SimpleNamespace(close=lambda: None), tmp_path / str(n), [])
+
+    first, second = world(1), world(2)
+    pool._call_failed(first, skipped=False)  # a failed call ...
+    pool.served += [first, second]  # ... and a world that served the same test
+    pool.test_ended(failed=True)
+    pool._call_failed(world(3), skipped=False)  # in pytest.raises: the test passes
+    pool.test_ended(failed=False)
+    pool._call_failed(world(4), skipped=True)  # every rank skipped
+    pool.test_ended(failed=False)
+    pool._call_failed(world(5), skipped=False)  # a script: no test ever ends
+    pool.close()
+    assert pool.stats.retired == {
+        summary.FAILED: 1,
+        summary.FAILED_TOO: 1,
+        summary.CAUGHT: 1,
+        summary.SKIPPED: 1,
+        summary.CALL_FAILED: 1,
+    }

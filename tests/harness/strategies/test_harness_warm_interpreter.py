@@ -21,13 +21,24 @@ from tutorial_impl.testing.strategies.warm import reuse
 pytest_plugins = ["pytester"]
 
 CARRY = """
-import decimal, gc, locale, logging, logging.config, os, sys
+import decimal, gc, locale, logging, logging.config, os, sys, threading
 import pytest
 import torch
 import torch.distributed as dist
+from tutorial_impl.testing import RankFailed
 
 MODEL = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
 LOG = logging.getLogger("stranger")
+CALL = torch.nn.Module.__call__
+
+
+class Scaler:
+    def scale(self, x):
+        return x
+
+
+def hook(*args):  # a trace, profile or except hook that does nothing
+    return None
 
 
 def umask():
@@ -53,6 +64,13 @@ STATE = {
     "autocast": lambda: torch.is_autocast_enabled("cpu"),
     "multithreading": torch.autograd.is_multithreading_enabled,
     "group": dist.is_initialized,
+    "trace": lambda: sys.gettrace() is hook,
+    "thread_profile": lambda: threading.getprofile() is hook,
+    "excepthook": lambda: sys.excepthook is hook,
+    "module_hook": lambda: len(torch.nn.modules.module._global_forward_hooks),
+    "tensor_method": lambda: "equal" in vars(torch.Tensor),
+    "module_call": lambda: torch.nn.Module.__call__ is CALL,
+    "user_method": lambda: Scaler().scale(1),
 }
 CHANGE = {
     "gc": gc.disable,
@@ -74,6 +92,14 @@ CHANGE = {
     # After a barrier: a rank that destroys its group while its peer is still in the group's
     # set-up (gloo's connectFullMesh) fails that peer ("Connection closed by peer").
     "group": lambda: (dist.barrier(), dist.destroy_process_group()),
+    "trace": lambda: sys.settrace(hook),
+    "thread_profile": lambda: threading.setprofile(hook),
+    "excepthook": lambda: setattr(sys, "excepthook", hook),
+    # A forgotten global hook, and no other setting changed: the reset's fast path.
+    "module_hook": lambda: torch.nn.modules.module.register_module_forward_hook(hook),
+    "tensor_method": lambda: setattr(torch.Tensor, "equal", lambda *a: True),
+    "module_call": lambda: setattr(torch.nn.Module, "__call__", lambda *a, **k: CALL(*a, **k)),
+    "user_method": lambda: setattr(Scaler, "scale", lambda self, x: 2 * x),
 }
 FRESH = {how: read() for how, read in STATE.items()}  # this process's, as a fresh rank's
 FRESH["group"] = True
@@ -116,6 +142,16 @@ def test_c_fails(run_ranks):
 
 def test_d_after(run_ranks):
     run_ranks(find, "gc", "after")
+
+
+def caught(rank, world_size):
+    note(rank, "caught")
+    raise ValueError("a failure the test expects")
+
+
+def test_e_catches_a_failed_call(run_ranks):  # passes: counted as no failed test
+    with pytest.raises(RankFailed, match="a failure the test expects"):
+        run_ranks(caught)
 """
 HOW = re.findall(r'^    "(\w+)": ', CARRY.split("CHANGE = {")[1].split("}\n")[0], re.MULTILINE)
 # What a warm rank cannot reset and detects instead, retiring its world (the next test then
@@ -123,7 +159,11 @@ HOW = re.findall(r'^    "(\w+)": ', CARRY.split("CHANGE = {")[1].split("}\n")[0]
 RETIRES = {
     "submodule": "the test changed module globals of test_carry: MODEL (its contents)",
     "group": "the default process group was destroyed or replaced",
+    "tensor_method": "torch.Tensor.equal was added (monkeypatched)",
+    "module_call": "torch.nn.Module.__call__ was replaced (monkeypatched)",
+    "user_method": "the test changed module globals of test_carry: Scaler (its contents)",
 }
+CAUGHT = "1 x a run_ranks call failed in a test that passed (pytest.raises)"
 
 
 def forked(rank: int, world_size: int) -> int:
@@ -141,14 +181,15 @@ def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
     for how in HOW:
         order += [f"test_carry.py::test_a_leaves[{how}]", f"test_carry.py::test_b_finds[{how}]"]
     order += ["test_carry.py::test_c_fails", "test_carry.py::test_d_after"]
+    order += ["test_carry.py::test_e_catches_a_failed_call"]
     args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
     # Forked, the reference: each check passes in a fresh rank (``FRESH`` is what a fresh
     # rank sees). The changes are left out there: no forked rank serves two tests (the
     # conformance suite's forked run proves it), so a change dies with its ranks; warm, every
     # change comes before its check. (Half the forked run's ranks.)
     runs = {
-        "forked": ([name for name in order if "test_a_leaves" not in name], len(HOW) + 1),
-        "warm": ([*order, "--warm-worlds"], 2 * len(HOW) + 1),
+        "forked": ([name for name in order if "test_a_leaves" not in name], len(HOW) + 2),
+        "warm": ([*order, "--warm-worlds"], 2 * len(HOW) + 2),
     }
     verdicts = {}
     for mode, (chosen, passing) in runs.items():
@@ -166,7 +207,7 @@ def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
             continue
         # The ranks' pids: which tests one world served (rank 0's pid is its world's).
         order_0 = [f"{kind}-{how}.0" for how in HOW for kind in ("leave", "find")]
-        worlds = [verdicts[mode][name] for name in [*order_0, "fails.0", "after.0"]]
+        worlds = [verdicts[mode][name] for name in [*order_0, "fails.0", "after.0", "caught.0"]]
         started = len(set(worlds))
         for how in HOW:  # a reset setting: its next test ran in the same world
             same = verdicts[mode][f"leave-{how}.0"] == verdicts[mode][f"find-{how}.0"]
@@ -174,15 +215,18 @@ def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
         retired = [
             f"1 x {RETIRES[how]}, after test_carry.py::test_a_leaves[{how}]" for how in RETIRES
         ]
+        # A failed test counts once; e's failed call, in a test that passed, under its own.
+        reasons = "; ".join(sorted(["1 x a test failed", CAUGHT, *retired]))
         expected = (
-            f"warm worlds: {started} started, {2 * len(HOW) + 2 - started} reuses, "
-            f"{len(RETIRES) + 1} retired ({'; '.join(['1 x a test failed', *sorted(retired)])})"
+            f"warm worlds: {started} started, {2 * len(HOW) + 3 - started} reuses, "
+            f"{len(RETIRES) + 2} retired ({reasons})"
         )
         assert lines == [expected], out
         assert started == len(RETIRES) + 2  # the first, one after each retired, one after c
+        assert worlds[-1] == worlds[-2]  # e ran in d's world, and retired it
     # The same checks ran both ways, on every rank (the changes only warm).
     found = {name for name in verdicts["warm"] if not name.startswith("leave-")}
-    assert set(verdicts["forked"]) == found and len(found) == 2 * (len(HOW) + 2)
+    assert set(verdicts["forked"]) == found and len(found) == 2 * (len(HOW) + 3)
 
 
 def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():

@@ -84,11 +84,39 @@ class Verdict:
         return self.results
 
 
+STOPPED = "stopped"  # still running when another rank's failure ended the run
+
+
+def _endings(error: BaseException | None) -> dict[int, str] | None:
+    """How each rank ended, a rank ``Stopped`` told apart from one that lost a connection."""
+    if not isinstance(error, RankError) or not error.outcomes:
+        return None
+    return {
+        r: STOPPED if isinstance(o, _o.Stopped) else ending(o) for r, o in error.outcomes.items()
+    }
+
+
+def same_but_for_timing(warm: BaseException | None, fresh: BaseException | None) -> bool:
+    """Whether two failures differ only in what the runs' timing decides: a rank stopped in
+    one (its report came after the others' failure and the grace) may have ended any way in
+    the other (two ranks raising the same error: under load one report comes late). Every
+    other rank ended the same way, and the runs share a failure of a rank's own (an echo of
+    another's, a return, a stop are none), if either has one."""
+    a, b = _endings(warm), _endings(fresh)
+    if a is None or b is None or a.keys() != b.keys():
+        return False
+    if any(a[r] != b[r] and STOPPED not in (a[r], b[r]) for r in a):
+        return False
+    consequences = {STOPPED, "returned", "ended by another rank's failure"}
+    own_a, own_b = set(a.values()) - consequences, set(b.values()) - consequences
+    return bool(own_a & own_b) or not (own_a or own_b)
+
+
 def agree(warm: Verdict, fresh: Verdict) -> Verdict:
-    """The warm run's verdict if the fresh run's agrees (``verdict_of``), else a
-    ``WarmAuditError`` that names both."""
+    """The warm run's verdict if the fresh run's agrees (``verdict_of``, or the same but for
+    timing), else a ``WarmAuditError`` that names both."""
     warm_verdict, fresh_verdict = verdict_of(warm.error), verdict_of(fresh.error)
-    if warm_verdict == fresh_verdict:
+    if warm_verdict == fresh_verdict or same_but_for_timing(warm.error, fresh.error):
         return warm
     shown = ", ".join(str(x) for x in warm_verdict)
     fresh_shown = ", ".join(str(x) for x in fresh_verdict)

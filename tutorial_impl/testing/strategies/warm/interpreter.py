@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -80,6 +81,38 @@ def python_settings() -> list[Setting]:
         Setting("signal mask", _blocked, partial(signal.pthread_sigmask, signal.SIG_SETMASK)),
         Setting("socket default timeout", socket.getdefaulttimeout, socket.setdefaulttimeout),
         Setting("logging.disable", lambda: logging.root.manager.disable, logging.disable),
+        *hook_settings(),
+    ]
+
+
+# The hooks Python calls, bound as attributes (``sys.breakpointhook`` is the harness's own,
+# set for every task: ``rank.debugging``).
+SYS_HOOKS = ("excepthook", "unraisablehook", "displayhook")
+
+
+def hook_settings() -> list[Setting]:
+    """The process-wide hooks of ``sys`` and ``threading``: trace and profile functions (the
+    rank function's thread's, and those ``threading`` gives every new thread), the hooks
+    called on an uncaught exception, an unraisable one, a displayed value, an async
+    generator's first iteration and finalisation; the coroutine origin depth, dlopen flags."""
+    return [
+        Setting("sys trace function", sys.gettrace, sys.settrace),
+        Setting("sys profile function", sys.getprofile, sys.setprofile),
+        Setting("threading trace function", threading.gettrace, threading.settrace),
+        Setting("threading profile function", threading.getprofile, threading.setprofile),
+        *(Setting(f"sys.{name}", *_attribute(sys, name)) for name in SYS_HOOKS),
+        Setting("threading.excepthook", *_attribute(threading, "excepthook")),
+        Setting(
+            "sys async generator hooks",
+            lambda: tuple(sys.get_asyncgen_hooks()),
+            lambda v: sys.set_asyncgen_hooks(*v),
+        ),
+        Setting(
+            "sys coroutine origin tracking depth",
+            sys.get_coroutine_origin_tracking_depth,
+            sys.set_coroutine_origin_tracking_depth,
+        ),
+        Setting("sys dlopen flags", sys.getdlopenflags, sys.setdlopenflags),
     ]
 
 

@@ -51,14 +51,26 @@ class WorldCheck:
         self.works.clear()
 
     def leftovers(
-        self, meanwhile: Callable[[], str | None] = lambda: None, killed: tuple[Any, ...] = ()
+        self,
+        meanwhile: Callable[[], str | None] = lambda: None,
+        killed: tuple[Any, ...] = (),
+        all_returned: Callable[[float], bool] = lambda timeout: True,
     ) -> str | None:
         """What the last test left behind that a fresh world would not have, or None; else
-        ``meanwhile``'s answer (the rank's other checks). Both run while the world's barrier
-        is under way: a rank that waits for its peers there checks itself meanwhile.
-        ``killed``: the processes the test left running, which the rank killed before it
-        reported (``leftovers``): the world is retired all the same, as a fresh one would
-        have been with them (what else such a test left, nobody has looked at)."""
+        ``meanwhile``'s answer (the rank's other checks), which runs before the rank waits
+        for the parent's word that every rank's function returned (``all_returned``, within
+        the time given). ``killed``: the processes the test left running, which the rank
+        killed before it reported (``leftovers``): the world is retired all the same, as a
+        fresh one would have been with them (what else such a test left, nobody has looked
+        at).
+
+        Nothing here is a collective until every rank has returned: a rank that returned while
+        a peer still waits in a collective it never entered must not answer it (a barrier
+        would match a user's ``barrier``, and the stranded peer would pass). The peer stays
+        stranded and the parent's verdict says so, as fresh ranks' would. Then a
+        ``DeviceMesh``'s groups are destroyed (no peer uses them any more) and a barrier of
+        the world meets only ranks that are out of the test (an un-waited collective still
+        holds it up)."""
         import torch.distributed as dist
 
         c10d = dist.distributed_c10d
@@ -66,14 +78,14 @@ class WorldCheck:
         if default is not self.default:
             return "the default process group was destroyed or replaced"
         extra = [g for g in c10d._world.pg_map if g not in self.groups]
-        if extra:
-            return f"{len(extra)} process group(s) left behind (destroy_process_group)"
-        if self.default is None:
-            return self._left(killed) or meanwhile()
+        answer = self._left(killed) or meanwhile()
+        if not all_returned(CHECK_DEADLINE):
+            return f"the parent did not say within {CHECK_DEADLINE:g} s that every rank returned"
         try:
-            barrier = dist.barrier(async_op=True)
-            answer = self._left(killed) or meanwhile()
-            barrier.wait(timedelta(seconds=CHECK_DEADLINE))
+            left = _left_behind([g for g in extra if not _destroyed_if_a_meshs(dist, g)])
+            if left or self.default is None:
+                return left or answer
+            dist.barrier(async_op=True).wait(timedelta(seconds=CHECK_DEADLINE))
         except Exception as exc:  # noqa: BLE001 - any failure means: not reusable
             return f"the world's barrier did not complete: {exc}"
         return answer
@@ -94,6 +106,22 @@ class WorldCheck:
                 "send nobody received): it would take the next test's message"
             )
         return None
+
+
+def _left_behind(groups: list[Any]) -> str | None:
+    if groups:
+        return f"{len(groups)} process group(s) left behind (destroy_process_group)"
+    return None
+
+
+def _destroyed_if_a_meshs(dist: Any, group: Any) -> bool:
+    """Destroy ``group`` if torch made it for a ``DeviceMesh`` (its description says
+    ``mesh_<dim>``): a mesh has no call that destroys it, so a test cannot, and its groups
+    are part of the mesh the test built, gone with a fresh rank as they are here."""
+    if not str(getattr(group, "group_desc", "")).startswith("mesh_"):
+        return False
+    dist.destroy_process_group(group)
+    return True
 
 
 def _track_work(works: list[Any]) -> None:
@@ -125,6 +153,15 @@ def _track_work(works: list[Any]) -> None:
     for name in ("send", "recv", "recv_anysource"):
         original = getattr(ProcessGroup, name)
         setattr(ProcessGroup, name, tracked(getattr(original, "__wrapped__", original)))
+
+
+ALL_RETURNED = "every rank returned"  # the parent's word to a warm rank (``pool``)
+
+
+def _all_returned(conn: Connection, timeout: float) -> bool:
+    """Whether the parent said, within ``timeout`` seconds, that every rank's function of
+    the test returned (it has their reports): only then may this rank meet its peers."""
+    return conn.poll(timeout) and pickle.loads(conn.recv_bytes()) == ALL_RETURNED
 
 
 def _fault_fired() -> str | None:
@@ -167,7 +204,9 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
             )
             # The test has been answered: the check and the next test's reset run while the
             # parent reports it and moves on (it reads the answer before the next task).
-            problem = _fault_fired() or world.leftovers(baseline.check_then_reset, report.killed)
+            problem = _fault_fired() or world.leftovers(
+                baseline.check_then_reset, report.killed, lambda t: _all_returned(conn, t)
+            )
             conn.send_bytes(pickle.dumps(problem))
             task = pickle.loads(conn.recv_bytes())  # EOF: the world is closed
     finally:

@@ -45,14 +45,17 @@ from tutorial_impl.testing import call as _call
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.rank import debugging as _debugging
+from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies import supervise
 from tutorial_impl.testing.strategies.protocol import OwnRanks
 from tutorial_impl.testing.strategies.warm import loop as warm_rank
+from tutorial_impl.testing.strategies.warm import summary
 from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats
 from tutorial_impl.testing.verdict.decision import Finished
 
+_ALL_RETURNED = pickle.dumps(warm_rank.ALL_RETURNED)
 MAX_WORLDS = 4  # warm worlds one pool keeps; the least recently used goes first
 MARKER = "warm_world"
 # What a warm world cannot serve: the fresh path honours these (``runner.refusal``).
@@ -115,6 +118,7 @@ class WarmPool(OwnRanks):
         self.worlds: OrderedDict[tuple[Any, ...], World] = OrderedDict()
         self.served: list[World] = []  # worlds used by the test now running
         self.stats = WarmStats()  # for the session's summary (``strategies.warm.summary``)
+        self.failed_calls: list[tuple[World, bool]] = []  # and whether its ranks skipped
 
     def gather(self, call: Call) -> Finished:
         """``run_ranks`` in a warm world: the same call, the same evidence. A world whose
@@ -124,6 +128,8 @@ class WarmPool(OwnRanks):
             since_ns = time.time_ns()  # the ranks' records from here on are this test's
             specs = [_call.rank_spec(call, r, work, {}) for r in range(call.world_size)]
             world = self._world_for(call, specs)
+            if world.tasks:  # its ranks have answered the last check: what they record from
+                since_ns = time.time_ns()  # now on is this test's (not the check's barrier)
             self.served.append(world)
             world.last_test = _current_test()
             for p, spec in zip(world.procs, specs, strict=True):
@@ -137,12 +143,14 @@ class WarmPool(OwnRanks):
                 deadline = _debugging.Deadline(call.deadline, work)
                 finished = supervise.supervise(world.procs, deadline, call, since_ns)
             except BaseException:
-                self.retire(world, FAILED)
+                self._call_failed(world, skipped=False)
                 raise
             if not finished.as_planned:
-                self.retire(world, FAILED)
-            else:
-                world.unchecked = True  # the ranks check themselves now; read before next task
+                self._call_failed(world, skipped=_skipped(finished))
+            else:  # the ranks check themselves now, from this word on; read before next task
+                for p in world.procs:
+                    p.conn.send_bytes(_ALL_RETURNED)
+                world.unchecked = True
             return finished
 
     def _world_for(self, call: Call, specs: list[_call.RankSpec]) -> World:
@@ -166,27 +174,44 @@ class WarmPool(OwnRanks):
         self.stats.started += 1
         return world
 
-    def retire(self, world: World, why: str) -> None:
-        """Kill ``world``'s ranks; the next test that needs such a world gets a fresh one."""
+    def retire(self, world: World, why: str | None) -> None:
+        """Kill ``world``'s ranks; the next test that needs such a world gets a fresh one.
+        ``why`` None: not counted yet (``_call_failed``)."""
         if self.worlds.get(world.key) is world:
             del self.worlds[world.key]
-        if world.problem is None:
+        if world.problem is None and why is not None:
             world.problem = why
             self.stats.retire(why, world.last_test)
         world.close()
 
+    def _call_failed(self, world: World, skipped: bool) -> None:
+        """A call that did not pass: its world is retired now, and counted by its test's
+        verdict (``test_ended``): a test may catch a failed call (``pytest.raises``)."""
+        self.retire(world, None)
+        self.failed_calls.append((world, skipped))
+
     def test_ended(self, failed: bool) -> None:
-        """The plugin's word after each test: a world that served a failed test is retired."""
+        """The plugin's word after each test: a world that served a failed test is retired,
+        and each world retired during it is counted by what happened, once per test: a test
+        failed (its first world), or a call failed or skipped in a test that did not fail."""
         served, self.served = self.served, []
+        calls, self.failed_calls = self.failed_calls, []
         if failed:
-            for world in served:
-                self.retire(world, FAILED)
+            worlds = list(dict.fromkeys([*(w for w, _ in calls), *served]))
+            for i, world in enumerate(worlds):
+                self.retire(world, FAILED if i == 0 else summary.FAILED_TOO)
+            return
+        for world, skipped in calls:
+            self.retire(world, summary.SKIPPED if skipped else summary.CAUGHT)
 
     def close(self) -> None:
         """Kill every warm world of this pool (a module that used them ended; session end)."""
         while self.worlds:
             _, world = self.worlds.popitem()
             world.close()
+        for world, _ in self.failed_calls:  # no test said how it ended: a script's calls
+            self.retire(world, summary.CALL_FAILED)
+        self.failed_calls.clear()
         self.served.clear()
 
     def pids(self) -> list[int]:
@@ -222,6 +247,14 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
         shutil.rmtree(home, ignore_errors=True)
         raise
     return World(key, started, store, home, rank_env)
+
+
+def _skipped(finished: Finished) -> bool:
+    """Whether a call that did not pass was skipped or xfailed in its ranks (no failure)."""
+    ended = (_o.Returned, _o.Skipped, _o.XFailed)
+    return not any(finished.unfired.values()) and all(
+        isinstance(o, ended) for o in finished.outcomes.values()
+    )
 
 
 def _current_test() -> str | None:

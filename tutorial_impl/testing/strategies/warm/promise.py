@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from tutorial_impl.testing.strategies.warm import interpreter
+from tutorial_impl.testing.strategies.warm import interpreter, reuse
 
 # Reset before each test besides ``interpreter``'s settings (``reuse.Baseline.reset``).
 RESET = (
@@ -23,31 +23,35 @@ RESET = (
     "every signal handler Python can restore",
     "pending `alarm`/`setitimer` timers",
     "every logger's level, handlers, filters, `propagate` and `disabled`",
+    "the process groups torch made for a `DeviceMesh` the test built (destroyed, once every "
+    "rank has returned)",
 )
 # Set for each test from the parent's, at its call (``rank.take_task``).
 PER_TASK = ("the environment", "the working directory", "`sys.path`")
 # Found after a test and retiring its world (``strategies.warm.loop.WorldCheck``,
 # ``reuse.after_task``).
 DETECTED = (
-    "a process group, RPC agent or child process left behind",
+    "a process group (but a `DeviceMesh`'s), RPC agent or child process left behind",
     "a replaced default group",
     "a point-to-point operation never completed (an `isend`, `irecv`, or a `P2POp` of "
     "`batch_isend_irecv`, seen at torch's `ProcessGroup`, however it was called)",
-    "a barrier of the whole world that does not complete within 2 s (an un-waited async "
-    "collective)",
+    "a barrier of the whole world, once the parent has every rank's report (never a "
+    "collective a rank still in the test could match), that does not complete within 2 s (an "
+    "un-waited async collective)",
     "a thread the test started still running, daemon or not",
     "the user's module globals changed (rebound, added, removed, or changed one level inside "
     "a dict, list, set, tensor, array or object; a module-level `nn.Module`'s parameters, "
     "buffers and the train/eval mode of every submodule)",
-    "attributes replaced in torch's and the standard library's common modules (a "
-    "monkeypatched `dist.all_reduce`)",
+    "attributes added, replaced or deleted (a monkeypatched `dist.all_reduce`, "
+    "`torch.Tensor.equal`) in the modules {modules} and the classes {classes}, but torch's own "
+    "wrapper put on by an import (torch._dynamo's on `torch.manual_seed`)",
     "a signal handler set in C",
     "a torch mode left entered, inference mode or a profiler left on",
     "CUDA initialised by the test",
 )
 NOT_SEEN = (
     "C/C++ state (gloo's, torch's caches such as DTensor's sharding-propagation cache, allocators)",
-    "third-party modules and torch modules outside the watched list (`torch.compile`'s "
+    "third-party modules, torch modules and classes outside the watched lists (`torch.compile`'s "
     "configuration and caches among them)",
     "anything nested deeper than one level (a dict in a module-level dict, a model held in a "
     "dict or an object, an optimizer's state, an `lru_cache`)",
@@ -55,7 +59,8 @@ NOT_SEEN = (
     "a module first imported inside a test and changed by that same test (a logger first "
     "made and changed by it)",
     "files, sockets, the store",
-    "`sys.meta_path`, `sys.path_hooks`, audit hooks, resource limits, `gc.freeze`",
+    "`sys.meta_path`, `sys.path_hooks`, audit hooks, `sys.monitoring` tools, resource limits, "
+    "`gc.freeze`",
     "interop threads",
     "seeds queued for CUDA's first use",
 )
@@ -81,7 +86,11 @@ def describe(torch: Any) -> str:
         + "; and sets for each test "
         + ", ".join(PER_TASK)
         + " as the parent has them",
-        "**detects**, and replaces the world after the test: " + "; ".join(DETECTED),
+        "**detects**, and replaces the world after the test: "
+        + "; ".join(DETECTED).format(
+            modules=", ".join(f"`{m}`" for m in reuse.WATCHED),
+            classes=", ".join(f"`{c}`" for c in reuse.CLASSES),
+        ),
         "**cannot see**: " + "; ".join(NOT_SEEN),
     ]
     wrap = textwrap.TextWrapper(

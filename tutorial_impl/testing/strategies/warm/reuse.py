@@ -7,8 +7,9 @@ what can be reset and snapshots what can only be compared; ``after_task`` answer
 the first problem found, and then the world is replaced.
 
 **Reset before each task**, to the state at ``Baseline``: every setting of ``interpreter``
-(the garbage collector, switch interval, recursion limit, ``decimal``, locale, umask, torch's
-process-wide flags, ...) and every logger's configuration (``interpreter.Loggers``); the
+(the garbage collector, switch interval, recursion limit, ``decimal``, locale, umask, trace
+and profile functions, the hooks of ``sys`` and ``threading``, torch's process-wide flags, ...)
+and every logger's configuration (``interpreter.Loggers``); the
 generators of ``random``, numpy's legacy global ``RandomState`` (reseeded from entropy if numpy
 was imported later, as a fresh import is), torch's CPU generator, CUDA's if initialised at
 ``Baseline``; global ``nn.Module`` hooks; the ``warnings`` filters, ``defaultaction`` and
@@ -25,9 +26,12 @@ environment, the working directory and ``sys.path`` for each task.)
   changed one level inside (``fingerprint``: a container's items, a tensor's version and
   ``.grad``, an ``nn.Module``'s parameters, buffers and the modes of all its submodules, an
   array's bytes, a generator's state, an object's ``__dict__``);
-* attributes replaced, added or deleted in the ``WATCHED`` modules (monkeypatching), but a
+* attributes replaced, added or deleted in the ``WATCHED`` modules and ``CLASSES``
+  (monkeypatching; a user's own classes are globals of the user's modules, above), but a
   submodule imported meanwhile, a wrapper of the old value in a task that imported modules
-  (torch._dynamo's import wraps ``torch.manual_seed``), what torch rebinds itself (``OWN``);
+  (torch._dynamo's import wraps ``torch.manual_seed``: the wrapper is the reference from
+  then on, as in a fresh rank after that import), what torch rebinds itself (``OWN``) and
+  the hooks reset instead (``RESET_ATTRS``);
 * a changed handler Python cannot restore: one set in C, or of a signal faulthandler handles
   in C (``C_HANDLED``; SIGUSR1 is the deadline's stack dump);
 * a torch function or dispatch mode left entered, inference mode or a profiler left on, CUDA
@@ -53,7 +57,6 @@ from os import path, sep
 from typing import Any
 
 from tutorial_impl.testing.strategies.warm import fingerprint, interpreter
-from tutorial_impl.testing.strategies.warm.fingerprint import held
 
 WATCHED = (  # the modules whose attributes tests commonly monkeypatch
     "torch torch.cuda torch.distributed torch.distributed.distributed_c10d torch.distributed.rpc "
@@ -64,6 +67,18 @@ WATCHED = (  # the modules whose attributes tests commonly monkeypatch
 # which is reset), and Python's registry of warnings shown.
 OWN = {"_group_count", "_init_counter", "rendezvous_iterator", "Storage", "__warningregistry__"}
 OWN.add("breakpointhook")  # the harness's own, set for every task (``debugging``)
+# The classes whose methods tests commonly monkeypatch (a user's own: ``_globals``); torch's
+# classes made in C (``torch._C.TensorBase``, ``torch.Generator``) refuse any attribute set.
+CLASSES = (
+    "torch.Tensor torch.nn.Module torch.nn.Parameter torch.optim.Optimizer "
+    "torch.autograd.Function torch.nn.parallel.DistributedDataParallel "
+    "torch.distributed.ProcessGroup torch.distributed.Work torch.utils.data.DataLoader"
+).split()
+# Attributes of the watched modules that are reset instead (``interpreter.hook_settings``;
+# ``threading.settrace`` and ``setprofile`` keep theirs in the module).
+RESET_ATTRS = {f"sys.{n}" for n in interpreter.SYS_HOOKS} | {
+    f"threading.{n}" for n in ("excepthook", "_trace_hook", "_profile_hook")
+}
 GRACE = 0.05  # seconds the threads a task started have to finish
 TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 # Signals faulthandler handles in C (SIGUSR1: the deadline's stack dumps, see ``rank``).
@@ -111,7 +126,7 @@ class Baseline:
         self.handlers = [(s, h) for s, h in handlers if s not in C_HANDLED and h is not None]
         self.fixed = [(s, h) for s, h in handlers if s in C_HANDLED or h is None]
         self.problem: str | None = None  # a reset or snapshot that failed: after_task's answer
-        self.loaded, self.user = ({}, None, None), []  # type: ignore  # _user_modules
+        self.loaded, self.user = {}, []  # type: ignore  # _user_modules
         self.threads, self.imported, self.attrs, self.globals = set(), 0, [], []  # type: ignore
 
     def before_task(self) -> None:
@@ -134,7 +149,7 @@ class Baseline:
     def snapshot(self) -> None:
         """What after_task compares with (never raises)."""
         try:
-            self.attrs = [(n, m, *held(vars(m))) for n in WATCHED if (m := sys.modules.get(n))]
+            self.attrs = [(n, owner, dict(vars(owner))) for n, owner in _watched()]
             self.globals = [(n, m, *_snapshot(m)) for n, m in self._user_modules()]
         except Exception as exc:  # noqa: BLE001
             self.problem = self.problem or f"the snapshot before the test failed: {exc!r}"
@@ -149,11 +164,7 @@ class Baseline:
             self.threads = set(threading.enumerate())
             self.imported = len(sys.modules)
             have = {name for name, *_ in self.attrs}
-            self.attrs += [
-                (n, m, *held(vars(m)))
-                for n in WATCHED
-                if n not in have and (m := sys.modules.get(n))
-            ]
+            self.attrs += [(n, o, dict(vars(o))) for n, o in _watched() if n not in have]
             known = {name for name, *_ in self.globals}
             new = [(n, m) for n, m in self._user_modules() if n not in known]
             self.globals += [(n, m, *_snapshot(m)) for n, m in new]
@@ -252,29 +263,25 @@ class Baseline:
         return None
 
     def _attrs(self) -> str | None:
+        """The first attribute of a watched module or class a test added, replaced or deleted,
+        or None. What an import explains (``_by_import``) is the reference from then on, as
+        in a fresh rank after the same import."""
         imported = len(sys.modules) > self.imported
-        for i, (name, module, before, table, tag) in enumerate(self.attrs):
-            now = vars(module)
-            if tag is not None and tag.unchanged(now):
-                continue  # not changed at all since its snapshot (one machine word read)
-            tag = fingerprint.watch(now)  # before the table: a change meanwhile shows next time
-            if table is not None and fingerprint.table(now) == table:
-                self.attrs[i] = (name, module, before, table, tag)  # rebound as it was
-                continue  # the same objects bound to the same names: nothing to look at
-            try:  # == (the same object, or an equal one) is 4 times faster than _same_dict
+        for i, (name, owner, before) in enumerate(self.attrs):
+            now = vars(owner)
+            try:  # the same objects (or equal ones) bound to the same names: one C loop
                 if now == before:
                     continue
             except Exception:  # noqa: BLE001 - an == that raises: compared one by one below
                 pass
-            differ = [k for k in sorted(now.keys() | before.keys()) if k not in OWN]
-            for key in differ:
+            for key in sorted(now.keys() | before.keys()):
                 old, new = before.get(key, _GONE), now.get(key, _GONE)
-                if old is new or _by_import(old, new, imported):
+                if old is new or key in OWN or f"{name}.{key}" in RESET_ATTRS:
                     continue
-                how = "added" if old is _GONE else "deleted" if new is _GONE else "replaced"
-                return f"{name}.{key} was {how} (monkeypatched)"
-            if all(now.get(k, _GONE) is before.get(k, _GONE) for k in differ):
-                self.attrs[i] = (name, module, *held(now))  # as good (OWN is never compared)
+                if not _by_import(old, new, imported):
+                    how = "added" if old is _GONE else "deleted" if new is _GONE else "replaced"
+                    return f"{name}.{key} was {how} (monkeypatched)"
+            self.attrs[i] = (name, owner, dict(now))
         return None
 
     def _signals(self) -> str | None:
@@ -299,25 +306,26 @@ class Baseline:
         return None
 
     def _user_modules(self) -> list[tuple[str, Any]]:
-        tag = self.loaded[2]
-        if tag is not None and tag.unchanged(sys.modules):
-            return self.user  # nothing imported, removed or replaced since
-        tag = fingerprint.watch(sys.modules)
-        table = fingerprint.table(sys.modules)
-        if table is not None and table == self.loaded[1]:
-            self.loaded = (*self.loaded[:2], tag)
-            return self.user
-        # Or: the same module objects, the same user modules (one renamed is compared as is).
-        if table is None and _same_refs(sys.modules.values(), self.loaded[0].values()):
-            return self.user
-        self.loaded, self.user = held(sys.modules), []
-        for name, module in self.loaded[0].items():
+        """The user's modules (``_is_user``) loaded, found again only when ``sys.modules``
+        changed since."""
+        if _same_refs(sys.modules.values(), self.loaded.values()):
+            return self.user  # the same module objects (one renamed is compared as is)
+        self.loaded, self.user = dict(sys.modules), []
+        for name, module in self.loaded.items():
             known = CLASSIFIED.get(name)
             if known is None or known[0] is not module:
                 known = CLASSIFIED[name] = module, _is_user(module)
             if known[1]:
                 self.user.append((name, module))
         return self.user
+
+
+def _watched() -> list[tuple[str, Any]]:
+    """The ``WATCHED`` modules and the ``CLASSES`` loaded now, by name."""
+    found = [(name, module) for name in WATCHED if (module := sys.modules.get(name))]
+    split = [(name, *name.rpartition(".")[::2]) for name in CLASSES]
+    classes = [(name, getattr(sys.modules.get(m), attr, 0)) for name, m, attr in split]
+    return found + [(name, cls) for name, cls in classes if isinstance(cls, type)]
 
 
 def _legacy_state(np: Any) -> tuple[Any, ...]:
@@ -352,10 +360,15 @@ def _is_user(module: Any) -> bool:
 
 
 def _by_import(old: Any, new: Any, imported: bool) -> bool:
-    """Whether an import explains a changed attribute (see the module's docstring)."""
+    """Whether an import explains a changed attribute: a submodule bound, or torch's own
+    wrapper of the old value (its code in torch's files) in a task that imported modules."""
     if old is _GONE:
         return isinstance(new, types.ModuleType)
-    return imported and getattr(new, "__wrapped__", None) is old
+    if not imported or getattr(new, "__wrapped__", None) is not old:
+        return False
+    code = getattr(new, "__code__", None)
+    torch = path.join(path.dirname(sys.modules["torch"].__file__), "")  # a Baseline's
+    return code is not None and code.co_filename.startswith(torch)
 
 
 def _same_dict(a: dict[Any, Any], b: dict[Any, Any]) -> bool:

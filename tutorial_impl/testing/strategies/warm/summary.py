@@ -27,7 +27,13 @@ if TYPE_CHECKING:  # not at run time: a script's ``run_ranks`` (and each rank th
 hookimpl = pluggy.HookimplMarker("pytest")  # ``pytest.hookimpl`` itself
 
 KEY = "tutorial_impl_warm_stats"  # in an xdist worker's workeroutput
-FAILED = "a test failed"  # the reason of every world retired because its test failed
+# Why a world was retired with its test (``pool.WarmPool.test_ended``), counted per test.
+FAILED = "a test failed"  # the first world a failed test retired
+FAILED_TOO = "another world of a failed test"
+CAUGHT = "a run_ranks call failed in a test that passed (pytest.raises)"
+SKIPPED = "a test skipped or xfailed in its ranks"
+CALL_FAILED = "a run_ranks call failed"  # outside pytest: no test said how it ended
+_BY_TEST = {FAILED, FAILED_TOO, CAUGHT, SKIPPED, CALL_FAILED}  # the test named is no news
 _RANK = re.compile(r"^rank \d+: ")
 
 
@@ -44,7 +50,7 @@ class WarmStats:
         """One world retired: ``reason`` as the pool says it, ``test`` the last it served."""
         reason = _RANK.sub("", reason)  # every rank finds the same: counted once
         self.retired[reason] = self.retired.get(reason, 0) + 1
-        if test and reason != FAILED:
+        if test and reason not in _BY_TEST:
             self.after.setdefault(reason, test)
 
     def add(self, other: WarmStats) -> None:
