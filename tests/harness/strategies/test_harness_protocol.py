@@ -23,10 +23,11 @@ from tutorial_impl.testing.settings.config import Settings
 from tutorial_impl.testing.strategies import protocol as runner
 from tutorial_impl.testing.strategies.forked import FORKED
 from tutorial_impl.testing.strategies.torchrun.worker import NOT_HONOURED, Launched
-from tutorial_impl.testing.strategies.warm import audit
 from tutorial_impl.testing.strategies.warm import pool as warm
-from tutorial_impl.testing.strategies.warm.audit import Audited, WarmAuditError
+from tutorial_impl.testing.strategies.warm.audit import Audited
+from tutorial_impl.testing.verdict import agree
 from tutorial_impl.testing.verdict import decision as verdict
+from tutorial_impl.testing.verdict.agree import WarmAuditError
 from tutorial_impl.testing.verdict.errors import RankFailed, RankResults, RankSkipped
 
 # A value away from the default of each field some strategy cannot honour.
@@ -218,10 +219,10 @@ def test_the_audit_wrapper_compares_the_two_verdicts():
     # Both fail alike: the warm run's own error is the verdict.
     with pytest.raises(RankFailed):
         runner.run(Audited(_Gives(RUNS[1]), _Gives(RUNS[1])), call.build(len))  # type: ignore[arg-type]
-    skipped = audit.Verdict(None, RankSkipped(1, "no data", {}))
-    assert audit.agree(skipped, skipped) is skipped
-    passed = audit.Verdict(RankResults([1]), None)
-    assert isinstance(audit.agree(passed, skipped).error, WarmAuditError)
+    skipped = agree.Verdict(None, RankSkipped(1, "no data", {}))
+    assert agree.agree(skipped, skipped) is skipped
+    passed = agree.Verdict(RankResults([1]), None)
+    assert isinstance(agree.agree(passed, skipped).error, WarmAuditError)
 
 
 def _decide_calls(tree: ast.AST) -> int:

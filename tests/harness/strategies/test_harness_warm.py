@@ -340,7 +340,7 @@ def test_the_audit_lets_a_late_report_be_a_stop_but_no_other_difference():
     and the grace, and that rank is stopped: the same test, not a carried-over state (this
     was a ``WarmAuditError``). Another error, or a return where a rank raised, still differs."""
     from tutorial_impl.testing.rank import outcome as _o
-    from tutorial_impl.testing.strategies.warm.audit import Verdict, WarmAuditError, agree
+    from tutorial_impl.testing.verdict.agree import Verdict, WarmAuditError, agree
 
     def raised(message: str) -> _o.Raised:
         return _o.Raised("KeyError", message, f"Traceback (most recent call last):\n{message}\n")

@@ -24,8 +24,8 @@ from tutorial_impl.testing import run_ranks
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.settings import timing
 from tutorial_impl.testing.strategies.forked import Running
-from tutorial_impl.testing.strategies.warm.audit import verdict_of
 from tutorial_impl.testing.verdict import echo
+from tutorial_impl.testing.verdict.agree import verdict_of
 from tutorial_impl.testing.verdict.decision import Finished, decide
 from tutorial_impl.testing.verdict.errors import RankCrashed, RankError, RankFailed
 

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from tutorial_impl.testing import backends
 from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.strategies.warm import audit
+from tutorial_impl.testing.verdict import agree
 from tutorial_impl.testing.verdict.decision import Finished, decide
 from tutorial_impl.testing.verdict.errors import RankResults
 
@@ -103,13 +103,13 @@ def run(strategy: Strategy, call: Call) -> RankResults:
     finished = strategy.gather(call)
     verdict = _verdict(finished)
     if finished.audit is not None:  # --warm-audit: the same call's verdict on fresh ranks
-        verdict = audit.agree(verdict, _verdict(finished.audit))
+        verdict = agree.agree(verdict, _verdict(finished.audit))
     return verdict.result()
 
 
-def _verdict(finished: Finished) -> audit.Verdict:
+def _verdict(finished: Finished) -> agree.Verdict:
     __tracebackhide__ = True
     try:
-        return audit.Verdict(decide(finished), None)
+        return agree.Verdict(decide(finished), None)
     except Exception as error:  # noqa: BLE001 - the verdict, raised by ``Verdict.result``
-        return audit.Verdict(None, error)
+        return agree.Verdict(None, error)
