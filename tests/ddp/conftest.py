@@ -23,8 +23,8 @@ EXPLAINED = {
     ),
     r"Full backward hook is firing when gradients are computed with respect to module "
     r"outputs since no inputs require gradients": (
-        "lesson D16 counts collectives with CommDebugMode, which tracks modules with backward "
-        "hooks; the transformer's input is token ids, which need no gradient"
+        "lessons D16 and D17 count collectives with CommDebugMode, which tracks modules with "
+        "backward hooks; their inputs (token ids, a batch) need no gradient"
     ),
 }
 
