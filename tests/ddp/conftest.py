@@ -21,6 +21,11 @@ EXPLAINED = {
         "lesson D11 loads a checkpoint in a process with no process group on purpose "
         "(dcp.load(..., no_dist=True)); torch 2.13 warns even when no_dist=True says so"
     ),
+    r"Full backward hook is firing when gradients are computed with respect to module "
+    r"outputs since no inputs require gradients": (
+        "lessons D16 and D17 count collectives with CommDebugMode, which tracks modules with "
+        "backward hooks; their inputs (token ids, a batch) need no gradient"
+    ),
 }
 
 
