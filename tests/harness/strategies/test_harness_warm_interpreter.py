@@ -15,7 +15,7 @@ import re
 
 import torch  # noqa: F401 - before any in-process pytester run (test_harness_warm says why)
 
-from tutorial_impl.testing.strategies.warm import promise as warm_promise
+from tests.harness.strategies import warm_promise
 from tutorial_impl.testing.strategies.warm import reuse
 
 pytest_plugins = ["pytester"]
@@ -230,7 +230,7 @@ def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
 
 
 def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
-    """docs/harness.md's lists are the code's (``strategies.warm.promise.describe``), word
+    """docs/harness.md's lists are the code's (``warm_promise.describe``), word
     for word."""
     from pathlib import Path
 
@@ -240,7 +240,7 @@ def test_the_docs_list_what_a_warm_rank_resets_detects_and_cannot_see():
     written = page.split(begin, 1)[1].split(end, 1)[0]
     assert written == warm_promise.describe(torch), (
         "docs/harness.md is out of date: paste warm_promise.describe(torch) between its markers "
-        "(python -c 'import torch; from tutorial_impl.testing.strategies.warm import promise; "
+        "(python -c 'import torch; from tests.harness.strategies import warm_promise as promise; "
         'print(promise.describe(torch), end="")\')'
     )
     # Every setting a warm rank resets is on the page, by its label (a backends flag by name).

@@ -37,7 +37,7 @@ environment, the working directory and ``sys.path`` for each task.)
 * a torch function or dispatch mode left entered, inference mode or a profiler left on, CUDA
   initialised by the task (its generators' fresh state is lost).
 
-What it cannot see, and these lists as the docs show them: ``strategies.warm.promise``.
+What it cannot see: ``docs/harness.md`` (its lists checked against these by a test).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What a warm rank resets, detects and cannot see: the lists ``docs/harness.md`` shows.
+"""What a warm rank resets, detects and cannot see: the lists ``docs/harness.md`` shows (a test's
+helper, not the harness's: ``test_harness_warm_interpreter`` checks the page against it).
 
 ``describe`` writes them, from the settings ``interpreter`` defines and the lists below, which
 ``reuse`` and ``strategies.warm.loop`` implement (``tests/harness/strategies/test_harness_reuse.py``
