@@ -33,6 +33,7 @@ from tutorial_impl.testing.settings import shadowing as _shadowing
 from tutorial_impl.testing.strategies import protocol as _runner
 from tutorial_impl.testing.strategies.forked import FORKED, IN_TEST, RUNNING
 from tutorial_impl.testing.strategies.protocol import Strategy
+from tutorial_impl.testing.strategies.torchrun.launch import size_mismatch
 from tutorial_impl.testing.strategies.warm.audit import Audited
 from tutorial_impl.testing.strategies.warm.pool import WarmPool
 from tutorial_impl.testing.verdict.errors import RankError, RankResults, RankSkipped, RankXFailed
@@ -202,7 +203,8 @@ class RunRanksOfTest:
         )
         launched = self.session.launched
         if launched is not None and call.world_size != world_size_of_job(launched):
-            pytest.skip(f"needs world_size {call.world_size}; this torchrun job has another")
+            # The words of the skip at collection (a marker), for a size asked by the call.
+            pytest.skip(size_mismatch(call.world_size, launched.job.launch))
         return self.session.strategy(self.settings, call), call
 
 

@@ -204,9 +204,10 @@ def lockstep_problem(
     """Why the session cannot go on: a rank gone or stuck in a test, or ranks in different
     tests."""
     if lost:
+        ended = "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
         return (
-            f"rank(s) {', '.join(map(str, lost))} exited in {mine.nodeid} ({mine.when}): the "
-            "session stops here, and every worker exits non-zero"
+            f"{ended} in {mine.nodeid} ({mine.when}): the session stops here, and every "
+            "worker exits non-zero"
         )
     silent = [r for r in range(world_size) if r not in got]
     if silent:
