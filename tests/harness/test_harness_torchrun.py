@@ -41,6 +41,8 @@ from torchrun_worker import (
 
 from tutorial_impl.testing import proctable
 from tutorial_impl.testing.rendezvous import agents_store
+from tutorial_impl.testing.strategies.torchrun.channel import CHUNK, Channel
+from tutorial_impl.testing.strategies.torchrun.launch import Launch
 from tutorial_impl.testing.strategies.torchrun.phases import job_status
 from tutorial_impl.testing.strategies.torchrun.worker import AbandonedLogs
 
@@ -409,3 +411,30 @@ def test_a_crashing_reporter_and_a_sigterm_still_give_a_report(
     assert output.count("short test summary info") == 1, output[-5000:]
     assert [w.exitcode for w in workers] == codes, output[-5000:]
     assert wall < 40, f"the job took {wall:.0f} s"  # the SIGTERMed test sleeps 60 s
+
+
+def test_values_of_any_size_cross_the_store_in_pieces_that_are_then_deleted() -> None:
+    """A value over ``CHUNK`` is stored as pieces behind a head (the store's server drops a
+    client sending over 8 MiB at once); the pieces of a publish are deleted by their writer
+    once every rank has published in the next gather (it has read them then), not before."""
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    channel = Channel(Launch(0, 1, 0, "127.0.0.1", store.port, "unit", 0, True), store)
+    # 9 MiB, and a few bytes (not bytes themselves: ``publish`` takes those as pickled)
+    big, small = {"big": bytes(range(256)) * (9 << 12)}, {"small": 1}
+    assert len(pickle.dumps(big)) > 2 * CHUNK
+    assert channel.gather("one", big, 5.0) == {0: big}
+    pieces = [k for k in store.list_keys() if k.endswith(("#0", "#4194304", "#8388608"))]
+    assert len(pieces) == 3, store.list_keys()
+    channel.set("loose", big)  # a set is read whenever: never deleted
+    assert channel.get("loose") == big
+    assert all(store.check([k]) for k in pieces)  # the gather after them has not completed
+    assert channel.gather("two", small, 5.0) == {0: small}
+    assert not any(store.check([k]) for k in pieces), "the pieces pile up in the store"
+    assert channel.get("loose") == big

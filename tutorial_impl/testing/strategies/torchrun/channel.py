@@ -56,9 +56,9 @@ class Channel:
 
     Values of any size (``_put``): one over ``CHUNK`` bytes is stored as pieces, then a head
     that counts them, so a head that is there means every piece is. The pieces of a
-    ``publish`` are deleted by their writer two complete ``gather`` calls later (once every
-    rank has published the next one, every rank has read them), so that a session's large
-    results do not pile up in the agent's memory.
+    ``publish`` are deleted by their writer when the next ``gather`` completes (a rank
+    publishes there only after reading them), so that a session's large results do not pile
+    up in the agent's memory.
     """
 
     def __init__(self, launch: Launch, store: Any) -> None:
@@ -69,8 +69,7 @@ class Channel:
         self._store = dist.PrefixStore(prefix, store)
         self.silent = False
         self._pieces: list[str] = []  # of this rank's publishes since the last gather
-        self._read: list[str] = []  # of the publishes before it: read by every rank once
-        # every rank has published the next one
+        self._read: list[str] = []  # of those before: read by all once the next completes
 
     def publish(self, key: str, obj: Any) -> None:
         """``key/RANK`` = ``obj``, pickled (or ``obj`` itself, if it is pickled already)."""
