@@ -16,14 +16,18 @@
     every rank publishes how the phase went and reads everyone's; every rank then reports the
     same outcome: failed if any rank failed, else skipped if any skipped, else passed. Rank 0
     adds the other ranks' tracebacks and output as report sections. A setup that failed on
-    one rank thus fails on all, and no rank runs the test body alone.
+    one rank thus fails on all, and no rank runs the test body alone. Once the session has
+    stopped (a rank lost or stuck, rank 0's exit, a SIGTERM), every later test is skipped on
+    every rank, ``not run: `` and why, without an exchange: each test gets a report.
 ``pytest_sessionfinish`` / ``pytest_unconfigure``
     the ranks agree on one exit status, and each worker exits with it through ``os._exit``
     (no interpreter teardown around gloo's threads: see ``dist_tuto/process.py``), once rank
     0's report is written, so the agents and the scheduler see the truth.
 
-Ranks other than 0 write nothing to the terminal and no junit XML: rank 0's report is the
-job's.
+SIGTERM or SIGHUP (torchrun's agent ending the job because a worker has ended, a scheduler)
+fails the phase running (``JobStopped``), tells the other ranks, and the report is written
+within ``STOP_BUDGET`` s. Ranks other than 0 write nothing to the terminal and no junit XML:
+rank 0's report is the job's, or, if rank 0 is lost, the lowest rank left's (``reporter``).
 """
 
 from __future__ import annotations
@@ -210,6 +214,10 @@ class LaunchedSession:
         phase running now (``JobStopped``): the session reports it, the later tests as not
         run, writes the report and exits; whatever happens, within ``STOP_BUDGET`` s."""
         __tracebackhide__ = True
+        if os.getpid() != self.job.pid:  # a process a test forked (a pool's worker): as
+            signal.signal(signum, signal.SIG_DFL)  # if this handler were not there
+            os.kill(os.getpid(), signum)
+            return
         if self.stopping is not None:
             return  # once: the watcher passes on what the agent may also send the group
         if self.finished and not self.reporter.is_me():
@@ -227,7 +235,7 @@ class LaunchedSession:
 
     def _end_by(self) -> None:
         time.sleep(STOP_BUDGET)
-        _exit(self.status or 1, self.job)
+        _exit(self.status if self.finished else 1, self.job)  # 1: the session was cut short
 
     def _watch(self) -> None:
         """Past a phase's deadline: publish this rank's stacks, interrupt the main thread;

@@ -14,6 +14,8 @@ session ended (``channel.Departure``: ``rank 1 was killed by signal SIGSEGV``, a
 then ends the same way, so that torchrun and the scheduler see the crash. Meanwhile it passes
 the agent's SIGTERM (and SIGHUP) on to the session (``session``: it reports, then exits), and
 should the watcher itself be killed, the kernel kills the session too (``PR_SET_PDEATHSIG``).
+The session's own orphans come to the watcher (a child subreaper), which kills what is left
+of them as it ends: nothing of the session outlives the process torchrun started.
 
 Not where CUDA was initialized before the session (a forked child cannot use it): there the
 worker stays one process, and a crash is named by its lost heartbeat, without the signal.
@@ -31,6 +33,7 @@ import time
 import warnings
 from datetime import timedelta
 
+from tutorial_impl.testing import proctable
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.settings.timing import REPORT_WAIT, STORE_POLL_MAX
 from tutorial_impl.testing.strategies.torchrun.launch import Launch
@@ -47,6 +50,8 @@ def watch(launch: Launch) -> None:
         return
     reader, writer = os.pipe()
     parent = os.getpid()
+    leftovers.become_subreaper()  # the session's orphans come here: none outlives us
+    before = frozenset(proctable.own_children())
     with warnings.catch_warnings():  # 3.12+ warns of a fork beside threads: none is needed
         warnings.simplefilter("ignore", DeprecationWarning)
         child = os.fork()
@@ -58,7 +63,11 @@ def watch(launch: Launch) -> None:
             os._exit(1)
         return
     os.close(writer)
-    _end_as(_watch(launch, child, reader))
+    code = _watch(launch, child, reader)
+    # What the session spared as its own helpers (a forkserver a nested run_ranks started, a
+    # resource tracker), orphaned now: they would end by themselves, a moment after us.
+    leftovers.kill_leftovers(keep=before)
+    _end_as(code)
 
 
 def goodbye() -> None:
