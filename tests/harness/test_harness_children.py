@@ -245,7 +245,9 @@ def start_a_child_after_returning(rank, world_size):
     # so rank 0 cannot report itself quiet: its parent freezes it and kills the child too
     # (under torchrun the worker, this test's process, kills it when its session ends).
     note("rank")
-    started = os.path.join(PIDS, f"late-{os.getppid()}")  # this run's, its ranks' parent
+    # this run's: its ranks' parent, or under torchrun the job (each worker has a parent of
+    # its own there, the process torchrun started: strategies/torchrun/watcher.py)
+    started = os.path.join(PIDS, f"late-{os.environ.get('TORCHELASTIC_RUN_ID') or os.getppid()}")
     if rank == 0:
         def late():
             time.sleep(0.05)  # the function has returned by now

@@ -216,11 +216,18 @@ class RunRanksOfTest:
         )
         size = self.session.size
         if size is not None and call.world_size != size:
-            pytest.skip(f"needs world_size {call.world_size}; this torchrun job has another")
+            # The words of the skip at collection (a marker), for a size asked by the call.
+            asked = dataclasses.replace(self.settings, world_size=call.world_size)
+            pytest.skip(self.session.why_not_here(asked) or f"world_size {call.world_size}")
         strategy = self.session.strategy(self.settings, call)
-        if strategy is FORKED and "stream" not in options and _live(self.config):
+        if _streams(strategy) and "stream" not in options and _live(self.config):
             call = dataclasses.replace(call, stream=sys.stdout)  # each line as it comes
         return strategy, call
+
+
+def _streams(strategy: Strategy) -> bool:
+    """Whether ``strategy`` relays its ranks' output as it comes (``stream=``)."""
+    return strategy.own_ranks and "stream" not in strategy.cannot
 
 
 def _live(config: pytest.Config) -> bool:

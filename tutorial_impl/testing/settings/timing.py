@@ -79,6 +79,8 @@ REPORT_MARGIN = 60.0  # a finished rank waits this long (past deadlines) for the
 GIVE_UP = 10.0  # after the others gave up on it, a stuck rank waits this long, then exits
 STATUS_TIMEOUT = 30.0  # the ranks agree on the exit status within this
 REPORT_WAIT = 60.0  # the other ranks wait at exit this long for rank 0's report
+# After a SIGTERM a worker reports and exits within this (torchrun's agent kills at 30 s).
+STOP_BUDGET = 20.0
 
 
 def group_timeout(deadline: float) -> timedelta:

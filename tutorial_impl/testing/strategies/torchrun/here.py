@@ -19,6 +19,7 @@ import pickle
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stran
 from tutorial_impl.testing.strategies.torchrun.job import Job
 
 ENTRY = "rank_function"  # the harness frame below a rank function's own frames
+STR_FAILED = "<str() failed>"  # the message of an exception that cannot be put in words
 
 
 @dataclass
@@ -102,7 +104,10 @@ def run_here(
     catcher = Catcher(current_filters())  # this worker's: pytest's for the test
 
     def rank_function() -> None:  # the name frames_of stops at
-        report = _o.capture(fn, launch.rank, args, kwargs, catcher=catcher)
+        try:
+            report = _o.capture(fn, launch.rank, args, kwargs, catcher=catcher)
+        except BaseException as failure:  # noqa: BLE001 - the rank answers whatever happened
+            report = _o.Report(uncaptured(failure), os.getpid(), time.time())
         if report.pid != worker:  # a child the function forked came back here
             os.write(child_w, pickle.dumps(report))
             os._exit(1)
@@ -140,6 +145,20 @@ def run_here(
         return Answer(child or report, output, stacks, standing=standing(thread.ident, ENTRY))
     report = _ended(job, key, box["report"], child, killed)
     return Answer(report, output, standing=standing(None, ENTRY))
+
+
+def uncaptured(failure: BaseException) -> _o.Raised:
+    """The outcome of a function whose capture itself raised: an exception the capture could
+    not put in words (its ``__str__`` raised, say), named by its type, at once, instead of a
+    thread that ends without an answer and a rank waited for until the deadline. ``failure``
+    is what the capture raised; the function's own exception is the one it was handling."""
+    exc = failure.__context__ or failure
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ != "builtins":
+        name = f"{kind.__module__}.{name}"
+    # Python's own formatting of a traceback survives an unprintable exception.
+    return _o.Raised(name, STR_FAILED, "".join(traceback.format_exception(failure)))
 
 
 def _abandon(
@@ -216,7 +235,10 @@ class _Store:
         return ended
 
     def failed(self) -> bool:
-        return self.job.channel.has(f"{self.key}/failed") or bool(self.job.heartbeats.lost_ranks())
+        channel = self.job.channel
+        # Another rank failed, or was told to end (SIGTERM: "abort"), or a worker was lost.
+        trouble = channel.has(f"{self.key}/failed") or channel.has("abort")
+        return trouble or bool(self.job.heartbeats.lost_ranks())
 
     def skipped_since(self) -> float | None:
         return self.skip_seen

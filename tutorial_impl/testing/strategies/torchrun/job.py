@@ -5,12 +5,16 @@ and the process group the harness manages on it.
 rank of the job (``launch``: where each stands). ``Job`` holds what the session shares
 between its tests:
 
-* **A channel that a stuck collective cannot block** (``Channel``): the ranks talk through
-  the job's own key-value store (torchrun's agent hosts it), never through the process
-  group, and every wait on it has a deadline.
-* **Heartbeats** (``Heartbeats``): every worker bumps a counter of its own in the store every
-  ``HEARTBEAT`` s; a worker whose counter stood still for ``HEARTBEAT_LOST`` s has exited (or
-  is frozen), and the others stop waiting for it and name it, instead of waiting minutes.
+* **A channel that a stuck collective cannot block** (``channel.Channel``): the ranks talk
+  through the job's own key-value store (torchrun's agent hosts it), never through the
+  process group, and every wait on it has a deadline; values of any size go through.
+* **Heartbeats** (``channel.Heartbeats``): every worker bumps a counter of its own in the
+  store every ``HEARTBEAT`` s; a worker whose counter stood still for ``HEARTBEAT_LOST`` s
+  has exited (or is frozen), and the others stop waiting for it and name it, instead of
+  waiting minutes.
+* **A watcher** (``watcher``): the process torchrun started forks first thing; the session
+  runs in the child, and the parent tells the others at once how the session ended if it
+  crashed (``rank 1 was killed by signal SIGSEGV``).
 * **A fresh process group after any failure** (``Job.group``): a failed call may have left
   collectives half done, so the next call destroys the job's group and makes a new one on
   the same store, with the timeout of ``timing.group_timeout``.
@@ -22,165 +26,21 @@ The runner is ``torchrun`` (one ``run_ranks`` call), the pytest side
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from tutorial_impl.testing import backends
 from tutorial_impl.testing.faults.inject import Fired
-from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls, reserve_port
-from tutorial_impl.testing.settings.timing import (
-    HEARTBEAT_LOST,
-    REPORT_WAIT,
-    STORE_POLL_MAX,
-    STORE_POLL_MIN,
-    group_timeout,
-)
+from tutorial_impl.testing.settings.timing import REPORT_WAIT, STORE_POLL_MAX, group_timeout
+from tutorial_impl.testing.strategies.torchrun import watcher
+from tutorial_impl.testing.strategies.torchrun.channel import Channel, Departure, Heartbeats
 from tutorial_impl.testing.strategies.torchrun.launch import Launch
 
-
-@dataclass(frozen=True)
-class Departure:
-    """A worker leaving in the middle of the session, as it tells its peers before it goes:
-    its exit status (``os._exit``'s code, or minus the signal a fault kills it with), when,
-    and the faults that fired on it (``faults.Fired``)."""
-
-    status: int
-    at: float
-    fired: tuple[Fired, ...] = ()
-
-    @property
-    def outcome(self) -> _o.Lost | _o.Killed:
-        return _o.Killed(-self.status) if self.status < 0 else _o.Lost(self.status)
-
-
-class Channel:
-    """Keys in the job's store, under this session's own prefix; no wait without a deadline.
-
-    ``publish(key, obj)`` writes ``key/RANK``; ``collect(key, timeout)`` reads every rank's,
-    polling (a blocking ``wait`` would hold the store client's lock, and the watchdog thread
-    shares the client), and returns those that arrived in time. A worker that has said it is
-    leaving (``silence``) writes nothing more: its peers have judged it gone, and a late
-    answer from its other threads must not contradict that.
-    """
-
-    def __init__(self, launch: Launch, store: Any) -> None:
-        import torch.distributed as dist
-
-        self.launch = launch
-        prefix = f"tutorial-impl-pytest/{launch.run_id}/{launch.restart}/"
-        self._store = dist.PrefixStore(prefix, store)
-        self.silent = False
-
-    def publish(self, key: str, obj: Any) -> None:
-        """``key/RANK`` = ``obj``, pickled (or ``obj`` itself, if it is pickled already)."""
-        if not self.silent:
-            data = obj if isinstance(obj, bytes) else _dumps(obj)
-            self._store.set(f"{key}/{self.launch.rank}", data)
-
-    def set(self, key: str, obj: Any = True) -> None:
-        if not self.silent:
-            self._store.set(key, pickle.dumps(obj))
-
-    def silence(self) -> None:
-        self.silent = True
-
-    def has(self, key: str) -> bool:
-        return bool(self._store.check([key]))
-
-    def get(self, key: str) -> Any:
-        return pickle.loads(self._store.get(key))
-
-    def collect(
-        self, key: str, timeout: float, heartbeats: Heartbeats | None = None
-    ) -> dict[int, Any]:
-        """Every rank's ``key``, waiting at most ``timeout`` s, and not for ranks whose
-        heartbeat is lost; missing ranks are absent."""
-        keys = {r: f"{key}/{r}" for r in range(self.launch.world_size)}
-        stop = time.monotonic() + timeout
-        pause = STORE_POLL_MIN
-        while True:
-            if self._store.check(list(keys.values())) or time.monotonic() > stop:
-                break
-            if heartbeats is not None:
-                missing = [r for r, name in keys.items() if not self._store.check([name])]
-                if missing and all(heartbeats.lost(r) for r in missing):
-                    break
-            time.sleep(pause)
-            pause = min(pause * 2, STORE_POLL_MAX)
-        found = {}
-        for rank, name in keys.items():
-            if self._store.check([name]):
-                found[rank] = pickle.loads(self._store.get(name))
-        return found
-
-    def gather(
-        self, key: str, obj: Any, timeout: float, heartbeats: Heartbeats | None = None
-    ) -> dict[int, Any]:
-        self.publish(key, obj)
-        return self.collect(key, timeout, heartbeats)
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._store.add(key, amount))
-
-
-class Heartbeats:
-    """Which workers of the job are still there, judged by counters in the store.
-
-    ``beat`` (the session's watchdog thread calls it every ``HEARTBEAT`` s) bumps this
-    worker's counter; ``lost(rank)`` is True once rank's counter has not moved for
-    ``HEARTBEAT_LOST`` s by this worker's own clock (no clocks are compared across hosts)."""
-
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
-        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
-
-    def beat(self) -> None:
-        self.channel.add(f"alive/{self.channel.launch.rank}", 1)
-
-    def departure(self, rank: int) -> Departure | None:
-        """How ``rank`` said it was leaving, if it did (``Job.leave``)."""
-        key = f"exited/{rank}"
-        return self.channel.get(key) if self.channel.has(key) else None
-
-    def lost(self, rank: int) -> bool:
-        if rank == self.channel.launch.rank:
-            return False
-        if self.channel.has(f"exited/{rank}"):
-            return True
-        count = self.channel.add(f"alive/{rank}", 0)
-        now = time.monotonic()
-        last = self.seen.get(rank)
-        if last is None or last[0] != count:
-            self.seen[rank] = (count, now)
-            return False
-        return now - last[1] > HEARTBEAT_LOST
-
-    def lost_ranks(self) -> list[int]:
-        return [r for r in range(self.channel.launch.world_size) if self.lost(r)]
-
-    def outcome(self, rank: int) -> _o.Lost | _o.Killed:
-        """How a lost rank ended: as it said when it left, else lost without a word."""
-        departure = self.departure(rank)
-        return departure.outcome if departure is not None else _o.Lost(None)
-
-    def how(self, rank: int) -> str:
-        """How a lost rank ended, in words."""
-        return self.outcome(rank).how
-
-
-def _dumps(obj: Any) -> bytes:
-    from tutorial_impl.testing.rank.main import dumps_on_cpu
-
-    return dumps_on_cpu(obj)
-
-
-# --- the job's process group ----------------------------------------------------------------
+__all__ = ["Channel", "Departure", "Heartbeats", "Job"]  # the channel's names, as before
 
 
 class Job:
@@ -194,6 +54,7 @@ class Job:
         import torch
         import torch.distributed as dist
 
+        watcher.watch(launch)  # first: from here on this process is the session's own
         avoid_reverse_dns_stalls()
         self.launch = launch
         # The agent's store (a client of it), or, without an agent store, the one rank 0
@@ -209,7 +70,7 @@ class Job:
         self.channel = Channel(launch, self.store)
         self.heartbeats = Heartbeats(self.channel)
         self.pid = os.getpid()
-        self.real_exit = os._exit
+        self.real_exit = _ending(os._exit)
         os._exit = self._exit_mid_session  # type: ignore[assignment]
         if torch.cuda.is_available() and torch.cuda.device_count() > launch.local_rank:
             torch.cuda.set_device(launch.local_rank)  # one worker per GPU, as torchrun means
@@ -331,3 +192,13 @@ class Job:
                 raise TimeoutError(f"rank 0 did not publish {key} within {timeout:g} s")
             time.sleep(STORE_POLL_MAX)
         return self.channel.get(key)
+
+
+def _ending(exit_now: Callable[[int], Any]) -> Callable[[int], None]:
+    """``os._exit`` for the session's own ends, which its watcher need not report."""
+
+    def end(code: int) -> None:
+        watcher.goodbye()
+        exit_now(code)
+
+    return end

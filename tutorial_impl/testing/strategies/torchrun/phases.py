@@ -134,8 +134,7 @@ def agree(
         _silent(rep, mine, silent, rank, stacks_of)
     else:
         _failed_or_skipped(rep, mine, got)
-    if rank == 0:
-        _rank0_sections(rep, got)
+    _rank0_sections(rep, got)  # every rank: the lowest left reports if rank 0 is lost
 
 
 def _silent(
@@ -204,9 +203,10 @@ def lockstep_problem(
     """Why the session cannot go on: a rank gone or stuck in a test, or ranks in different
     tests."""
     if lost:
+        ended = "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
         return (
-            f"rank(s) {', '.join(map(str, lost))} exited in {mine.nodeid} ({mine.when}): the "
-            "session stops here, and every worker exits non-zero"
+            f"{ended} in {mine.nodeid} ({mine.when}): the session stops here, and every "
+            "worker exits non-zero"
         )
     silent = [r for r in range(world_size) if r not in got]
     if silent:

@@ -16,14 +16,18 @@
     every rank publishes how the phase went and reads everyone's; every rank then reports the
     same outcome: failed if any rank failed, else skipped if any skipped, else passed. Rank 0
     adds the other ranks' tracebacks and output as report sections. A setup that failed on
-    one rank thus fails on all, and no rank runs the test body alone.
+    one rank thus fails on all, and no rank runs the test body alone. Once the session has
+    stopped (a rank lost or stuck, rank 0's exit, a SIGTERM), every later test is skipped on
+    every rank, ``not run: `` and why, without an exchange: each test gets a report.
 ``pytest_sessionfinish`` / ``pytest_unconfigure``
     the ranks agree on one exit status, and each worker exits with it through ``os._exit``
     (no interpreter teardown around gloo's threads: see ``dist_tuto/process.py``), once rank
     0's report is written, so the agents and the scheduler see the truth.
 
-Ranks other than 0 write nothing to the terminal and no junit XML: rank 0's report is the
-job's.
+SIGTERM or SIGHUP (torchrun's agent ending the job because a worker has ended, a scheduler)
+fails the phase running (``JobStopped``), tells the other ranks, and the report is written
+within ``STOP_BUDGET`` s. Ranks other than 0 write nothing to the terminal and no junit XML:
+rank 0's report is the job's, or, if rank 0 is lost, the lowest rank left's (``reporter``).
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ from tutorial_impl.testing.settings.timing import (
     REPORT_MARGIN,
     REPORT_WAIT,
     STATUS_TIMEOUT,
+    STOP_BUDGET,
 )
+from tutorial_impl.testing.strategies.torchrun import watcher
 from tutorial_impl.testing.strategies.torchrun.job import Job
 from tutorial_impl.testing.strategies.torchrun.phases import (
     agree,
@@ -61,12 +67,18 @@ from tutorial_impl.testing.strategies.torchrun.phases import (
     lockstep_problem,
     verdict_of,
 )
+from tutorial_impl.testing.strategies.torchrun.reporter import Reporter
 
 _INTERRUPT = getattr(signal, "SIGUSR2", None)
 
 
 class PhaseDeadline(Exception):
     """Raised in the main thread by the watchdog: a test phase ran past its deadline."""
+
+
+class JobStopped(Exception):
+    """Raised in the main thread, in a test phase, when the worker gets SIGTERM (or SIGHUP):
+    torchrun's agent (a worker of the job ended), or the scheduler, is ending the job."""
 
 
 @dataclass
@@ -88,16 +100,22 @@ class LaunchedSession:
         self.seq = 0  # report exchanges so far, the same count on every rank
         self.refusal: str | None = None  # why no test ran (collection differs)
         self.broken: str | None = None  # why the session stopped early
+        self.stopped_at: str | None = None  # the test it stopped in: the later ones not run
+        self.stopping: str | None = None  # why this worker was told to end (SIGTERM)
         self.status = 0
         self.hosts: dict[int, str] = {}
         self.lost: set[int] = set()  # ranks whose worker exited (heartbeat lost)
+        self.not_run = 0  # tests skipped because the session stopped before them
+        self.finished = False  # the ranks agreed on the exit status
         self._phase: _Phase | None = None
         self._main = threading.main_thread().ident
-        if _INTERRUPT is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(_INTERRUPT, self._interrupted)
+        if threading.current_thread() is threading.main_thread():
+            if _INTERRUPT is not None:
+                signal.signal(_INTERRUPT, self._interrupted)
+            for signum in watcher.FORWARDED:
+                signal.signal(signum, self._stop)
         threading.Thread(target=self._watch, name="harness watchdog", daemon=True).start()
-        if self.launch.rank != 0:
-            _quiet(config)
+        self.reporter = Reporter(config, self.launch.rank)
 
     # --- the report header and summary (rank 0's terminal) -----------------------------
 
@@ -116,7 +134,12 @@ class LaunchedSession:
                 f"torchrun: {self.launch.world_size} ranks on {len(by_host)} host(s): "
                 + "; ".join(f"{h}: ranks {', '.join(map(str, r))}" for h, r in by_host.items())
             )
-        for title, text in (("torchrun: no test ran", self.refusal), ("torchrun", self.broken)):
+        broken = self.broken
+        if broken and self.not_run:
+            broken += f"\n{self.not_run} test(s) after it not run (reported as skipped)"
+        if broken and self.reporter.took_over:
+            broken += f"\n{self.reporter.took_over}"
+        for title, text in (("torchrun: no test ran", self.refusal), ("torchrun", broken)):
             if text:
                 terminalreporter.section(title, sep="=", red=True, bold=True)
                 terminalreporter.line(text)
@@ -142,24 +165,32 @@ class LaunchedSession:
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Any:
-        with self._clock(item):
+        if self._not_run(item):  # skipped on every rank (pytest's own skip: no fixture)
+            item.add_marker(pytest.mark.skip(reason=f"not run: {self.broken}"))
+            return (yield)
+        with self._clock(item, "setup"):
             return (yield)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
-        with self._clock(item):
+        with self._clock(item, "call"):
             return (yield)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Any:
-        with self._clock(item):
+        with self._clock(item, "teardown"):
             return (yield)
 
     def _limit(self, item: pytest.Item) -> float:
         return self.deadline_of(item) + PHASE_GRACE
 
+    def _not_run(self, item: pytest.Item) -> bool:
+        return self.broken is not None and item.nodeid != self.stopped_at
+
     @contextlib.contextmanager
-    def _clock(self, item: pytest.Item) -> Iterator[None]:
+    def _clock(self, item: pytest.Item, when: str) -> Iterator[None]:
+        if self.stopping and when != "teardown":  # told to end between two phases: no
+            raise JobStopped(f"{self.stopping}; the session stops here")  # more test code
         limit = self._limit(item)
         self._phase = _Phase(self.seq + 1, limit, time.monotonic() + limit)
         try:
@@ -177,6 +208,34 @@ class LaunchedSession:
             f"({phase.limit:g} s) outside any run_ranks call; the watchdog "
             "stopped it here"
         )
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        """SIGTERM (or SIGHUP): the job is ending. Tell the other ranks (``abort``), fail the
+        phase running now (``JobStopped``): the session reports it, the later tests as not
+        run, writes the report and exits; whatever happens, within ``STOP_BUDGET`` s."""
+        __tracebackhide__ = True
+        if os.getpid() != self.job.pid:  # a process a test forked (a pool's worker): as
+            signal.signal(signum, signal.SIG_DFL)  # if this handler were not there
+            os.kill(os.getpid(), signum)
+            return
+        if self.stopping is not None:
+            return  # once: the watcher passes on what the agent may also send the group
+        if self.finished and not self.reporter.is_me():
+            _exit(self.status, self.job)  # its part is done: the status is agreed
+        name = signal.Signals(signum).name
+        self.stopping = (
+            f"rank {self.launch.rank} got {name}: torchrun's agent (a worker of the job has "
+            "ended) or the scheduler is ending the job"
+        )
+        with contextlib.suppress(Exception):
+            self.job.channel.set("abort", self.stopping)
+        threading.Thread(target=self._end_by, name="harness stop", daemon=True).start()
+        if self._phase is not None:
+            raise JobStopped(f"{self.stopping}; the session stops here")
+
+    def _end_by(self) -> None:
+        time.sleep(STOP_BUDGET)
+        _exit(self.status if self.finished else 1, self.job)  # 1: the session was cut short
 
     def _watch(self) -> None:
         """Past a phase's deadline: publish this rank's stacks, interrupt the main thread;
@@ -209,8 +268,11 @@ class LaunchedSession:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
         rep = yield
+        if self._not_run(item):  # decided alike on every rank: nothing to exchange
+            self.not_run += rep.when == "setup"
+            return rep
         self.seq += 1
-        if call.excinfo is not None and isinstance(call.excinfo.value, PhaseDeadline):
+        if call.excinfo is not None and isinstance(call.excinfo.value, PhaseDeadline | JobStopped):
             crash = getattr(rep.longrepr, "reprcrash", None)
             if crash is not None:
                 crash.message = str(call.excinfo.value)
@@ -228,12 +290,21 @@ class LaunchedSession:
         agree(rep, mine, got, self.launch.rank, self.launch.world_size, self._stacks_of, lost)
         problem = lockstep_problem(mine, got, self.launch.world_size, lost)
         problem = problem or (self.job.ending if rep.when == "teardown" else None)
+        problem = problem or self._aborted()
         self.lost |= set(lost)
+        self.reporter.after_loss(self.lost, self.launch.world_size, lost)
         if problem and not self.broken:
-            self.broken = problem
-            self.job.channel.set("abort")
-            item.session.shouldstop = problem
+            self.broken, self.stopped_at = problem, item.nodeid
+            self.job.channel.set("abort", problem)
         return rep
+
+    def _aborted(self) -> str | None:
+        """Why another rank stopped the session (``abort``), read after an exchange that it
+        took part in: every rank stops after the same phase."""
+        if not self.job.channel.has("abort"):
+            return None
+        why = self.job.channel.get("abort")
+        return why if isinstance(why, str) else "another rank stopped the session"
 
     def _stacks_of(self, rank: int) -> str:
         key = f"stacks/{self.seq}/{rank}"
@@ -252,9 +323,9 @@ class LaunchedSession:
         got = self.job.channel.gather("status", mine, STATUS_TIMEOUT, self.job.heartbeats)
         self.status = job_status(got, self.launch.world_size)
         session.exitstatus = self.status
-        # torchrun SIGTERMs the workers still running once one has exited non-zero: those
-        # exit with the agreed status too.
-        signal.signal(signal.SIGTERM, lambda *_: _exit(self.status, self.job))
+        self.finished = True
+        # From here on a SIGTERM (``_stop``) ends no phase: the report is written, and the
+        # worker exits with the agreed status, within ``STOP_BUDGET`` s.
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self) -> None:
@@ -263,7 +334,7 @@ class LaunchedSession:
         off mid-report. Rank 0 then waits briefly for the others to leave first, so the
         agent sees every worker end by itself."""
         channel = self.job.channel
-        if self.launch.rank != 0:
+        if not self.reporter.is_me():
             stop = time.monotonic() + REPORT_WAIT
             while not channel.has("done") and time.monotonic() < stop:
                 time.sleep(0.05)
@@ -307,17 +378,3 @@ def _exit(status: int, job: Job) -> None:
 
 def _reporter(config: pytest.Config) -> Any:
     return config.pluginmanager.get_plugin("terminalreporter")
-
-
-def _quiet(config: pytest.Config) -> None:
-    """Silence this rank's terminal and junit XML: rank 0 reports for the job."""
-    from _pytest.junitxml import xml_key
-    from _pytest.terminal import TerminalWriter
-
-    reporter = _reporter(config)
-    if reporter is not None:
-        reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115
-    xml = config.stash.get(xml_key, None)
-    if xml is not None:
-        del config.stash[xml_key]
-        config.pluginmanager.unregister(xml)

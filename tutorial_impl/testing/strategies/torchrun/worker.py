@@ -50,6 +50,7 @@ from tutorial_impl.testing.strategies import protocol as runner
 from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
 from tutorial_impl.testing.strategies.torchrun.here import Answer, pickled, run_here
 from tutorial_impl.testing.strategies.torchrun.job import Job
+from tutorial_impl.testing.strategies.torchrun.launch import size_mismatch
 from tutorial_impl.testing.strategies.torchrun.launch import why_not_here as job_refuses
 from tutorial_impl.testing.verdict.decision import Finished
 
@@ -100,9 +101,7 @@ class Launched:
         job, launch = self.job, self.job.launch
         refusal = runner.refusal(self, call) or reporter_killed(call)
         if refusal or call.world_size != launch.world_size:
-            raise ValueError(
-                refusal or f"world_size={call.world_size}, the job has {launch.world_size}"
-            )
+            raise ValueError(refusal or size_mismatch(call.world_size, launch))
         job.calls += 1
         key = f"call/{job.calls}"
         host = None
