@@ -445,6 +445,7 @@ PYTEST_SIDE = {
     "forkserver.plan",
     "strategies.torchrun.phases",
     "strategies.torchrun.session",
+    "strategies.torchrun.reporter",  # which rank writes the report and junit
 }
 
 
