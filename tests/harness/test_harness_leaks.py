@@ -30,6 +30,7 @@ from tutorial_impl.testing import (
     proctable,
     run_ranks,
 )
+from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.strategies import waiting
 
 GONE_WITHIN = 5.0  # seconds; the kill is immediate, this is slack for a loaded machine
@@ -292,6 +293,31 @@ def test_each_leftover_is_killed_and_named_once_by_what_it_is(tmp_path, stop):
         assert sorted(map(int, re.findall(r"(?:: |; )pid (\d+) \(", text))) == sorted(left), text
         assert "import main" not in text, text
     assert proctable.wait_until_gone(tmp_path, GONE_WITHIN) == {}
+
+
+def kill_under_a_sigchld_handler(rank: int, world_size: int) -> tuple[int, bool, int]:
+    """A SIGCHLD handler that raises, as a DataLoader's does when a worker dies by a signal:
+    the harness's kill must not reach it, and must give it back; from another thread (a
+    torchrun worker's may), where Python lets no one change it, the kill still kills."""
+    import concurrent.futures
+
+    def on_child(signum: int, frame: object) -> None:
+        raise RuntimeError("the harness's kill reached the test's SIGCHLD handler")
+
+    signal.signal(signal.SIGCHLD, on_child)
+    subprocess.Popen(SLEEPER)
+    killed = leftovers.kill_leftovers()
+    kept = signal.getsignal(signal.SIGCHLD) is on_child
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    subprocess.Popen(SLEEPER)
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        elsewhere = thread.submit(leftovers.kill_leftovers).result()
+    return len(killed), kept, len(elsewhere)
+
+
+def test_the_kill_sets_a_sigchld_handler_aside_and_gives_it_back():
+    said = run_ranks(kill_under_a_sigchld_handler, world_size=1, backend=None)
+    assert said == [(1, True, 1)]
 
 
 def test_an_environment_mark_finds_a_process_that_left_its_session():

@@ -320,12 +320,7 @@ def _sigchld_set_aside() -> Iterator[None]:
 def _reap(killed: dict[int, Leftover]) -> None:
     """Reap the killed: multiprocessing's own through its bookkeeping (a process it started
     and someone else reaped would look alive to it for ever; one its forkserver started is
-    over once that server has said so, which ``join`` waits for), the rest here."""
-    stop = time.monotonic() + KILL_GRACE
-    mine = os.getpid()
-    for process in list(multiprocessing.process._children):  # type: ignore[attr-defined]
-        if process.pid in killed and getattr(process, "_parent_pid", None) == mine:
-            process.join(max(0.0, stop - time.monotonic()))
+    forgotten once that server has said it ended, at this or a later look), the rest here."""
     multiprocessing.active_children()
     for pid in killed:
         try:
