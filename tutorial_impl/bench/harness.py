@@ -39,7 +39,10 @@ rounds of fresh worlds (``--recorder-rounds`` of ``--recorder-calls`` small all_
 injected SIGKILL to the verdict (``--kill-runs``; ``bench/kill_verdict.py``: keys
 ``kill_verdict_ms``, the median, ``kill_verdict_runs_ms`` and ``kill_verdict_running``, the
 peers still in their collective at each verdict); a session's first test (``--first-test-runs``,
-``bench/first_test.py``: keys ``first_test_*``). 0 rounds or runs: None.
+``bench/first_test.py``: keys ``first_test_*``); a training step, DDP and AdamW as a user's
+test with no setting, fresh and warm, beside the plain test, ``mp.spawn`` and torch's
+``MultiProcessTestCase`` (``--train-step-tests``, ``bench/train_step.py``: keys ``train_*``).
+0 rounds or runs: None.
 """
 
 from __future__ import annotations
@@ -258,9 +261,10 @@ def measure(
     recorder_calls: int = 500,
     kill_runs: int = 5,
     first_test_runs: int = 3,
+    train_step_tests: int = 6,
 ) -> dict[str, dict]:
     # Imported here, not by the ranks: a warm rank checks every global of the modules it has.
-    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost
+    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost, train_step
 
     forkserver.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
@@ -292,7 +296,9 @@ def measure(
         }
         faults = recorder_cost.harness_figures(world_size, recorder_rounds, recorder_calls)
         faults |= kill_verdict.harness_figures(world_size, kill_runs)
-        figures[str(world_size)] |= faults | first_test.harness_figures(world_size, first_test_runs)
+        faults |= first_test.harness_figures(world_size, first_test_runs)
+        faults |= train_step.measure(world_size, train_step_tests, spawn_repeats)
+        figures[str(world_size)] |= faults
         print_rows(world_size, figures[str(world_size)], (repeats, spawn_repeats, collectives))
     return figures
 
@@ -300,7 +306,7 @@ def measure(
 def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None:
     """One world size's figures, as lines of the table (``counts``: the repeats, the spawn
     repeats and the collectives they are medians or means of)."""
-    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost
+    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost, train_step
 
     repeats, spawn_repeats, collectives = counts
     harness_ms, spawn_ms, warm_ms = row["harness_ms"], row["spawn_ms"], row["warm_ms"]
@@ -318,7 +324,7 @@ def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None
     ]
     for line in lines:
         print(f"world {world_size}: {line}", flush=True)
-    rows = (recorder_cost, kill_verdict, first_test)  # each module's own line
+    rows = (recorder_cost, kill_verdict, first_test, train_step)  # each module's own line
     print(*(m.harness_line(world_size, row) for m in rows), sep="\n", flush=True)
 
 
@@ -326,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Imported here, as the rows' modules above: this module is every rank's test module (the
     # forkserver preloads it), and a warm rank checks the globals of each such module after
     # every test (``strategies.warm.reuse``), so what it imports is part of what it measures.
-    from tutorial_impl.bench import first_test
+    from tutorial_impl.bench import first_test, train_step
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl bench harness",
@@ -366,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-runs", type=int, default=5, help="runs timed from SIGKILL to verdict (0: none)"
     )
     parser.add_argument("--first-test-runs", type=first_test.runs, default=3, help=first_test.HELP)
+    parser.add_argument(
+        "--train-step-tests", type=train_step.tests, default=6, help=train_step.HELP
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
@@ -398,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         args.recorder_calls,
         args.kill_runs,
         args.first_test_runs,
+        args.train_step_tests,
     )
     if args.json:
         with open(args.json, "w") as f:

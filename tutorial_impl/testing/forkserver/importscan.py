@@ -14,8 +14,17 @@ Left out: relative imports; pytest itself; the test modules and conftests (a ran
 test module with pytest's rewritten asserts: ``lookup``); what the run excludes
 (``rank_preload_exclude``: a name and its submodules). ``from a import b`` is kept as the
 statement is, module ``a`` with the names ``b``, so that importing it imports submodule
-``a.b`` only where ``a`` has no attribute ``b``, as the statement does. This module imports
-neither pytest nor torch: the forkserver imports it.
+``a.b`` only where ``a`` has no attribute ``b``, as the statement does.
+
+**What torch imports later.** A rank also imports what torch itself imports lazily, the first
+time the test uses it: ``torch._dynamo`` (with sympy, some 800 modules, 1.3-1.9 s of CPU) is
+imported by every optimizer's and ``DistributedDataParallel``'s constructor, by
+``torch.compile``, FSDP and pipelining. So a file that names any of those (``LAZY``: a name, an
+attribute or an imported module anywhere in it) adds the module to the scan, and so does an
+import of torch's own modules inside a function (a rank function's ``from
+torch.distributed.tensor import DTensor``): probed and excludable like the rest. A file that
+only runs collectives adds nothing. This module imports neither pytest nor torch: the
+forkserver imports it.
 """
 
 from __future__ import annotations
@@ -31,6 +40,14 @@ from typing import Any
 MAX_FILES = 2000  # a walk that finds more stops there: preloading is only a speed-up
 MAX_BYTES = 2_000_000  # larger files are data, not tests
 NEVER = {"__future__", "__main__", "pytest", "_pytest", "py", "conftest"}
+# Torch's lazily imported modules, and the words in a test file that say its ranks will import
+# them (measured: an optimizer's or DDP's constructor imports torch._dynamo, torch 2.13).
+LAZY = {
+    "torch._dynamo": frozenset(
+        {"optim", "DistributedDataParallel", "parallel", "FullyShardedDataParallel", "fsdp",
+         "fully_shard", "replicate", "compile", "pipelining", "ZeroRedundancyOptimizer"}
+    ),
+}  # fmt: skip
 
 
 @dataclass
@@ -49,12 +66,13 @@ def scan(plan: dict[str, Any]) -> Scan:
     found = Scan()
     patterns = list(plan["python_files"])
     exclude = tuple(plan.get("exclude", ()))
+    torch_only = plan.get("torch_only", False)  # rank_preload_test_imports = false
     for file in test_files(plan):
         found.files += 1
         base = _basedir(file)
-        if str(base) not in found.paths:
+        if str(base) not in found.paths and not torch_only:
             found.paths.append(str(base))
-        for module, names in imports_of(file):
+        for module, names in imports_of(file, torch_only):
             if _wanted(module, patterns, exclude):
                 kept = found.imports.setdefault(module, [])
                 kept += [n for n in names if n not in kept and _wanted(f"{module}.{n}", patterns)]
@@ -124,16 +142,39 @@ def _basedir(file: Path) -> Path:
     return here
 
 
-def imports_of(file: Path) -> list[tuple[str, list[str]]]:
-    """(module, names) of every absolute import at module level in ``file``; [] for a file
-    that cannot be read or parsed (pytest reports it)."""
+def imports_of(file: Path, torch_only: bool = False) -> list[tuple[str, list[str]]]:
+    """(module, names) of every absolute import at module level in ``file`` (not with
+    ``torch_only``), then torch's modules it imports anywhere and those it names a use of
+    (``LAZY``); [] for a file that cannot be read or parsed (pytest reports it)."""
     try:
         if file.stat().st_size > MAX_BYTES:
             return []
         tree = ast.parse(file.read_bytes(), str(file))
     except (OSError, SyntaxError, ValueError):
         return []
-    return list(_statements(tree.body))
+    return ([] if torch_only else list(_statements(tree.body))) + _torch_later(tree)
+
+
+def _torch_later(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """Torch's modules a rank of this file will import as it runs: those imported anywhere
+    in it (inside functions too), and ``LAZY``'s whose words it names."""
+    found: dict[str, list[str]] = {}
+    words: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.add(node.attr)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            module = getattr(node, "module", None) or ""
+            names = [alias.name for alias in node.names]
+            words.update(module.split(".") + [w for n in names for w in n.split(".")])
+            torch_modules = [module] if module else names
+            for name in torch_modules:
+                if name.split(".")[0] == "torch" and not getattr(node, "level", 0):
+                    found.setdefault(name, names if module else [])
+    found.update({lazy: [] for lazy, said in LAZY.items() if words & said})
+    return list(found.items())
 
 
 def _statements(body: list[ast.stmt]) -> Iterator[tuple[str, list[str]]]:
