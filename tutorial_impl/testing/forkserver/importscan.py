@@ -23,8 +23,9 @@ imported by every optimizer's and ``DistributedDataParallel``'s constructor, by
 attribute or an imported module anywhere in it) adds the module to the scan, and so does an
 import of torch's own modules inside a function (a rank function's ``from
 torch.distributed.tensor import DTensor``): probed and excludable like the rest. A file that
-only runs collectives adds nothing. This module imports neither pytest nor torch: the
-forkserver imports it.
+only runs collectives adds nothing. With the test files' imports off (``torch_only``), only
+``LAZY``'s are read: what torch imports by itself. This module imports neither pytest nor
+torch: the forkserver imports it.
 """
 
 from __future__ import annotations
@@ -143,21 +144,23 @@ def _basedir(file: Path) -> Path:
 
 
 def imports_of(file: Path, torch_only: bool = False) -> list[tuple[str, list[str]]]:
-    """(module, names) of every absolute import at module level in ``file`` (not with
-    ``torch_only``), then torch's modules it imports anywhere and those it names a use of
-    (``LAZY``); [] for a file that cannot be read or parsed (pytest reports it)."""
+    """(module, names) of every absolute import at module level in ``file``, then torch's
+    modules it imports anywhere and those it names a use of (``LAZY``; with ``torch_only``
+    these last only); [] for a file that cannot be read or parsed (pytest reports it)."""
     try:
         if file.stat().st_size > MAX_BYTES:
             return []
         tree = ast.parse(file.read_bytes(), str(file))
     except (OSError, SyntaxError, ValueError):
         return []
-    return ([] if torch_only else list(_statements(tree.body))) + _torch_later(tree)
+    if torch_only:
+        return [(m, n) for m, n in _torch_later(tree) if m in LAZY]
+    return list(_statements(tree.body)) + _torch_later(tree)
 
 
 def _torch_later(tree: ast.Module) -> list[tuple[str, list[str]]]:
     """Torch's modules a rank of this file will import as it runs: those imported anywhere
-    in it (inside functions too), and ``LAZY``'s whose words it names."""
+    in it (inside functions too), then ``LAZY``'s whose words it names."""
     found: dict[str, list[str]] = {}
     words: set[str] = set()
     for node in ast.walk(tree):

@@ -9,8 +9,8 @@ it also imports, by default with no setting:
   the library under test, so a rank that imports its test module again finds it loaded.
   With them, torch's own modules the files import anywhere, and what torch will import
   lazily for what they use (``importscan.LAZY``: ``torch._dynamo`` for an optimizer or DDP).
-  Off with the ini value ``rank_preload_test_imports = false`` (torch's own modules are
-  still read); one module (and its submodules) kept out with ``rank_preload_exclude``;
+  Off with the ini value ``rank_preload_test_imports = false`` (what torch imports lazily
+  is still read); one module (and its submodules) kept out with ``rank_preload_exclude``;
   under ``pytest -n N`` read from the files' source in the server the xdist controller
   starts before any worker collects;
 * the ini value ``rank_preload``: modules the tests import elsewhere (inside a rank function,
@@ -84,13 +84,13 @@ def explicit(config: pytest.Config) -> list[str]:
 
 def plan(config: pytest.Config) -> dict[str, Any]:
     """What the forkserver reads (``forkserver.probe``): the ``rank_preload`` modules, and
-    how to find the test files' imports (``importscan``; torch's own only when that is off)."""
+    how to find the test files' imports (``importscan``; torch's lazy ones only when off)."""
     return {"rank_preload": explicit(config), "test_files": _test_files(config)}
 
 
 def _test_files(config: pytest.Config) -> dict[str, Any]:
-    """The walk; with ``rank_preload_test_imports = false``, for torch's own modules only
-    (``importscan.LAZY``: what torch will import in the ranks, not the user's library)."""
+    """The walk; with ``rank_preload_test_imports = false``, for ``importscan.LAZY`` only
+    (what torch itself will import in the ranks, not the files' imports)."""
     walk = _walk(config)
     if not config.getini("rank_preload_test_imports"):
         walk["torch_only"] = True
