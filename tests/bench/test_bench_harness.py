@@ -116,6 +116,10 @@ def test_the_training_step_row_is_medians_and_ratios_of_each_way():
     assert "DDP+AdamW step test  200.0 ms fresh ( 4.0x the plain test's  50.0)" in line
     assert "30.0 ms warm ( 0.2x fresh minus start)" in line
     assert "spawn    4000 ms ( 20.0x), MultiProcessTestCase    8000 ms ( 40.0x)" in line
+    # the JUnit names, without their index: pytest's of repeated parameters, and the methods'
+    assert train_step.kind("test_train[step12]") == "test_train[step]"
+    assert train_step.kind("test_train[plain]") == "test_train[plain]"
+    assert train_step.kind("test_step_3") == "test_step" != train_step.kind("test_0_first")
 
 
 def test_a_torchrun_jobs_figure_is_the_time_from_each_tests_start_to_the_next():

@@ -51,17 +51,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
+from tutorial_impl.bench.torchrun_cost import gaps_ms, time_torchrun  # noqa: F401 - its row
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import run_ranks
 from tutorial_impl.testing.forkserver import server as forkserver
@@ -183,56 +180,6 @@ def time_audited(world_size: int, repeats: int) -> list[float]:
             times.append((time.perf_counter() - start) * 1e3)
     pool.close()
     return times
-
-
-TORCHRUN_TESTS = """
-import json, os, time
-import pytest
-import torch
-import torch.distributed as dist
-
-STARTS = []
-
-
-def all_reduce_once(rank, world_size):
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
-    return t.item()
-
-
-@pytest.mark.parametrize("i", range({tests}))
-def test_all_reduce(run_ranks, world_size, i):
-    STARTS.append(time.perf_counter())
-    assert run_ranks(all_reduce_once) == [world_size * (world_size + 1) / 2] * world_size
-
-
-def test_zz_the_end():
-    STARTS.append(time.perf_counter())
-    if os.environ["RANK"] == "0":
-        with open(os.environ["BENCH_STARTS"], "w") as f:
-            json.dump(STARTS, f)
-"""
-
-
-def time_torchrun(world_size: int, tests: int) -> list[float]:
-    """Milliseconds per test of a torchrun job of ``world_size`` workers (one job)."""
-    with tempfile.TemporaryDirectory(prefix="bench-torchrun-") as work:
-        Path(work, "test_bench.py").write_text(TORCHRUN_TESTS.format(tests=tests))
-        starts = Path(work, "starts.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += [f"--nproc-per-node={world_size}", "--monitor-interval=0.1"]
-        command += ["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py"]
-        env = {**os.environ, "BENCH_STARTS": str(starts)}
-        env.pop("PYTEST_XDIST_WORKER", None)
-        done = subprocess.run(command, cwd=work, env=env, capture_output=True, timeout=300)
-        if done.returncode != 0 or not starts.exists():
-            raise RuntimeError(f"the torchrun job failed:\n{done.stdout.decode()[-3000:]}")
-        return gaps_ms(json.loads(starts.read_text()))
-
-
-def gaps_ms(stamps: list[float]) -> list[float]:
-    """Milliseconds from each test's start (seconds, in order) to the next one's."""
-    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def time_spawn(world_size: int, repeats: int) -> list[float]:

@@ -141,9 +141,15 @@ def session(work: Path, file: str, *options: str) -> tuple[dict[str, list[float]
         raise RuntimeError(f"the training-step session failed:\n{output[-3000:]}")
     times: dict[str, list[float]] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
-        name = re.sub(r"\d+\]$", "]", re.sub(r"_\d+$", "", case.get("name", "")))
-        times.setdefault(name, []).append(float(case.get("time", "nan")) * 1e3)
+        times.setdefault(kind(case.get("name", "")), []).append(float(case.get("time")) * 1e3)
     return times, output
+
+
+def kind(name: str) -> str:
+    """A test's name without its index: ``test_train[step3]`` (pytest numbers repeated
+    parameters), ``test_step_3`` (the MultiProcessTestCase methods) are ``test_train[step]``
+    and ``test_step``."""
+    return re.sub(r"\d+\]$", "]", re.sub(r"_\d+$", "", name))
 
 
 def _spawn_rank(rank: int, world_size: int, port: int, step: str) -> None:

@@ -126,8 +126,13 @@ def test_the_scan_reads_the_files_pytest_would_collect_and_their_module_imports(
 
 
 LAZY_FILES = {
-    "test_plain.py": "import mylib, torch\nimport torch.distributed as dist\n\n"
-    "def f():\n    dist.all_reduce(x)\n",
+    "test_plain.py": "import mylib, re, torch\nimport torch.distributed as dist\n\n"
+    "def f():\n    dist.all_reduce(x)\n    re.compile(mylib.parallel, mylib.replicate)\n",
+    "test_compile.py": "from torch import compile\n",
+    "test_nn.py": "from torch import nn\n\ndef f(m):\n    return nn.parallel\n",
+    "test_replicate.py": "from torch.distributed._composable import replicate\n",
+    "test_parallel.py": "import torch.nn.parallel\n",
+    "test_reexported.py": "from mylib import *\n\ndef f(m):\n    FullyShardedDataParallel(m)\n",
     "test_optim.py": "import torch\n\ndef f(m):\n    torch.optim.AdamW(m.parameters())\n",
     "test_ddp.py": "from torch.nn.parallel import DistributedDataParallel as DDP\n",
     "test_inside.py": "def f():\n    from torch.distributed.tensor import DTensor\n"
@@ -139,7 +144,13 @@ LAZY_FILES = {
     "name, expected",
     [
         # collectives: nothing more (mylib: the user's, not with test imports off)
-        ("test_plain.py", {"mylib": [], "torch": [], "torch.distributed": []}),
+        ("test_plain.py", {"mylib": [], "re": [], "torch": [], "torch.distributed": []}),
+        ("test_compile.py", {"torch": ["compile"], "torch._dynamo": []}),  # not re.compile
+        ("test_nn.py", {"torch": ["nn"], "torch._dynamo": []}),
+        ("test_replicate.py", {"torch.distributed._composable": ["replicate"],
+                               "torch._dynamo": []}),
+        ("test_parallel.py", {"torch.nn.parallel": [], "torch._dynamo": []}),
+        ("test_reexported.py", {"mylib": ["*"], "torch._dynamo": []}),  # a name, from anywhere
         ("test_optim.py", {"torch": [], "torch._dynamo": []}),  # what AdamW() will import
         ("test_ddp.py", {"torch.nn.parallel": ["DistributedDataParallel"], "torch._dynamo": []}),
         # torch's own modules a rank function imports, and what FSDP will: not the user's

@@ -43,10 +43,13 @@ MAX_BYTES = 2_000_000  # larger files are data, not tests
 NEVER = {"__future__", "__main__", "pytest", "_pytest", "py", "conftest"}
 # Torch's lazily imported modules, and the words in a test file that say its ranks will import
 # them (measured: an optimizer's or DDP's constructor imports torch._dynamo, torch 2.13).
+# A word is a name, an attribute or a part of a torch import anywhere in the file; the common
+# words count only with their owner ("torch.compile", not "re.compile").
 LAZY = {
     "torch._dynamo": frozenset(
-        {"optim", "DistributedDataParallel", "parallel", "FullyShardedDataParallel", "fsdp",
-         "fully_shard", "replicate", "compile", "pipelining", "ZeroRedundancyOptimizer"}
+        {"optim", "DistributedDataParallel", "nn.parallel", "FullyShardedDataParallel", "fsdp",
+         "fully_shard", "_composable.replicate", "torch.compile", "pipelining",
+         "ZeroRedundancyOptimizer"}
     ),
 }  # fmt: skip
 
@@ -166,18 +169,26 @@ def _torch_later(tree: ast.Module) -> list[tuple[str, list[str]]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             words.add(node.id)
-        elif isinstance(node, ast.Attribute):
-            words.add(node.attr)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
+        elif isinstance(node, ast.Attribute):  # its name, and "torch.compile", "nn.parallel"
+            owner = node.value.id if isinstance(node.value, ast.Name) else ""
+            words.update({node.attr, f"{owner}.{node.attr}"})
+        elif isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
             module = getattr(node, "module", None) or ""
             names = [alias.name for alias in node.names]
-            words.update(module.split(".") + [w for n in names for w in n.split(".")])
-            torch_modules = [module] if module else names
-            for name in torch_modules:
-                if name.split(".")[0] == "torch" and not getattr(node, "level", 0):
+            for name in [module] if module else names:
+                if name.split(".")[0] == "torch":
                     found.setdefault(name, names if module else [])
+                    words.update(_said(name, names if module else []))
     found.update({lazy: [] for lazy, said in LAZY.items() if words & said})
     return list(found.items())
+
+
+def _said(module: str, names: list[str]) -> set[str]:
+    """The words an import from torch says: its parts, each two in a row ("nn.parallel"),
+    and what it imports, with its module's last part ("torch.compile")."""
+    parts = module.split(".")
+    pairs = {f"{a}.{b}" for a, b in zip(parts, parts[1:], strict=False)}
+    return {*parts, *pairs, *names, *(f"{parts[-1]}.{name}" for name in names)}
 
 
 def _statements(body: list[ast.stmt]) -> Iterator[tuple[str, list[str]]]:
