@@ -174,6 +174,10 @@ def facts(rank, world_size, pid_dir):
     }
 
 
+# The first test waits for the whole server start (torch, then torch._dynamo for the DDP
+# tests below, probed and imported: some 7 s of CPU), which at a load of 25 on 2 cores took
+# more than the suite's 120 s.
+@pytest.mark.timeout(600)
 def test_a_pool_starts_the_global_forkserver_before_any_rank(run_ranks, tmp_path):
     assert rank_server.forkserver_pid() is None  # the rank forkserver is not started yet
     with mp.get_context("forkserver").Pool(1) as pool:
