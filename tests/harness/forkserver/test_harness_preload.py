@@ -173,6 +173,28 @@ def test_the_scan_adds_what_torch_imports_once_a_rank_uses_it(tmp_path, name, ex
     assert torch_only.paths == []  # nor are the test files' directories put on sys.path
 
 
+def test_the_scan_reads_the_library_under_test_for_what_torch_will_import(tmp_path):
+    """A test that calls the project's ``fit``, which builds the optimizer: the file names no
+    optimizer, its library does (read one level deep, never imported)."""
+    write(
+        tmp_path,
+        {
+            "mylib/__init__.py": "",
+            "mylib/train.py": "import torch\n\ndef fit(m):\n    torch.optim.SGD(m.parameters())\n",
+            "mylib/plain.py": "import torch.distributed as dist\n",
+            "tests/test_fit.py": "from mylib import train\n",
+            "tests/test_plain.py": "import mylib.plain\n",
+        },
+    )
+    plan = {**DEFAULTS, "args": ["tests"], "invocation_dir": str(tmp_path)}
+    assert importscan.scan(plan).imports == {"mylib": ["train"], "mylib.plain": [],
+                                             "torch._dynamo": []}  # fmt: skip
+    torch_only = importscan.scan({**plan, "torch_only": True})
+    assert torch_only.imports == {"torch._dynamo": []}
+    plain = importscan.scan({**plan, "args": ["tests/test_plain.py"]})
+    assert plain.imports == {"mylib.plain": []}  # a library that only runs collectives
+
+
 GOOD = "import os\nIMPORTED_IN = os.getpid()\nprint('a banner nobody should see')\n"
 THREADER = (
     "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"  # noqa: E501
