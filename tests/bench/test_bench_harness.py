@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tutorial_impl.bench import first_test, harness, recorder_cost
+from tutorial_impl.bench import first_test, harness, recorder_cost, train_step
 
 
 @pytest.mark.slow
@@ -28,7 +28,7 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     # One round of the recorder's three worlds, one SIGKILL: the rows, not their precision.
     argv += ["--recorder-rounds", "1", "--recorder-calls", "5", "--kill-runs", "1"]
     # No fresh sessions (each imports torch twice): the row's arithmetic is checked below.
-    argv += ["--first-test-runs", "0"]
+    argv += ["--first-test-runs", "0", "--train-step-tests", "0"]
     assert harness.main(argv) == 0
     figures = json.loads(path.read_text())
     assert list(figures) == ["1"]  # keyed by world size, as a string (JSON keys are)
@@ -41,8 +41,9 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
         *recorder_cost.HARNESS_KEYS,  # the flight recorder off, on, and DETAIL
         *("kill_verdict_ms", "kill_verdict_runs_ms", "kill_verdict_running"),
         *first_test.HARNESS_KEYS,  # a session's first test: not run, None
+        *train_step.KEYS,  # a training step's test: not run, None
     }
-    assert {row[key] for key in first_test.HARNESS_KEYS} == {None}
+    assert {row[key] for key in (*first_test.HARNESS_KEYS, *train_step.KEYS)} == {None}
     assert row["harness_ms"] > 0 and row["spawn_ms"] > 0
     # A spawn starts a fresh interpreter per rank (a second and more here), a harness call
     # forks its ranks (tens of ms): a spawn that measured nothing would not be dearer.
@@ -75,6 +76,7 @@ def test_bench_writes_medians_and_their_ratio(tmp_path, capsys):
     assert f"DETAIL/off {row['fr_detail_ratio']:5.1f}x" in printed
     assert f"SIGKILL to verdict {row['kill_verdict_ms']:6.1f} ms" in printed
     assert "world 1: first test of a session: not run" in printed
+    assert "world 1: training step: not run" in printed
 
 
 def test_the_first_test_row_is_the_median_of_each_way_and_their_difference():
@@ -90,6 +92,34 @@ def test_the_first_test_row_is_the_median_of_each_way_and_their_difference():
     line = first_test.harness_line(2, row)
     assert "first test of a session   0.80 s" in line and "by the test   3.00 s" in line
     assert "saved  2.20 s" in line and "medians of 3 pairs" in line
+
+
+def test_the_training_step_row_is_medians_and_ratios_of_each_way():
+    fresh = {"test_train[step]": [300.0, 100.0, 200.0], "test_train[plain]": [50.0, 60.0, 40.0]}
+    warm = {"test_train[step]": [30.0, 20.0, 40.0], "test_train[plain]": [5.0, 15.0, 10.0]}
+    row = train_step.figures(fresh, warm, [3000.0, 5000.0], [8000.0], "warm worlds: 1 started")
+    assert row == {
+        "train_step_ms": 200.0,
+        "train_plain_ms": 50.0,
+        "train_step_warm_ms": 30.0,
+        "train_plain_warm_ms": 10.0,
+        "train_spawn_ms": 4000.0,
+        "train_mptc_ms": 8000.0,
+        "train_step_vs_plain": 4.0,
+        "train_warm_vs_work": pytest.approx(30.0 / 150.0),  # warm against fresh minus start
+        "train_spawn_ratio": 20.0,
+        "train_mptc_ratio": 40.0,
+        "train_warm_summary": "warm worlds: 1 started",
+    }
+    assert set(row) == set(train_step.KEYS)
+    line = train_step.harness_line(2, row)
+    assert "DDP+AdamW step test  200.0 ms fresh ( 4.0x the plain test's  50.0)" in line
+    assert "30.0 ms warm ( 0.2x fresh minus start)" in line
+    assert "spawn    4000 ms ( 20.0x), MultiProcessTestCase    8000 ms ( 40.0x)" in line
+    # the JUnit names, without their index: pytest's of repeated parameters, and the methods'
+    assert train_step.kind("test_train[step12]") == "test_train[step]"
+    assert train_step.kind("test_train[plain]") == "test_train[plain]"
+    assert train_step.kind("test_step_3") == "test_step" != train_step.kind("test_0_first")
 
 
 def test_a_torchrun_jobs_figure_is_the_time_from_each_tests_start_to_the_next():
@@ -118,3 +148,8 @@ def test_bench_refuses_nonsense_arguments(capsys):
         harness.build_parser().parse_args(["--first-test-runs", "-1"])
     assert "--first-test-runs: must be 0 (none) or more, not -1" in capsys.readouterr().err
     assert harness.build_parser().parse_args([]).first_test_runs == 3
+    with pytest.raises(SystemExit):
+        harness.build_parser().parse_args(["--train-step-tests", "-1"])
+    assert "--train-step-tests: must be 0 (none) or more, not -1" in capsys.readouterr().err
+    assert harness.build_parser().parse_args(["--train-step-tests", "0"]).train_step_tests == 0
+    assert harness.build_parser().parse_args([]).train_step_tests == 6

@@ -39,7 +39,10 @@ rounds of fresh worlds (``--recorder-rounds`` of ``--recorder-calls`` small all_
 injected SIGKILL to the verdict (``--kill-runs``; ``bench/kill_verdict.py``: keys
 ``kill_verdict_ms``, the median, ``kill_verdict_runs_ms`` and ``kill_verdict_running``, the
 peers still in their collective at each verdict); a session's first test (``--first-test-runs``,
-``bench/first_test.py``: keys ``first_test_*``). 0 rounds or runs: None.
+``bench/first_test.py``: keys ``first_test_*``); a training step, DDP and AdamW as a user's
+test with no setting, fresh and warm, beside the plain test, ``mp.spawn`` and torch's
+``MultiProcessTestCase`` (``--train-step-tests``, ``bench/train_step.py``: keys ``train_*``).
+0 rounds or runs: None.
 """
 
 from __future__ import annotations
@@ -48,17 +51,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
+from tutorial_impl.bench.torchrun_cost import gaps_ms, time_torchrun  # noqa: F401 - its row
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import run_ranks
 from tutorial_impl.testing.forkserver import server as forkserver
@@ -182,56 +182,6 @@ def time_audited(world_size: int, repeats: int) -> list[float]:
     return times
 
 
-TORCHRUN_TESTS = """
-import json, os, time
-import pytest
-import torch
-import torch.distributed as dist
-
-STARTS = []
-
-
-def all_reduce_once(rank, world_size):
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
-    return t.item()
-
-
-@pytest.mark.parametrize("i", range({tests}))
-def test_all_reduce(run_ranks, world_size, i):
-    STARTS.append(time.perf_counter())
-    assert run_ranks(all_reduce_once) == [world_size * (world_size + 1) / 2] * world_size
-
-
-def test_zz_the_end():
-    STARTS.append(time.perf_counter())
-    if os.environ["RANK"] == "0":
-        with open(os.environ["BENCH_STARTS"], "w") as f:
-            json.dump(STARTS, f)
-"""
-
-
-def time_torchrun(world_size: int, tests: int) -> list[float]:
-    """Milliseconds per test of a torchrun job of ``world_size`` workers (one job)."""
-    with tempfile.TemporaryDirectory(prefix="bench-torchrun-") as work:
-        Path(work, "test_bench.py").write_text(TORCHRUN_TESTS.format(tests=tests))
-        starts = Path(work, "starts.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += [f"--nproc-per-node={world_size}", "--monitor-interval=0.1"]
-        command += ["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py"]
-        env = {**os.environ, "BENCH_STARTS": str(starts)}
-        env.pop("PYTEST_XDIST_WORKER", None)
-        done = subprocess.run(command, cwd=work, env=env, capture_output=True, timeout=300)
-        if done.returncode != 0 or not starts.exists():
-            raise RuntimeError(f"the torchrun job failed:\n{done.stdout.decode()[-3000:]}")
-        return gaps_ms(json.loads(starts.read_text()))
-
-
-def gaps_ms(stamps: list[float]) -> list[float]:
-    """Milliseconds from each test's start (seconds, in order) to the next one's."""
-    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
-
-
 def time_spawn(world_size: int, repeats: int) -> list[float]:
     """Milliseconds per ``torch.multiprocessing.spawn`` of a fresh group."""
     times = []
@@ -258,9 +208,10 @@ def measure(
     recorder_calls: int = 500,
     kill_runs: int = 5,
     first_test_runs: int = 3,
+    train_step_tests: int = 6,
 ) -> dict[str, dict]:
     # Imported here, not by the ranks: a warm rank checks every global of the modules it has.
-    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost
+    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost, train_step
 
     forkserver.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
@@ -292,7 +243,9 @@ def measure(
         }
         faults = recorder_cost.harness_figures(world_size, recorder_rounds, recorder_calls)
         faults |= kill_verdict.harness_figures(world_size, kill_runs)
-        figures[str(world_size)] |= faults | first_test.harness_figures(world_size, first_test_runs)
+        faults |= first_test.harness_figures(world_size, first_test_runs)
+        faults |= train_step.measure(world_size, train_step_tests, spawn_repeats)
+        figures[str(world_size)] |= faults
         print_rows(world_size, figures[str(world_size)], (repeats, spawn_repeats, collectives))
     return figures
 
@@ -300,7 +253,7 @@ def measure(
 def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None:
     """One world size's figures, as lines of the table (``counts``: the repeats, the spawn
     repeats and the collectives they are medians or means of)."""
-    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost
+    from tutorial_impl.bench import first_test, kill_verdict, recorder_cost, train_step
 
     repeats, spawn_repeats, collectives = counts
     harness_ms, spawn_ms, warm_ms = row["harness_ms"], row["spawn_ms"], row["warm_ms"]
@@ -318,7 +271,7 @@ def print_rows(world_size: int, row: dict, counts: tuple[int, int, int]) -> None
     ]
     for line in lines:
         print(f"world {world_size}: {line}", flush=True)
-    rows = (recorder_cost, kill_verdict, first_test)  # each module's own line
+    rows = (recorder_cost, kill_verdict, first_test, train_step)  # each module's own line
     print(*(m.harness_line(world_size, row) for m in rows), sep="\n", flush=True)
 
 
@@ -326,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Imported here, as the rows' modules above: this module is every rank's test module (the
     # forkserver preloads it), and a warm rank checks the globals of each such module after
     # every test (``strategies.warm.reuse``), so what it imports is part of what it measures.
-    from tutorial_impl.bench import first_test
+    from tutorial_impl.bench import first_test, train_step
 
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_impl bench harness",
@@ -366,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-runs", type=int, default=5, help="runs timed from SIGKILL to verdict (0: none)"
     )
     parser.add_argument("--first-test-runs", type=first_test.runs, default=3, help=first_test.HELP)
+    parser.add_argument(
+        "--train-step-tests", type=train_step.tests, default=6, help=train_step.HELP
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 
@@ -398,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         args.recorder_calls,
         args.kill_runs,
         args.first_test_runs,
+        args.train_step_tests,
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -125,6 +125,76 @@ def test_the_scan_reads_the_files_pytest_would_collect_and_their_module_imports(
     assert found.paths == [str(tmp_path / "tests"), str(tmp_path)]
 
 
+LAZY_FILES = {
+    "test_plain.py": "import mylib, re, torch\nimport torch.distributed as dist\n\n"
+    "def f():\n    dist.all_reduce(x)\n    re.compile(mylib.parallel, mylib.replicate)\n",
+    "test_compile.py": "from torch import compile\n",
+    "test_nn.py": "from torch import nn\n\ndef f(m):\n    return nn.parallel\n",
+    "test_replicate.py": "from torch.distributed._composable import replicate\n",
+    "test_parallel.py": "import torch.nn.parallel\n",
+    "test_reexported.py": "from mylib import *\n\ndef f(m):\n    FullyShardedDataParallel(m)\n",
+    "test_optim.py": "import torch\n\ndef f(m):\n    torch.optim.AdamW(m.parameters())\n",
+    "test_ddp.py": "from torch.nn.parallel import DistributedDataParallel as DDP\n",
+    "test_inside.py": "def f():\n    from torch.distributed.tensor import DTensor\n"
+    "    import torch.distributed.fsdp\n    import mylib\n",
+}
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        # collectives: nothing more (mylib: the user's, not with test imports off)
+        ("test_plain.py", {"mylib": [], "re": [], "torch": [], "torch.distributed": []}),
+        ("test_compile.py", {"torch": ["compile"], "torch._dynamo": []}),  # not re.compile
+        ("test_nn.py", {"torch": ["nn"], "torch._dynamo": []}),
+        ("test_replicate.py", {"torch.distributed._composable": ["replicate"],
+                               "torch._dynamo": []}),
+        ("test_parallel.py", {"torch.nn.parallel": [], "torch._dynamo": []}),
+        ("test_reexported.py", {"mylib": ["*"], "torch._dynamo": []}),  # a name, from anywhere
+        ("test_optim.py", {"torch": [], "torch._dynamo": []}),  # what AdamW() will import
+        ("test_ddp.py", {"torch.nn.parallel": ["DistributedDataParallel"], "torch._dynamo": []}),
+        # torch's own modules a rank function imports, and what FSDP will: not the user's
+        ("test_inside.py", {"torch.distributed.tensor": ["DTensor"], "torch.distributed.fsdp": [],
+                            "torch._dynamo": []}),
+    ],
+)  # fmt: skip
+def test_the_scan_adds_what_torch_imports_once_a_rank_uses_it(tmp_path, name, expected):
+    """torch imports ``torch._dynamo`` (1.3-1.9 s of CPU) at the first optimizer, DDP, FSDP
+    or compile in a process: a file that names one gets it preloaded; one that only runs
+    collectives does not; ``rank_preload_exclude`` still keeps it out."""
+    write(tmp_path, {name: LAZY_FILES[name]})
+    plan = {**DEFAULTS, "args": [name], "invocation_dir": str(tmp_path)}
+    assert importscan.scan(plan).imports == expected
+    excluded = importscan.scan({**plan, "exclude": ["torch._dynamo"]}).imports
+    assert excluded == {m: n for m, n in expected.items() if m != "torch._dynamo"}
+    # rank_preload_test_imports = false: what torch will import by itself, nothing else
+    torch_only = importscan.scan({**plan, "torch_only": True})
+    assert torch_only.imports == {m: [] for m in expected if m == "torch._dynamo"}
+    assert torch_only.paths == []  # nor are the test files' directories put on sys.path
+
+
+def test_the_scan_reads_the_library_under_test_for_what_torch_will_import(tmp_path):
+    """A test that calls the project's ``fit``, which builds the optimizer: the file names no
+    optimizer, its library does (read one level deep, never imported)."""
+    write(
+        tmp_path,
+        {
+            "mylib/__init__.py": "",
+            "mylib/train.py": "import torch\n\ndef fit(m):\n    torch.optim.SGD(m.parameters())\n",
+            "mylib/plain.py": "import torch.distributed as dist\n",
+            "tests/test_fit.py": "from mylib import train\n",
+            "tests/test_plain.py": "import mylib.plain\n",
+        },
+    )
+    plan = {**DEFAULTS, "args": ["tests"], "invocation_dir": str(tmp_path)}
+    assert importscan.scan(plan).imports == {"mylib": ["train"], "mylib.plain": [],
+                                             "torch._dynamo": []}  # fmt: skip
+    torch_only = importscan.scan({**plan, "torch_only": True})
+    assert torch_only.imports == {"torch._dynamo": []}
+    plain = importscan.scan({**plan, "args": ["tests/test_plain.py"]})
+    assert plain.imports == {"mylib.plain": []}  # a library that only runs collectives
+
+
 GOOD = "import os\nIMPORTED_IN = os.getpid()\nprint('a banner nobody should see')\n"
 THREADER = (
     "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"  # noqa: E501
@@ -200,7 +270,8 @@ def test_rank_preload_given_twice_with_o_keeps_both_and_the_plan_follows_the_ini
     assert plan["test_files"]["exclude"] == ["mylib.gpu"]
     assert plan["test_files"]["invocation_dir"] == str(pytester.path)
     off = pytester.parseconfig("-o", "rank_preload_test_imports=false")
-    assert preload.plan(off)["test_files"] is None
+    assert preload.plan(off)["test_files"]["torch_only"] is True  # torch's lazy ones still
+    assert "torch_only" not in plan["test_files"]
 
 
 def test_the_summary_names_what_the_server_of_this_session_left_out(pytester, monkeypatch):

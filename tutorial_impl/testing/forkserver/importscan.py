@@ -14,8 +14,19 @@ Left out: relative imports; pytest itself; the test modules and conftests (a ran
 test module with pytest's rewritten asserts: ``lookup``); what the run excludes
 (``rank_preload_exclude``: a name and its submodules). ``from a import b`` is kept as the
 statement is, module ``a`` with the names ``b``, so that importing it imports submodule
-``a.b`` only where ``a`` has no attribute ``b``, as the statement does. This module imports
-neither pytest nor torch: the forkserver imports it.
+``a.b`` only where ``a`` has no attribute ``b``, as the statement does.
+
+**What torch imports later.** A rank also imports what torch itself imports lazily, the first
+time the test uses it: ``torch._dynamo`` (with sympy, some 800 modules, 1.3-1.9 s of CPU) is
+imported by every optimizer's and ``DistributedDataParallel``'s constructor, by
+``torch.compile``, FSDP and pipelining. So a file that names any of those (``LAZY``: a name, an
+attribute or an imported module anywhere in it, or in a module of the project's that it imports:
+the library under test that builds the optimizer) adds the module to the scan, and so does an
+import of torch's own modules inside a function (a rank function's ``from
+torch.distributed.tensor import DTensor``): probed and excludable like the rest. A file that
+only runs collectives adds nothing. With the test files' imports off (``torch_only``), only
+``LAZY``'s are read: what torch imports by itself. This module imports neither pytest nor
+torch: the forkserver imports it.
 """
 
 from __future__ import annotations
@@ -31,6 +42,17 @@ from typing import Any
 MAX_FILES = 2000  # a walk that finds more stops there: preloading is only a speed-up
 MAX_BYTES = 2_000_000  # larger files are data, not tests
 NEVER = {"__future__", "__main__", "pytest", "_pytest", "py", "conftest"}
+# Torch's lazily imported modules, and the words in a test file that say its ranks will import
+# them (measured: an optimizer's or DDP's constructor imports torch._dynamo, torch 2.13).
+# A word is a name, an attribute or a part of a torch import anywhere in the file; the common
+# words count only with their owner ("torch.compile", not "re.compile").
+LAZY = {
+    "torch._dynamo": frozenset(
+        {"optim", "DistributedDataParallel", "nn.parallel", "FullyShardedDataParallel", "fsdp",
+         "fully_shard", "_composable.replicate", "torch.compile", "pipelining",
+         "ZeroRedundancyOptimizer"}
+    ),
+}  # fmt: skip
 
 
 @dataclass
@@ -49,16 +71,50 @@ def scan(plan: dict[str, Any]) -> Scan:
     found = Scan()
     patterns = list(plan["python_files"])
     exclude = tuple(plan.get("exclude", ()))
+    torch_only = plan.get("torch_only", False)  # rank_preload_test_imports = false
+    roots, libraries = [plan["invocation_dir"]], []
     for file in test_files(plan):
         found.files += 1
-        base = _basedir(file)
-        if str(base) not in found.paths:
-            found.paths.append(str(base))
-        for module, names in imports_of(file):
+        base = str(_basedir(file))
+        roots += [base] if base not in roots else []
+        if base not in found.paths and not torch_only:
+            found.paths.append(base)
+        tree = _read(file)
+        every = [] if tree is None else list(_statements(tree.body)) + _torch_later(tree)
+        libraries += _imported_anywhere(tree)
+        for module, names in [(m, n) for m, n in every if m in LAZY] if torch_only else every:
             if _wanted(module, patterns, exclude):
                 kept = found.imports.setdefault(module, [])
                 kept += [n for n in names if n not in kept and _wanted(f"{module}.{n}", patterns)]
+    for lazy in _lazy_in_libraries(libraries, roots, set(found.imports)):
+        if _wanted(lazy, patterns, exclude):
+            found.imports[lazy] = []
     return found
+
+
+def _lazy_in_libraries(modules: list[str], roots: list[str], known: set[str]) -> list[str]:
+    """``LAZY``'s modules that the project's own modules imported by the test files (a
+    library under test that builds the optimizer: found under ``roots``, read, not imported,
+    one level deep) will have torch import; none already ``known``."""
+    found: list[str] = []
+    for module in dict.fromkeys(modules):
+        if set(LAZY) <= known | set(found):
+            break
+        path = _local_source(module, roots)
+        if path is not None:
+            found += [m for m, _ in imports_of(path) if m in LAZY and m not in known | set(found)]
+    return found
+
+
+def _local_source(module: str, roots: list[str]) -> Path | None:
+    """The file of ``module`` under one of ``roots`` (the project's directories), or None
+    (torch's, pytest's: installed elsewhere)."""
+    relative = Path(*module.split("."))
+    for root in roots:
+        for path in (Path(root, f"{relative}.py"), Path(root, relative, "__init__.py")):
+            if path.is_file():
+                return path
+    return None
 
 
 def test_files(plan: dict[str, Any]) -> Iterator[Path]:
@@ -125,15 +181,62 @@ def _basedir(file: Path) -> Path:
 
 
 def imports_of(file: Path) -> list[tuple[str, list[str]]]:
-    """(module, names) of every absolute import at module level in ``file``; [] for a file
-    that cannot be read or parsed (pytest reports it)."""
+    """(module, names) of every absolute import at module level in ``file``, then torch's
+    modules it imports anywhere and those it names a use of (``LAZY``); [] for a file that
+    cannot be read or parsed (pytest reports it)."""
+    tree = _read(file)
+    return [] if tree is None else list(_statements(tree.body)) + _torch_later(tree)
+
+
+def _read(file: Path) -> ast.Module | None:
     try:
         if file.stat().st_size > MAX_BYTES:
-            return []
-        tree = ast.parse(file.read_bytes(), str(file))
+            return None
+        return ast.parse(file.read_bytes(), str(file))
     except (OSError, SyntaxError, ValueError):
-        return []
-    return list(_statements(tree.body))
+        return None
+
+
+def _imported_anywhere(tree: ast.Module | None) -> list[str]:
+    """Every absolute import's module, and each name it imports as a possible submodule:
+    where a library under test may be (a rank function imports it inside itself)."""
+    found: list[str] = []
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return found
+
+
+def _torch_later(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """Torch's modules a rank of this file will import as it runs: those imported anywhere
+    in it (inside functions too), then ``LAZY``'s whose words it names."""
+    found: dict[str, list[str]] = {}
+    words: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):  # its name, and "torch.compile", "nn.parallel"
+            owner = node.value.id if isinstance(node.value, ast.Name) else ""
+            words.update({node.attr, f"{owner}.{node.attr}"})
+        elif isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
+            module = getattr(node, "module", None) or ""
+            names = [alias.name for alias in node.names]
+            for name in [module] if module else names:
+                if name.split(".")[0] == "torch":
+                    found.setdefault(name, names if module else [])
+                    words.update(_said(name, names if module else []))
+    found.update({lazy: [] for lazy, said in LAZY.items() if words & said})
+    return list(found.items())
+
+
+def _said(module: str, names: list[str]) -> set[str]:
+    """The words an import from torch says: its parts, each two in a row ("nn.parallel"),
+    and what it imports, with its module's last part ("torch.compile")."""
+    parts = module.split(".")
+    pairs = {f"{a}.{b}" for a, b in zip(parts, parts[1:], strict=False)}
+    return {*parts, *pairs, *names, *(f"{parts[-1]}.{name}" for name in names)}
 
 
 def _statements(body: list[ast.stmt]) -> Iterator[tuple[str, list[str]]]:

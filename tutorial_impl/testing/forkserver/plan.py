@@ -7,9 +7,12 @@ it also imports, by default with no setting:
 * what the session's test files import at module level (the *plan*, read by the server's
   ``forkserver.probe``, which scans them with ``importscan`` and imports what is safe):
   the library under test, so a rank that imports its test module again finds it loaded.
-  Off with the ini value ``rank_preload_test_imports = false``; one module (and its
-  submodules) kept out with ``rank_preload_exclude``; under ``pytest -n N`` read from the
-  files' source in the server the xdist controller starts before any worker collects;
+  With them, torch's own modules the files import anywhere, and what torch will import
+  lazily for what they use (``importscan.LAZY``: ``torch._dynamo`` for an optimizer or DDP).
+  Off with the ini value ``rank_preload_test_imports = false`` (what torch imports lazily
+  is still read); one module (and its submodules) kept out with ``rank_preload_exclude``;
+  under ``pytest -n N`` read from the files' source in the server the xdist controller
+  starts before any worker collects;
 * the ini value ``rank_preload``: modules the tests import elsewhere (inside a rank function,
   say). Given with ``-o`` several times, every value counts (pytest keeps the last).
 
@@ -81,14 +84,17 @@ def explicit(config: pytest.Config) -> list[str]:
 
 def plan(config: pytest.Config) -> dict[str, Any]:
     """What the forkserver reads (``forkserver.probe``): the ``rank_preload`` modules, and
-    how to find the test files' imports (``importscan``; None when that is off)."""
+    how to find the test files' imports (``importscan``; torch's lazy ones only when off)."""
     return {"rank_preload": explicit(config), "test_files": _test_files(config)}
 
 
-def _test_files(config: pytest.Config) -> dict[str, Any] | None:
+def _test_files(config: pytest.Config) -> dict[str, Any]:
+    """The walk; with ``rank_preload_test_imports = false``, for ``importscan.LAZY`` only
+    (what torch itself will import in the ranks, not the files' imports)."""
+    walk = _walk(config)
     if not config.getini("rank_preload_test_imports"):
-        return None
-    return _walk(config)
+        walk["torch_only"] = True
+    return walk
 
 
 def _walk(config: pytest.Config) -> dict[str, Any]:
