@@ -374,7 +374,7 @@ async def _async_gen(rank: int, world_size: int) -> AsyncIterator[int]:
         # the function under the decorator: its module holds the wrapper under that name
         ({"fn": _decorated.__wrapped__}, TypeError, "is not what its module"),
         ({"fn": 42}, TypeError, "must be callable"),
-        ({"backend": "nccl", "world_size": 64}, ValueError, "needs one GPU per rank"),
+        ({"backend": "nccl", "world_size": 100}, ValueError, "needs one GPU per rank"),
         ({"args": (threading.Lock(),)}, TypeError, "cannot be sent to the ranks"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,

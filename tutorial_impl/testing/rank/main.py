@@ -167,7 +167,10 @@ def init_process_group(spec: RankSpec) -> None:
     backend = spec.backend
     if spec.faults and backend == "gloo":  # the plan needs its collectives: gloo behind it
         backend = faulty_group.BACKEND
-    with harness_view(spec.harness_env):
+    # torch's store barrier after the group is made (TORCH_DIST_INIT_BARRIER): no rank runs
+    # the user's function before every rank's group is whole. Without it, rank 0's code
+    # that destroyed the group at once (a library's setup_ddp) cut rank 1's gloo connect.
+    with harness_view({**spec.harness_env, "TORCH_DIST_INIT_BARRIER": "1"}):
         dist.init_process_group(
             backend=backend,
             init_method=init_method_url(spec.init_method, spec.tmp_dir),
