@@ -34,7 +34,7 @@ from tutorial_impl.cli import failure_report
 from tutorial_impl.rpc.hybrid_model import HIDDEN, NUM_CLASSES
 from tutorial_impl.rpc.hybrid_world import master_rank
 from tutorial_impl.testing import RankError, run_ranks
-from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.forkserver import server
 
 
 def run_benchmark(
@@ -50,7 +50,7 @@ def run_benchmark(
     # Have the rank forkserver import this module (torch.distributed.rpc, optim, ...) once,
     # instead of every one of the workers importing it after the fork. It only takes effect
     # if no rank was started yet in this process (true for the CLI).
-    forkserver.add_preload([workers.__name__])
+    server.add_preload([workers.__name__])
     t0 = time.time() if t0 is None else t0
     print(
         f"starting {cfg.world_size} workers ({cfg.trainers} trainers, "

@@ -61,10 +61,10 @@ import torch.multiprocessing
 from tutorial_impl.bench.torchrun_cost import gaps_ms, time_torchrun  # noqa: F401 - its row
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing import run_ranks
-from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.forkserver import server
 from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.rendezvous import avoid_reverse_dns_stalls
-from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import protocol
 from tutorial_impl.testing.strategies.forked import FORKED
 from tutorial_impl.testing.strategies.warm.audit import Audited
 from tutorial_impl.testing.strategies.warm.pool import WarmPool
@@ -134,7 +134,7 @@ def time_warm(world_size: int, repeats: int) -> list[float]:
     call = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     for i in range(repeats + 1):
         start = time.perf_counter()
-        results = runner.run(pool, call)
+        results = protocol.run(pool, call)
         elapsed = (time.perf_counter() - start) * 1e3
         if results != expected:
             raise AssertionError(f"warm all_reduce gave {results}, expected {expected}")
@@ -158,10 +158,10 @@ def time_replace(world_size: int, repeats: int) -> list[float]:
     good = _call.build(all_reduce_once, world_size=world_size, timeout=60)
     poisoned = _call.build(leave_a_group, world_size=world_size, timeout=60)
     for _ in range(repeats):
-        runner.run(pool, good)  # a warm world
-        runner.run(pool, poisoned)  # ... poisoned
+        protocol.run(pool, good)  # a warm world
+        protocol.run(pool, poisoned)  # ... poisoned
         start = time.perf_counter()
-        runner.run(pool, good)  # ... replaced
+        protocol.run(pool, good)  # ... replaced
         times.append((time.perf_counter() - start) * 1e3)
     pool.close()
     return times
@@ -175,7 +175,7 @@ def time_audited(world_size: int, repeats: int) -> list[float]:
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        runner.run(audited, call)
+        protocol.run(audited, call)
         if i:  # the first starts the world
             times.append((time.perf_counter() - start) * 1e3)
     pool.close()
@@ -213,7 +213,7 @@ def measure(
     # Imported here, not by the ranks: a warm rank checks every global of the modules it has.
     from tutorial_impl.bench import first_test, kill_verdict, recorder_cost, train_step
 
-    forkserver.add_preload([__name__])  # ranks find all_reduce_once already imported
+    server.add_preload([__name__])  # ranks find all_reduce_once already imported
     figures = {}
     for world_size in world_sizes:
         # Warm first: the fresh runs' killed ranks are still being torn down for a while.

@@ -31,12 +31,12 @@ def killed_in_all_reduce(rank: int, world_size: int, stamp: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from tutorial_impl.testing.faults import group as faulty_group
+    from tutorial_impl.testing.faults import group
     from tutorial_impl.testing.faults.plan import Fault, Kill
 
     victim = world_size - 1
     plan = (Fault(ranks={victim}, at=WARMUP + 1, op="all_reduce", action=Kill()),)
-    faulty_group.init_process_group(rank, world_size, plan, timeout=timedelta(seconds=60))
+    group.init_process_group(rank, world_size, plan, timeout=timedelta(seconds=60))
     t = torch.ones(1)
     for _ in range(WARMUP):
         dist.all_reduce(t)

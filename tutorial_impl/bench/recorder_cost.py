@@ -58,7 +58,7 @@ def timed_all_reduces(
     import torch
     import torch.distributed as dist
 
-    from tutorial_impl.testing.faults import group as faulty_group
+    from tutorial_impl.testing.faults import group
 
     os.environ["TORCH_FR_BUFFER_SIZE"] = "0" if condition == "off" else "2000"
     # The harness applied the run's TORCH_DISTRIBUTED_DEBUG (``env_of``) before this call.
@@ -67,7 +67,7 @@ def timed_all_reduces(
         raise RuntimeError(f"{condition}: torch's debug level is {dist.get_debug_level()}")
     timeout = timedelta(seconds=60)
     if condition == "faulty":
-        faulty_group.init_process_group(rank, world_size, (), timeout=timeout)
+        group.init_process_group(rank, world_size, (), timeout=timeout)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     t = torch.ones(1)

@@ -3,7 +3,7 @@
 Markers, options and ``run_ranks`` keyword arguments all end up here: ``build`` checks every
 field (a ``ValueError`` or ``TypeError`` naming the field and what is accepted) and returns
 a frozen ``Call``. Every way of starting ranks takes a ``Call``; a strategy that cannot honour
-a field the call sets (``Call.sets``) refuses it by name (``runner.refusal``), it never
+a field the call sets (``Call.sets``) refuses it by name (``protocol.refusal``), it never
 drops it. ``rank_spec`` turns a call into what one rank receives (``RankSpec``).
 
 Nothing here imports torch at import time (the pytest plugin imports this module).
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tutorial_impl.testing import backends
-from tutorial_impl.testing.faults import plan as fault_plan
+from tutorial_impl.testing.faults import plan
 from tutorial_impl.testing.rank import coverage as _coverage
 from tutorial_impl.testing.rank import shape as _shape
-from tutorial_impl.testing.rank import torchenv as _torchenv
+from tutorial_impl.testing.rank import torchenv
 from tutorial_impl.testing.rank.caught import Filters
 from tutorial_impl.testing.rank.debugging import check_rank
 from tutorial_impl.testing.rank.lookup import FunctionRef, function_ref
@@ -98,7 +98,7 @@ class Call:
     stream: TextIO | None = _field(None, keyword="stream")
     stream_prefix: bool = _field(True, keyword="stream_prefix")
     coverage: dict[str, Any] | None = _field(None, harness="the parent's coverage, if measured")
-    faults: fault_plan.Plan = _field((), keyword="faults")  # docs/faults.md
+    faults: plan.Plan = _field((), keyword="faults")  # docs/faults.md
     # Where the harness keeps the ranks' files when the caller gave no ``log_dir``;
     # neither: a temporary directory (``work_dir``).
     home: Path | None = _field(None, harness="the fixture's ranks/<test>-<n>")
@@ -111,7 +111,7 @@ class Call:
 
     def sets(self, name: str) -> bool:
         """Whether field ``name`` is away from its default: something a strategy that
-        cannot honour the field must refuse (``runner.refusal``)."""
+        cannot honour the field must refuse (``protocol.refusal``)."""
         found = _FIELDS[name]
         default = found.default_factory() if found.default is MISSING else found.default  # type: ignore[misc]
         return bool(getattr(self, name) != default)
@@ -180,14 +180,14 @@ def build(fn: Callable[..., Any], args: tuple[Any, ...] = (), **options: Any) ->
     )
 
 
-def check_faults(faults: Any, world_size: int) -> fault_plan.Plan:
+def check_faults(faults: Any, world_size: int) -> plan.Plan:
     """``faults=`` as a plan: one ``Fault`` or a collection of them, each striking ranks of
     this world; else a ValueError naming the fault and what is wrong."""
-    if isinstance(faults, fault_plan.Fault):
+    if isinstance(faults, plan.Fault):
         faults = (faults,)
     if isinstance(faults, (str, bytes, dict)) or not isinstance(faults, Collection):
         raise ValueError(f"faults must be a Fault or a collection of Faults, got {faults!r}")
-    return fault_plan.check_plan(tuple(faults), world_size)
+    return plan.check_plan(tuple(faults), world_size)
 
 
 def _check_kwargs(fn_kwargs: Any) -> dict[str, Any]:
@@ -356,7 +356,7 @@ class RankSpec:
     rank_params: int = 2  # how many of (rank, world_size) the function takes first
     # The rendezvous of the harness's own group, set only while it joins (``rendezvous``).
     harness_env: dict[str, str] = field(default_factory=dict)
-    faults: fault_plan.Plan = ()  # armed in the rank before its group is made
+    faults: plan.Plan = ()  # armed in the rank before its group is made
     warning_filters: Filters | None = None  # see Call.warning_filters
     # The forkserver that forked the rank (``forkserver.RankServer.address``): a nested
     # ``run_ranks`` in the rank takes its ranks from it too, as an xdist worker does.
@@ -388,7 +388,7 @@ def rank_spec(
         init_method=call.init_method,
         tmp_dir=str(work),
         timeout=call.deadline,
-        parent_env=dict(_torchenv.environ_bytes()),
+        parent_env=dict(torchenv.environ_bytes()),
         parent_path=list(sys.path),
         parent_cwd=os.getcwd(),
         coverage=call.coverage,

@@ -6,7 +6,7 @@
 torchrun starts each worker as a fresh interpreter running the command it was given, so a
 plan cannot be armed by a parent before the worker's group exists, as the harness does for
 its own ranks. This launcher stands in front of the worker's module instead: it registers
-the ``"faulty"`` backend (``faults.group``: the module's ``init_process_group("faulty")``
+the ``"faulty"`` backend (``inject.group``: the module's ``init_process_group("faulty")``
 then makes a gloo group that counts its collectives), arms the plan in
 ``TUTORIAL_IMPL_FAULTS`` for this worker's ``RANK``, then runs MODULE as ``__main__`` with
 ARGS as its command line, as ``python -m MODULE ARGS`` would. The module itself imports
@@ -28,8 +28,7 @@ import runpy
 import signal
 import sys
 
-from tutorial_impl.testing.faults import group as faulty_group
-from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import group, inject
 
 USAGE = "usage: python -m tutorial_impl.testing.fault_launch -m MODULE [ARGS...]"
 NOT_ARMED = "[faults] attempt {attempt}: the plan fires in the first attempt only; not armed"
@@ -45,9 +44,9 @@ def prepare() -> None:
     the plan armed for this worker's ``RANK`` in the first attempt only."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SystemExit(f"{USAGE}\nRANK and WORLD_SIZE are not set: run it under torchrun")
-    faulty_group.register()
+    group.register()
     if attempt() == 0:
-        faults.arm_from_env(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        inject.arm_from_env(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     else:
         print(NOT_ARMED.format(attempt=attempt()), file=sys.stderr, flush=True)
 

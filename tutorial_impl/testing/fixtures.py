@@ -28,9 +28,8 @@ from tutorial_impl.testing import call as _call
 from tutorial_impl.testing.rank import caught, leftovers
 from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.settings import config as _config
-from tutorial_impl.testing.settings import matrix
-from tutorial_impl.testing.settings import shadowing as _shadowing
-from tutorial_impl.testing.strategies import protocol as _runner
+from tutorial_impl.testing.settings import matrix, shadowing
+from tutorial_impl.testing.strategies import protocol
 from tutorial_impl.testing.strategies.forked import FORKED, IN_TEST, RUNNING
 from tutorial_impl.testing.strategies.protocol import Strategy
 from tutorial_impl.testing.strategies.warm.audit import Audited
@@ -79,12 +78,12 @@ class Session:
         return self.strategies[-1].why_not_here(settings)
 
     def strategy(self, settings: _config.Settings, call: _call.Call) -> Strategy:
-        """The strategy for ``call``: the first that can honour it (``runner.choose``) of the
+        """The strategy for ``call``: the first that can honour it (``protocol.choose``) of the
         session's, the warm one offered only when asked for (marker or --warm-worlds, not
         warm_world(False)) and no GPUs are leased; under torchrun, the job's."""
         wanted = settings.warm if settings.warm is not None else self.warm_worlds
         offered = self.strategies if wanted and not settings.gpus else self.strategies[-1:]
-        return _runner.choose(offered, call)
+        return protocol.choose(offered, call)
 
     def test_ended(self, failed: bool) -> None:
         for strategy in self.strategies:
@@ -168,7 +167,7 @@ class RunRanksOfTest:
         self.settings = _settings_of(self.item, self.session)
         self.next_dir, self.world_size = call_dirs(request, tmp_path_factory), world_size
         self._one_at_a_time = threading.Lock()
-        problem = _shadowing.size_refusal(self.item, __name__, world_size, self.settings.world_size)
+        problem = shadowing.size_refusal(self.item, __name__, world_size, self.settings.world_size)
         if problem is not None:
             pytest.fail(f"harness configuration: {problem}", pytrace=False)
 
@@ -260,7 +259,7 @@ def _from_helper(item: pytest.Function, fn: Callable[..., Any], *args: Any, **op
     """``tutorial_impl.testing.run_ranks`` called during ``item``'s body: the test's own
     ``run_ranks`` fixture runs it, requested now if the test did not ask for it."""
     __tracebackhide__ = True
-    problem = _shadowing.run_ranks_refusal(item, __name__)
+    problem = shadowing.run_ranks_refusal(item, __name__)
     if problem is not None:
         pytest.fail(f"harness configuration: {problem}", pytrace=False)
     # The item's own request (pytest's, private but long-lived): the fixture as the test
@@ -278,8 +277,8 @@ def refuse_shadowed(item: pytest.Item) -> None:
     """At collection: a ``ConfigError`` for a test that uses ``run_ranks`` when a project's
     own fixture has taken that name, or ``world_size`` whatever its value (``shadowing``)."""
     if "run_ranks" in getattr(item, "fixturenames", ()):
-        problem = _shadowing.run_ranks_refusal(item, __name__)
-        problem = problem or _shadowing.size_refusal(item, __name__)
+        problem = shadowing.run_ranks_refusal(item, __name__)
+        problem = problem or shadowing.size_refusal(item, __name__)
         if problem is not None:
             raise _config.ConfigError(problem)
 
@@ -359,7 +358,7 @@ def _outcome(
     ``reported``), or with ``as_pytest=False`` the ``RankError`` itself."""
     __tracebackhide__ = True
     try:
-        results = _runner.run(strategy, call)
+        results = protocol.run(strategy, call)
     except RankError as error:
         leftovers.warn(error.killed)  # here, not in ``reported``: a caught error names them too
         if as_pytest:

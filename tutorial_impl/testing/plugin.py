@@ -72,8 +72,7 @@ from tutorial_impl.testing.fixtures import (
     default_size,
     world_size,
 )
-from tutorial_impl.testing.forkserver import plan as preload
-from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.forkserver import plan, server
 from tutorial_impl.testing.rendezvous import INIT_METHODS
 from tutorial_impl.testing.settings import config as _config
 from tutorial_impl.testing.settings import matrix
@@ -123,7 +122,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "rank_timeout", _config.HELP_INI_RANK_TIMEOUT, default=str(_config.DEFAULT_DEADLINE)
     )
-    preload.addini(parser)  # rank_preload, rank_preload_test_imports, rank_preload_exclude
+    plan.addini(parser)  # rank_preload, rank_preload_test_imports, rank_preload_exclude
     parser.addini("warm_worlds", _config.HELP_INI_WARM_WORLDS, type="bool", default=False)
 
 
@@ -157,10 +156,10 @@ def pytest_configure(config: pytest.Config) -> None:
         _join_the_job(config, session, launch)
         return
     warm_summary(config, pool.stats, asked=session.warm_worlds)
-    preload.configure(config, PYTEST_PRELOAD)  # and what the test files import (``preload``)
-    shared = getattr(config, "workerinput", {}).get(forkserver.WORKERINPUT_KEY)
+    plan.configure(config, PYTEST_PRELOAD)  # and what the test files import (``preload``)
+    shared = getattr(config, "workerinput", {}).get(server.WORKERINPUT_KEY)
     if shared is not None:  # an xdist worker: its ranks come from the controller's server
-        forkserver.SERVER.use_shared(shared)
+        server.SERVER.use_shared(shared)
 
 
 def _join_the_job(config: pytest.Config, session: Session, launch: where.Launch) -> None:
@@ -184,7 +183,7 @@ def _join_the_job(config: pytest.Config, session: Session, launch: where.Launch)
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist (-p no:xdist) never called
 def pytest_configure_node(node: Any) -> None:
-    """In the xdist controller, for each worker it is about to start: share one forkserver.
+    """In the xdist controller, for each worker it is about to start: share one server.
 
     xdist calls this once per worker, before the worker process runs any of pytest; what
     goes into ``node.workerinput`` arrives in that worker as ``config.workerinput``, where
@@ -196,7 +195,7 @@ def pytest_configure_node(node: Any) -> None:
     session = node.config.stash.get(SESSION, None)
     if not spec.popen or spec.python or (session is not None and not session.own_ranks):
         return
-    node.workerinput[forkserver.WORKERINPUT_KEY] = forkserver.SERVER.start_shared()
+    node.workerinput[server.WORKERINPUT_KEY] = server.SERVER.start_shared()
 
 
 def _launch(config: pytest.Config) -> where.Launch | None:
@@ -355,7 +354,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     """Name the test files' imports the rank forkserver would not preload, and why."""
-    preload.write_summary(terminalreporter, config)
+    plan.write_summary(terminalreporter, config)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

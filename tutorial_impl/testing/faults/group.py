@@ -1,4 +1,4 @@
-"""A gloo process group that counts every collective, and injects the armed faults.
+"""A gloo process group that counts every collective, and injects the armed inject.
 
 Faults must strike collectives wherever they come from: a direct ``dist.all_reduce``, DDP's
 gradient buckets (its C++ reducer), a functional collective, DTensor. Wrapping
@@ -9,7 +9,7 @@ registered as the backend ``"faulty"`` (``register``; ``init_process_group`` and
 ``ProcessGroupGloo`` is registered as its CPU backend, so the group has a name
 (``group.group_name``, which functional collectives and DTensor resolve it by) and torch's
 flight recorder records its collectives as gloo's own (``recorder``). Each intercepted
-method (``METHODS``) counts the call (``faults.INJECTOR.reached``: a fault fires here), then
+method (``METHODS``) counts the call (``inject.INJECTOR.reached``: a fault fires here), then
 hands it to the same method of a plain ``ProcessGroup`` holding the same gloo backend: from
 there on, the call takes the path of any gloo group's (torch's dispatcher, then gloo).
 
@@ -43,13 +43,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tutorial_impl.testing.faults import inject as faults
-from tutorial_impl.testing.faults import plan as fault_plan
+from tutorial_impl.testing.faults import inject
+from tutorial_impl.testing.faults.plan import P2P, Plan, Point
 
 BACKEND = "faulty"
 
 
-# Each ProcessGroup method the group intercepts, and the collective it is (``faults.plan.OPS``).
+# Each ProcessGroup method the group intercepts, and the collective it is (``inject.plan.OPS``).
 METHODS: dict[str, str] = {
     "allreduce": "all_reduce",
     "allreduce_coalesced": "all_reduce_coalesced",
@@ -91,9 +91,7 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 
-def init_process_group(
-    rank: int, world_size: int, plan: fault_plan.Plan | None = None, **kwargs: Any
-) -> None:
+def init_process_group(rank: int, world_size: int, plan: Plan | None = None, **kwargs: Any) -> None:
     """Join the default group on the faulty backend (``init_method`` default ``env://``:
     what ``run_ranks(..., backend=None)`` gives a rank), with ``plan`` armed first. None:
     the plan this process has armed already (a harness rank's, or ``fault_launch``'s),
@@ -103,9 +101,9 @@ def init_process_group(
     import torch.distributed as dist
 
     if plan is not None:
-        faults.arm(plan, rank, world_size)
-    elif not faults.INJECTOR.plan:
-        faults.arm_from_env(rank, world_size)
+        inject.arm(plan, rank, world_size)
+    elif not inject.INJECTOR.plan:
+        inject.arm_from_env(rank, world_size)
     register()
     kwargs.setdefault("init_method", "env://")
     dist.init_process_group(BACKEND, rank=rank, world_size=world_size, **kwargs)
@@ -138,18 +136,18 @@ def _closed(names: tuple[str, str] | None) -> None:
     name = f"group {names[0]}" if names else "its group"
     raise dist.DistBackendError(
         f"Connection closed by peer: an injected Close on this rank shut the sockets of {name} "
-        "(every later collective of the group fails: docs/faults.md)"
+        "(every later collective of the group fails: docs/inject.md)"
     )
 
 
 def _intercept(method: str, op: str) -> Callable[..., Any]:
     """``method`` of the faulty group: count the point (a fault fires here), then the plain
     group's ``method`` (see the module's doc)."""
-    p2p = op in fault_plan.P2P
+    p2p = op in P2P
 
     def intercept(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._reached(op, p2p)
-        if self._born != faults.INJECTOR.closes:
+        if self._born != inject.INJECTOR.closes:
             _closed(self._names)
         return getattr(self._plain, method)(*args, **kwargs)
 
@@ -167,7 +165,7 @@ def group_class() -> type:
     gloo_type = dist.ProcessGroup.BackendType.GLOO
 
     class FaultyGroup(dist.ProcessGroup):
-        """A gloo group whose collectives pass ``faults.INJECTOR`` first."""
+        """A gloo group whose collectives pass ``inject.INJECTOR`` first."""
 
         def __init__(self, options: Any) -> None:
             super().__init__(options.group_rank, options.group_size)
@@ -175,8 +173,8 @@ def group_class() -> type:
             gloo = ProcessGroupGloo(
                 options.store, options.group_rank, options.group_size, timeout=options.timeout
             )
-            # Its sockets: what it opened (for ``faults.Close``; the store's are older).
-            faults.INJECTOR.sockets.extend(sorted(_sockets().items() - before.items()))
+            # Its sockets: what it opened (for ``inject.Close``; the store's are older).
+            inject.INJECTOR.sockets.extend(sorted(_sockets().items() - before.items()))
             gloo.options.global_ranks_in_group = options.global_ranks_in_group
             gloo.options.group_name = options.group_id
             gloo._set_sequence_number_for_group()
@@ -188,7 +186,7 @@ def group_class() -> type:
             self._seq = [0, 0]  # collectives, point-to-point: counted apart, as torch does
             self._base = (0, 0, 0)  # (injector epoch, seq, p2p seq) at the last arming
             self._names: tuple[str, str] | None = None
-            self._born = faults.INJECTOR.closes  # a later Close shuts this group
+            self._born = inject.INJECTOR.closes  # a later Close shuts this group
             self._lock = threading.Lock()
 
         def getBackendName(self) -> str:  # noqa: N802 - the trampoline's name
@@ -199,12 +197,12 @@ def group_class() -> type:
                 self._names = (self.group_name, self.group_desc)
             with self._lock:
                 self._seq[p2p] += 1
-                epoch = faults.INJECTOR.epoch
+                epoch = inject.INJECTOR.epoch
                 if self._base[0] != epoch:  # armed again since: a new test counts from 1
                     self._base = (epoch, self._seq[0] - (not p2p), self._seq[1] - p2p)
                 seq = self._seq[p2p] - self._base[1 + p2p]
             name, desc = self._names
-            faults.INJECTOR.reached(fault_plan.Point(op, seq, name, desc))
+            inject.INJECTOR.reached(Point(op, seq, name, desc))
 
     for method, op in METHODS.items():
         setattr(FaultyGroup, method, _intercept(method, op))

@@ -38,7 +38,7 @@ import pytest
 
 from tutorial_impl.testing.fixtures import SETTINGS
 from tutorial_impl.testing.forkserver import importscan
-from tutorial_impl.testing.forkserver import server as forkserver
+from tutorial_impl.testing.forkserver import server as rank_server
 from tutorial_impl.testing.settings.config import uses_the_harness
 
 HELP_PRELOAD = (
@@ -122,7 +122,7 @@ def configure(config: pytest.Config, always: list[str]) -> None:
     A session inside another (an in-process pytester run) leaves the outer session's plan
     in place: the server is the process's, and the outer session's ranks, which may start
     after the inner session has started the server, must find what their files import."""
-    server = forkserver.SERVER
+    server = rank_server.SERVER
     server.add_preload(always)
     config.pluginmanager.register(EarlyStart(), "tutorial-impl-early-forkserver")
     if server.plan is not None:  # lent by an enclosing session, until that one ends
@@ -162,7 +162,7 @@ def start_early(config: pytest.Config) -> None:
     files it will collect name ``run_ranks`` (read, not imported: milliseconds)."""
     if not config.getini("rank_forkserver_early") or _runs_no_test(config):
         return
-    server = forkserver.SERVER
+    server = rank_server.SERVER
     if config.pluginmanager.get_plugin("dsession") is not None:
         return  # the xdist controller: ``pytest_configure_node`` starts it for its workers
     if server.started or server.shared or not _may_start_ranks(config):
@@ -174,7 +174,7 @@ def start_early(config: pytest.Config) -> None:
 def start_or_stop(config: pytest.Config, needs_ranks: bool) -> None:
     """After collection, when the session knows whether a selected test ``needs_ranks``:
     start the server the files did not announce, or kill the one no test will use."""
-    server = forkserver.SERVER
+    server = rank_server.SERVER
     if needs_ranks and config.getini("rank_forkserver_early") and not _runs_no_test(config):
         server.start()  # nothing if started (or failed: the first test says why)
     elif not needs_ranks and config.stash.get(_started_early, False):
@@ -205,11 +205,11 @@ def summary(config: pytest.Config) -> list[str]:
     """Lines for pytest's summary: the modules the forkserver would not import, and those it
     imported though they harm a forkserver, each with the reason; none when all were fine,
     or when the server was started for another session."""
-    started = getattr(forkserver.SERVER.server, "plan", None)  # what the server was given
+    started = getattr(rank_server.SERVER.server, "plan", None)  # what the server was given
     mine = plan(config)
     if started is None or any(started.get(key) != mine[key] for key in mine):
         return []
-    report = forkserver.SERVER.report() or {}
+    report = rank_server.SERVER.report() or {}
     lines = [f"not preloaded: {m}: {why}" for m, why in report.get("dropped", {}).items()]
     lines += [f"preloaded, but {m} {why}" for m, why in report.get("unsafe", {}).items()]
     return lines

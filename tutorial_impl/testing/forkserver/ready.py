@@ -26,7 +26,7 @@ More things every rank would otherwise do for itself, done once here:
 import gc
 import sys
 
-from tutorial_impl.testing.faults import group as faulty_group
+from tutorial_impl.testing.faults import group
 from tutorial_impl.testing.forkserver import hugepages
 from tutorial_impl.testing.strategies.warm import reuse
 
@@ -38,7 +38,7 @@ if "torch._dynamo" in sys.modules:
         pass
 if "torch.distributed" in sys.modules:  # imported by the preload, unless a test removed it
     try:
-        faulty_group.register()
+        group.register()
     except Exception:  # noqa: BLE001 - each rank's own register() raises it, as before
         pass
 gc.collect()  # free what the imports left behind, so it is not frozen in with the rest

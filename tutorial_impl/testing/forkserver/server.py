@@ -49,7 +49,7 @@ from multiprocessing import popen_forkserver as _mp_popen_forkserver
 from multiprocessing import resource_tracker as _mp_resource_tracker
 from typing import Any
 
-from tutorial_impl.testing.rank import coverage as _coverage
+from tutorial_impl.testing.rank import coverage
 
 # Modules every rank needs; imported once in the forkserver, so a forked rank starts warm.
 # ``forkserver.boot`` comes first: it stops ranks from re-running the parent's main script.
@@ -128,7 +128,7 @@ class RankServer:
         """A new, not yet started ``ForkServer`` with the harness's preload."""
         server = _PlannedForkServer()
         # Ranks measure coverage when we do (see ``coverage``); then import it once, there.
-        measuring = ["coverage"] if _coverage.parent_settings() is not None else []
+        measuring = ["coverage"] if coverage.parent_settings() is not None else []
         planned = []
         if self.plan is not None:
             if self.report_path is None:

@@ -215,9 +215,9 @@ def helpers() -> frozenset[int]:
 
 
 def _harness_helpers() -> frozenset[int]:
-    from tutorial_impl.testing.forkserver import server as forkserver
+    from tutorial_impl.testing.forkserver import server as rank_server
 
-    pid = forkserver.SERVER.pid
+    pid = rank_server.SERVER.pid
     return frozenset() if pid is None else frozenset({pid})
 
 

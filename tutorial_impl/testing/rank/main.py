@@ -24,18 +24,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tutorial_impl.testing import proctable as _proctable
+from tutorial_impl.testing import proctable
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
 from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.diagnose import records
-from tutorial_impl.testing.faults import group as faulty_group
-from tutorial_impl.testing.faults import inject as _faults
-from tutorial_impl.testing.forkserver import server as _forkserver
-from tutorial_impl.testing.rank import coverage as _coverage
+from tutorial_impl.testing.faults import group, inject
+from tutorial_impl.testing.forkserver import server as rank_server
+from tutorial_impl.testing.rank import coverage, leftovers, outcome, torchenv
 from tutorial_impl.testing.rank import debugging as _debugging
-from tutorial_impl.testing.rank import leftovers
-from tutorial_impl.testing.rank import outcome as _outcome
-from tutorial_impl.testing.rank import torchenv as _torchenv
 from tutorial_impl.testing.rank.caught import Catcher
 from tutorial_impl.testing.rank.lookup import resolve
 from tutorial_impl.testing.rank.shape import arguments
@@ -102,7 +98,7 @@ def _watch_owner(owner: int) -> None:
     except ProcessLookupError:
         pass  # gone already
     except (AttributeError, OSError):  # no pidfd here: poll (a zombie counts as gone)
-        while _proctable.running(owner):
+        while proctable.running(owner):
             time.sleep(0.5)
     else:
         waiter = select.poll()  # not select.select: that refuses an fd number above 1023
@@ -166,7 +162,7 @@ def init_process_group(spec: RankSpec) -> None:
         torch.cuda.set_device(spec.rank)
     backend = spec.backend
     if spec.faults and backend == "gloo":  # the plan needs its collectives: gloo behind it
-        backend = faulty_group.BACKEND
+        backend = group.BACKEND
     # torch's store barrier after the group is made (TORCH_DIST_INIT_BARRIER): no rank runs
     # the user's function before every rank's group is whole. Without it, rank 0's code
     # that destroyed the group at once (a library's setup_ddp) cut rank 1's gloo connect.
@@ -191,15 +187,15 @@ def enter_rank(spec: RankSpec) -> dict[str, str]:
     leftovers.allow_children(spec.start_method)  # DataLoader workers, pools: ``leftovers``
     leftovers.become_subreaper()
     if spec.forkserver is not None:  # a nested run_ranks takes its ranks from the same server
-        _forkserver.SERVER.use_shared(spec.forkserver)
+        rank_server.SERVER.use_shared(spec.forkserver)
     records.serve()  # before any other thread: see ``records``
     _die_with_owner(spec.owner_pid)
-    imported_with = _torchenv.read_at_import()  # the forkserver's: what torch saw at import
+    imported_with = torchenv.read_at_import()  # the forkserver's: what torch saw at import
     take_task(spec)
     import torch
 
     torch.set_num_threads(1)  # N ranks on 2 cores: oversubscription costs more than it buys
-    faulty_group.register()
+    group.register()
     return imported_with
 
 
@@ -232,7 +228,7 @@ def _replace_environ(parent: dict[bytes, bytes] | None, env: dict[str, str]) -> 
     touching only the variables that differ (``clear`` then ``update`` cost a warm rank
     ~0.3 ms a test: a ``putenv`` per variable, twice). Compared as the OS holds them, bytes
     to bytes: decoding a hundred variables took a fresh rank 0.2 ms of CPU."""
-    environ, now = os.environb, _torchenv.environ_bytes()
+    environ, now = os.environb, torchenv.environ_bytes()
     target = dict(now if parent is None else parent)
     target.update((os.fsencode(name), os.fsencode(value)) for name, value in env.items())
     for name in now.keys() - target.keys():
@@ -251,7 +247,7 @@ def run_task(
     join_group: bool,
     send: Callable[[bytes], None],
     baseline: Any = None,
-) -> _outcome.Report:
+) -> outcome.Report:
     """Run ``spec``'s function in this rank and ``send`` its pickled ``outcome.Report``;
     return it.
 
@@ -264,9 +260,9 @@ def run_task(
     debugging = _debugging.Debugging(spec.rank, spec.files.debugging, spec.timeout)
     if _debugging.debug_rank() is not None:
         spec.timeout = _debugging.HOLD  # hold every rank while one is debugged
-    cov = _coverage.start_in_rank(spec.coverage)
+    cov = coverage.start_in_rank(spec.coverage)
     catcher = Catcher(spec.warning_filters)
-    report = _outcome.capture(
+    report = outcome.capture(
         _set_up_and_call,
         spec.rank,
         (spec,),
@@ -283,7 +279,7 @@ def run_task(
         send(pickle.dumps(report))
         os._exit(1)
     if report.forked:  # their reports first, if they come back
-        _proctable.wait_for_forked_copies(FORK_GRACE)
+        proctable.wait_for_forked_copies(FORK_GRACE)
     killed = leftovers.kill_leftovers()
     # Quiet: said by a fresh rank, which its parent kills next (a warm one lives on).
     if killed or (baseline is None and catcher.none_running()):
@@ -291,9 +287,9 @@ def run_task(
     try:
         message = dumps_on_cpu(report)
     except Exception as exc:  # noqa: BLE001
-        failure = _outcome.unpicklable("returned a value that cannot be pickled", exc)
+        failure = outcome.unpicklable("returned a value that cannot be pickled", exc)
         message = pickle.dumps(dataclasses.replace(report, outcome=failure, forked=False))
-    _coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
+    coverage.save(cov)  # before reporting: once we have reported, we may be killed any time
     sys.stdout.flush()
     sys.stderr.flush()
     send(message)
@@ -313,16 +309,16 @@ def _set_up_and_call(
     test's)."""
     fn = resolve(spec.function)
     args, kwargs = arguments(spec.payload, spec.rank_params, spec.rank, spec.world_size)
-    _torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
+    torchenv.apply_in_rank(imported_with, spec.env)  # before any group: torchenv
     # Before any group, on every task (no plan: disarmed; a warm world counts from 1 again).
-    _faults.arm(spec.faults, spec.rank, report_to=spec.files.fault)
+    inject.arm(spec.faults, spec.rank, report_to=spec.files.fault)
     if join_group and spec.backend is not None:
         init_process_group(spec)
     if baseline is not None:
         baseline.refresh()
     with catcher.recording():
         value = fn(*args, **kwargs)
-    _faults.report_unfired(spec.faults)  # returned: a fault never reached fails the test
+    inject.report_unfired(spec.faults)  # returned: a fault never reached fails the test
     return value
 
 

@@ -3,7 +3,7 @@
 ``run_ranks(fn, *args, world_size=2)`` forks ``world_size`` ranks from the forkserver, each
 joins a process group on a store the parent owns (``rendezvous``), runs ``fn`` through the
 one rank-side capture, and reports; ``supervise`` waits for them, ``verdict`` decides
-(``runner.run``), and a ``finally`` kills every rank's process group whatever happened,
+(``protocol.run``), and a ``finally`` kills every rank's process group whatever happened,
 Ctrl-C included. During a
 pytest test's body, ``run_ranks`` hands the call to that test's own (``IN_TEST``, set by the
 plugin: ``fixtures.in_test``; ``RUNNING`` for a thread the test started), so a helper that
@@ -26,10 +26,8 @@ from typing import Any, ParamSpec, TextIO
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.faults.plan import Fault
-from tutorial_impl.testing.forkserver import server as forkserver
-from tutorial_impl.testing.rank import debugging as _debugging
-from tutorial_impl.testing.rank import leftovers
-from tutorial_impl.testing.rank import main as rank
+from tutorial_impl.testing.forkserver import server
+from tutorial_impl.testing.rank import debugging, leftovers, main
 from tutorial_impl.testing.rank.outcome import IN_RANK
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.config import (
@@ -38,15 +36,14 @@ from tutorial_impl.testing.settings.config import (
     DEFAULT_INIT_METHOD,
     DEFAULT_WORLD_SIZE,
 )
-from tutorial_impl.testing.strategies import protocol as runner
-from tutorial_impl.testing.strategies import supervise
+from tutorial_impl.testing.strategies import protocol, supervise
 from tutorial_impl.testing.verdict.decision import Finished
 from tutorial_impl.testing.verdict.errors import RankError, RankResults
 
 P = ParamSpec("P")
 
 
-class Forked(runner.OwnRanks):
+class Forked(protocol.OwnRanks):
     """Fresh ranks per call: honours every field of a call, keeps nothing between calls."""
 
     name = "forked"
@@ -66,7 +63,7 @@ class Forked(runner.OwnRanks):
 
     def _gather_in(self, call: Call, work: Path) -> Finished:
         __tracebackhide__ = True
-        _debugging.forget(work)  # an earlier run's debugger files would pause this deadline
+        debugging.forget(work)  # an earlier run's debugger files would pause this deadline
         store = AgentStore(timeout=call.deadline)
         started: list[supervise.Proc] = []
         try:
@@ -76,7 +73,7 @@ class Forked(runner.OwnRanks):
                 spec.env.update(call.debug_env)
                 started.append(start(spec))
             announce = (call.announce or _to_stderr) if call.debug_rank is not None else None
-            deadline = _debugging.Deadline(call.deadline, work, announce)
+            deadline = debugging.Deadline(call.deadline, work, announce)
             return supervise.supervise(started, deadline, call)
         finally:
             supervise.LIVE.kill(started)
@@ -88,11 +85,11 @@ def _to_stderr(text: str) -> None:
 
 
 def start(spec: _call.RankSpec) -> supervise.Proc:
-    """Fork one fresh rank for ``spec`` from the forkserver."""
-    ctx = forkserver.context()
-    spec.forkserver = forkserver.SERVER.address()  # for a nested run_ranks in the rank
+    """Fork one fresh rank for ``spec`` from the server."""
+    ctx = server.context()
+    spec.forkserver = server.SERVER.address()  # for a nested run_ranks in the rank
     reader, writer = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=rank.rank_main, args=(spec, writer), daemon=True)
+    process = ctx.Process(target=main.rank_main, args=(spec, writer), daemon=True)
     process.start()
     writer.close()  # only the rank holds the write end: EOF then means it is gone
     supervise.LIVE.add(process.pid)
@@ -225,7 +222,7 @@ def _run_forked(call: Call) -> RankResults:
     """``call`` on fresh ranks; what the ranks left running is named, whatever the verdict."""
     __tracebackhide__ = True
     try:
-        results = runner.run(FORKED, call)
+        results = protocol.run(FORKED, call)
     except RankError as error:
         leftovers.warn(error.killed)  # what the ranks left running, named (``leftovers``)
         raise

@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tutorial_impl.testing.call import Call, RankFiles
-from tutorial_impl.testing.diagnose import records
-from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose import records, stacks
 from tutorial_impl.testing.diagnose.recorder import Record
 from tutorial_impl.testing.diagnose.stranded import POLL, Standing, Stranded, find
-from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import inject
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rank.debugging import Deadline
@@ -165,9 +164,9 @@ def supervise(
         fatal=watch.fatal,
         skip_wait=watch.skip_wait,
         records=found,
-        fired={p.rank: fired for p in procs if (fired := faults.read_fired(p.files.fault))},
+        fired={p.rank: fired for p in procs if (fired := inject.read_fired(p.files.fault))},
         swept={rank: killed for rank, killed in swept.items() if killed},
-        unfired={p.rank: u for p in procs if (u := faults.read_unfired(p.files.fault))},
+        unfired={p.rank: u for p in procs if (u := inject.read_unfired(p.files.fault))},
         stranded=watch.stranded_seen or watch.stranded_in(found),
     )
 
@@ -300,13 +299,13 @@ class _Watch:
             if p.conn.poll():  # its report is already waiting: it is not running any more
                 self.take(p)
         running = [p for p in self.pending.values() if p.process.exitcode is None]
-        self.stacks = forensics.dump_stacks(running) if running else {}
+        self.stacks = stacks.dump_stacks(running) if running else {}
         if running:  # every live rank's collectives, the ones that reported too
             alive = [p for p in self.procs if p.process.exitcode is None]
             self.records, said = records.ask_all(alive)
             self.standings.update(said)
         for rank, p in sorted(self.pending.items()):
-            where = forensics.where(self.stacks.get(rank, ""))
+            where = stacks.where(self.stacks.get(rank, ""))
             self.reports[rank] = _o.Report(kind(where), p.pid or 0, time.time())
         self.pending.clear()
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tutorial_impl.testing import proctable
-from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.diagnose.recorder import Record
+from tutorial_impl.testing.diagnose.stacks import format_frames, frames_of, place
 from tutorial_impl.testing.diagnose.stranded import Standing, standing
-from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import inject
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rank.caught import Catcher, current_filters
@@ -40,8 +40,8 @@ from tutorial_impl.testing.settings.timing import (
     STORE_POLL_MIN,
 )
 from tutorial_impl.testing.strategies import waiting
-from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
 from tutorial_impl.testing.strategies.torchrun.job import Job
+from tutorial_impl.testing.strategies.torchrun.stranded import Look
 
 ENTRY = "rank_function"  # the harness frame below a rank function's own frames
 STR_FAILED = "<str() failed>"  # the message of an exception that cannot be put in words
@@ -55,8 +55,8 @@ class Answer:
     output: str
     stacks: str = ""  # the function's thread, when it had not ended
     records: list[Record] | None = None  # this call's collectives (``records.this_test``)
-    fired: list[faults.Fired] = field(default_factory=list)  # faults injected here
-    unfired: list[faults.Unfired] = field(default_factory=list)  # faults never reached
+    fired: list[inject.Fired] = field(default_factory=list)  # faults injected here
+    unfired: list[inject.Unfired] = field(default_factory=list)  # faults never reached
     standing: Standing | None = None  # its groups; where its function was, if still running
 
 
@@ -130,7 +130,7 @@ def run_here(
     try:
         with catcher.recording():
             thread.start()
-            look = torchrun_stranded.Look(job, key, since_ns, thread.ident, timeout, ENTRY)
+            look = Look(job, key, since_ns, thread.ident, timeout, ENTRY)
             ended = _wait(job, key, done, timeout, look)
     finally:
         job.end_call = None
@@ -171,10 +171,10 @@ def _abandon(
     """A function still running when the wait ended (``why``): left to end by itself
     (``job.abandoned``), its report and stacks naming the place its live frames are in."""
     job.abandoned.append(thread)
-    frames = forensics.frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
+    frames = frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
     title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
-    report = _o.Report(why(forensics.place(frames)), worker, time.time(), killed=killed)
-    return report, forensics.format_frames(title, frames)
+    report = _o.Report(why(place(frames)), worker, time.time(), killed=killed)
+    return report, format_frames(title, frames)
 
 
 def _ended(
@@ -193,9 +193,7 @@ def _ended(
     return report
 
 
-def _wait(
-    job: Job, key: str, done: threading.Event, timeout: float, look: torchrun_stranded.Look
-) -> type | None:
+def _wait(job: Job, key: str, done: threading.Event, timeout: float, look: Look) -> type | None:
     """None once the function has ended; else the outcome class of why the wait ended, by
     the rules every strategy keeps (``waiting.wait``); the other ranks then stop too."""
     ending = waiting.wait(_Store(job, key, done, look), _Clock(timeout), FINISH_GRACE)
@@ -221,9 +219,7 @@ class _Store:
     and the job's store (another rank's failure or skip, lost workers, returned ranks'
     answers), polled more slowly while nothing happens."""
 
-    def __init__(
-        self, job: Job, key: str, done: threading.Event, look: torchrun_stranded.Look
-    ) -> None:
+    def __init__(self, job: Job, key: str, done: threading.Event, look: Look) -> None:
         self.job, self.key, self.done, self.look = job, key, done, look
         self.pause, self.skip_seen = STORE_POLL_MIN, None
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from _pytest._code.code import ReprFileLocation
 
-from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose import stacks
 from tutorial_impl.testing.settings.timing import COLLECT_TIMEOUT
 
 
@@ -193,7 +193,7 @@ def _rank0_sections(rep: pytest.TestReport, got: dict[int, Verdict]) -> None:
 
 
 def _place(dump: str) -> str:
-    found = forensics.place(forensics.frames_of_dump(dump)) if dump else None
+    found = stacks.place(stacks.frames_of_dump(dump)) if dump else None
     return str(found) if found else "(no stacks)"
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose import stacks
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.settings.timing import (
     ANSWER_GRACE,
@@ -350,14 +350,14 @@ def _main_thread_stack() -> str:
     """The main thread's Python stack (where pytest is in the test), most recent call first,
     without pytest's and pluggy's own frames below the test."""
     main = threading.main_thread()
-    frames = forensics.frames_of(sys._current_frames().get(main.ident or -1), "")
+    frames = stacks.frames_of(sys._current_frames().get(main.ident or -1), "")
     own = []
     for frame in frames:
         if "/_pytest/" in frame[0] or "/pluggy/" in frame[0]:
             break
         own.append(frame)
     title = f"Thread {main.ident:#x} (main thread: the test, most recent call first):"
-    return forensics.format_frames(title, own)
+    return stacks.format_frames(title, own)
 
 
 def _exit(status: int, job: Job) -> None:

@@ -12,7 +12,7 @@ process group. What makes that safe:
   this rank's function was in, read from its live frames (``diagnose.stacks``), passed
   through the job's store.
 * **One verdict for every rank.** Each rank publishes its report (the value, or the
-  exception as text) and reads everyone's; ``verdict.decide`` (``runner.run``) turns them into
+  exception as text) and reads everyone's; ``verdict.decide`` (``protocol.run``) turns them into
   the same results or the same error on every rank, by the rules forked ranks are judged by.
 * **Nothing asked for is dropped.** A field of the call the job cannot honour
   (``NOT_HONOURED``, the strategy's ``cannot``) is refused by name, before anything runs.
@@ -40,14 +40,13 @@ from typing import Any
 
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.diagnose import records
-from tutorial_impl.testing.faults import group as faulty_group
-from tutorial_impl.testing.faults import inject as faults
+from tutorial_impl.testing.faults import group, inject
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rank.lookup import resolve
 from tutorial_impl.testing.rank.shape import arguments
 from tutorial_impl.testing.settings.timing import ANSWER_GRACE
-from tutorial_impl.testing.strategies import protocol as runner
-from tutorial_impl.testing.strategies.torchrun import stranded as torchrun_stranded
+from tutorial_impl.testing.strategies import protocol
+from tutorial_impl.testing.strategies.torchrun import stranded
 from tutorial_impl.testing.strategies.torchrun.here import Answer, pickled, run_here
 from tutorial_impl.testing.strategies.torchrun.job import Job
 from tutorial_impl.testing.strategies.torchrun.launch import size_mismatch
@@ -74,7 +73,7 @@ KILLS_REPORTER = (
 def reporter_killed(call: Call) -> str | None:
     """The refusal of a plan that kills rank 0, which reports for the job; else None."""
     if any(f.action.name == "kill" and 0 in f.ranks for f in call.faults):
-        return runner.refused(["faults"], Launched.name, {"faults": KILLS_REPORTER})
+        return protocol.refused(["faults"], Launched.name, {"faults": KILLS_REPORTER})
     return None
 
 
@@ -99,7 +98,7 @@ class Launched:
     def gather(self, call: Call) -> Finished:
         __tracebackhide__ = True
         job, launch = self.job, self.job.launch
-        refusal = runner.refusal(self, call) or reporter_killed(call)
+        refusal = protocol.refusal(self, call) or reporter_killed(call)
         if refusal or call.world_size != launch.world_size:
             raise ValueError(refusal or size_mismatch(call.world_size, launch))
         job.calls += 1
@@ -120,12 +119,12 @@ class Launched:
             args, kwargs = arguments(call.payload, call.rank_params, rank, size)
             since_ns = time.time_ns()
             # A faulty group numbers this call's collectives from 1.
-            faults.arm(call.faults, rank, before_death=self._leave)
+            inject.arm(call.faults, rank, before_death=self._leave)
             fn = resolve(call.function)
             mine = run_here(job, key, fn, args, kwargs, call.deadline, since_ns)
             mine.records, mine.fired = records.own(rank, since_ns), _my_fired()
-            mine.unfired = faults.INJECTOR.unfired(call.faults)  # read if it returned
-            faults.arm((), rank)
+            mine.unfired = inject.INJECTOR.unfired(call.faults)  # read if it returned
+            inject.arm((), rank)
             wait = call.deadline + ANSWER_GRACE
             answers = job.channel.gather(key, pickled(mine), wait, job.heartbeats)
         finally:
@@ -155,10 +154,10 @@ class Launched:
         writes the report, and its exit ends its function, not the worker
         (``Job._exit_mid_session``)."""
         if self.job.launch.rank == 0:
-            faults.close_sockets(faults.INJECTOR.sockets)
+            inject.close_sockets(inject.INJECTOR.sockets)
             return
         self.job.leave(status, tuple(_my_fired()))
-        faults.close_sockets(faults.INJECTOR.sockets)
+        inject.close_sockets(inject.INJECTOR.sockets)
         self.job.await_report()
 
 
@@ -178,13 +177,13 @@ def _backend(call: Call) -> str:
     """The group's backend: gloo behind the fault injector when the call has a plan."""
     assert call.backend is not None
     if call.faults and call.backend == "gloo":
-        faulty_group.register()
-        return faulty_group.BACKEND
+        group.register()
+        return group.BACKEND
     return call.backend
 
 
-def _my_fired() -> list[faults.Fired]:
-    return list(faults.INJECTOR.reports)
+def _my_fired() -> list[inject.Fired]:
+    return list(inject.INJECTOR.reports)
 
 
 def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
@@ -215,7 +214,7 @@ def finish(job: Job, answers: dict[int, Answer], deadline: float) -> Finished:
         records={r: a.records for r, a in answers.items() if a.records is not None},
         fired=fired,
         unfired={r: a.unfired for r, a in answers.items() if a.unfired},
-        stranded=torchrun_stranded.of_answers(answers, deadline),
+        stranded=stranded.of_answers(answers, deadline),
     )
 
 

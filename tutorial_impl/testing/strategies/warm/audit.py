@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class Audited:
     """``--warm-audit``: the warm strategy ``warm``, each call gathered on ``fresh`` ranks too
-    (in ``fresh/`` under the call's directory); ``runner.run`` compares the two verdicts."""
+    (in ``fresh/`` under the call's directory); ``protocol.run`` compares the two verdicts."""
 
     def __init__(self, warm: Strategy, fresh: Strategy) -> None:
         self.warm, self.fresh = warm, fresh

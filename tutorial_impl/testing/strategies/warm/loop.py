@@ -24,9 +24,8 @@ from typing import Any
 
 from tutorial_impl.testing import proctable
 from tutorial_impl.testing.call import RankSpec
-from tutorial_impl.testing.faults import inject as faults
-from tutorial_impl.testing.rank import leftovers, torchenv
-from tutorial_impl.testing.rank import main as _rank
+from tutorial_impl.testing.faults import inject
+from tutorial_impl.testing.rank import leftovers, main, torchenv
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies.warm import reuse
@@ -168,7 +167,7 @@ def _fault_fired() -> str | None:
     """A world in which a fault was injected is not reused, whatever the verdict: its group
     may be closed (``Close``), out of step (a ``Raise`` before one rank's collective) or
     short of a rank."""
-    fired = faults.INJECTOR.fired
+    fired = inject.INJECTOR.fired
     return f"a fault was injected in this world: {fired[0][0]}" if fired else None
 
 
@@ -182,11 +181,11 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
     """The body of a warm rank: join the world's group (``start``), then run ``task`` and
     every task after it, reporting each outcome and then the rank's own check."""
     try:
-        imported_with = _rank.enter_rank(start)
+        imported_with = main.enter_rank(start)
         try:
             torchenv.apply_in_rank(imported_with, start.env)
             if start.backend is not None:
-                _rank.init_process_group(start)
+                main.init_process_group(start)
             world = WorldCheck()
             baseline = reuse.Baseline()  # after WorldCheck, whose tracking it then includes
             baseline.snapshot()
@@ -197,9 +196,9 @@ def warm_rank_main(start: RankSpec, task: RankSpec, conn: Connection) -> None:
                 time.sleep(3600)
         while True:
             task.env = {**start.env, **task.env}
-            _rank.take_task(task)
+            main.take_task(task)
             world.begin()
-            report = _rank.run_task(
+            report = main.run_task(
                 task, imported_with, join_group=False, send=conn.send_bytes, baseline=baseline
             )
             # The test has been answered: the check and the next test's reset run while the

@@ -43,22 +43,21 @@ from typing import Any
 
 from tutorial_impl.testing import call as _call
 from tutorial_impl.testing.call import Call
-from tutorial_impl.testing.forkserver import server as forkserver
-from tutorial_impl.testing.rank import debugging as _debugging
+from tutorial_impl.testing.forkserver import server
+from tutorial_impl.testing.rank import debugging
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies import supervise
 from tutorial_impl.testing.strategies.protocol import OwnRanks
-from tutorial_impl.testing.strategies.warm import loop as warm_rank
-from tutorial_impl.testing.strategies.warm import summary
+from tutorial_impl.testing.strategies.warm import loop, summary
 from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats
 from tutorial_impl.testing.verdict.decision import Finished
 
-_ALL_RETURNED = pickle.dumps(warm_rank.ALL_RETURNED)
+_ALL_RETURNED = pickle.dumps(loop.ALL_RETURNED)
 MAX_WORLDS = 4  # warm worlds one pool keeps; the least recently used goes first
 MARKER = "warm_world"
-# What a warm world cannot serve: the fresh path honours these (``runner.refusal``).
+# What a warm world cannot serve: the fresh path honours these (``protocol.refusal``).
 NOT_WARM: Mapping[str, str] = MappingProxyType(
     {
         "may_exit": "a rank that exits ends its warm world",
@@ -140,7 +139,7 @@ class WarmPool(OwnRanks):
                     p.conn.send_bytes(pickle.dumps(spec))
             world.tasks += 1
             try:
-                deadline = _debugging.Deadline(call.deadline, work)
+                deadline = debugging.Deadline(call.deadline, work)
                 finished = supervise.supervise(world.procs, deadline, call, since_ns)
             except BaseException:
                 self._call_failed(world, skipped=False)
@@ -223,7 +222,7 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
     """Start the ranks of a new world, each with its first task (``specs``)."""
     store = AgentStore(timeout=call.deadline)
     home = Path(tempfile.mkdtemp(prefix="warm-world-"))
-    ctx = forkserver.context()
+    ctx = server.context()
     started: list[supervise.Proc] = []
     rank_env = [store.rank_env(rank, call.world_size) for rank in range(call.world_size)]
     try:
@@ -232,10 +231,10 @@ def start_world(call: Call, key: tuple[Any, ...], specs: list[_call.RankSpec]) -
                 call, spec.rank, home, rank_env[spec.rank], harness_env=store.harness_env()
             )
             first.files, first.payload = spec.files, b""
-            first.forkserver = forkserver.SERVER.address()  # for a nested run_ranks
+            first.forkserver = server.SERVER.address()  # for a nested run_ranks
             parent_end, rank_end = ctx.Pipe(duplex=True)
             process = ctx.Process(
-                target=warm_rank.warm_rank_main, args=(first, spec, rank_end), daemon=True
+                target=loop.warm_rank_main, args=(first, spec, rank_end), daemon=True
             )
             process.start()
             rank_end.close()  # only the rank holds its end: EOF then means it is gone
