@@ -24,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose.recorder import Record, collectives
 from tutorial_impl.testing.diagnose.stacks import Place
 from tutorial_impl.testing.diagnose.userops import user_op
-from tutorial_impl.testing.verdict import words
 
 DEFAULT_DESC = "default_pg"
 # Collectives whose inputs may differ from rank to rank: the root's list against nothing, a

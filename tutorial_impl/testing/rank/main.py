@@ -26,7 +26,6 @@ from typing import Any
 
 from tutorial_impl.testing import proctable
 from tutorial_impl.testing.backends import gpu_shortage, uses_nccl
-from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.diagnose import records
 from tutorial_impl.testing.faults import group, inject
 from tutorial_impl.testing.forkserver import server as rank_server
@@ -35,6 +34,7 @@ from tutorial_impl.testing.rank import debugging as _debugging
 from tutorial_impl.testing.rank.caught import Catcher
 from tutorial_impl.testing.rank.lookup import resolve
 from tutorial_impl.testing.rank.shape import arguments
+from tutorial_impl.testing.rank.spec import RankSpec
 from tutorial_impl.testing.rendezvous import harness_view, init_method_url
 from tutorial_impl.testing.settings.timing import FORK_GRACE, group_timeout
 

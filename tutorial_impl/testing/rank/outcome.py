@@ -39,9 +39,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose.stacks import place
 from tutorial_impl.testing.rank.caught import Catcher, Caught
-from tutorial_impl.testing.verdict import words
 
 if TYPE_CHECKING:
     from tutorial_impl.testing.diagnose.stacks import Place

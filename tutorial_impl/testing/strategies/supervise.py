@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TextIO
 
-from tutorial_impl.testing.call import Call, RankFiles
+from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.diagnose import records, stacks
 from tutorial_impl.testing.diagnose.recorder import Record
 from tutorial_impl.testing.diagnose.stranded import POLL, Standing, Stranded, find
@@ -42,6 +42,7 @@ from tutorial_impl.testing.faults import inject
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rank.debugging import Deadline
+from tutorial_impl.testing.rank.spec import RankFiles
 from tutorial_impl.testing.settings.timing import CRASH_GRACE
 from tutorial_impl.testing.strategies import waiting
 from tutorial_impl.testing.verdict.decision import Finished

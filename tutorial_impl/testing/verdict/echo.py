@@ -11,8 +11,8 @@ instead of gloo's "typically caused by a remote worker crashing".
 
 from __future__ import annotations
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.rank import outcome as _o
-from tutorial_impl.testing.verdict import words
 
 # What a rank's collective raises when a peer's end of the connection is gone (gloo's words;
 # "reset" when data sent to it was still unread, "closed" when not: a matter of timing).

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose.stacks import Place
 from tutorial_impl.testing.faults.inject import Fired
 from tutorial_impl.testing.rank import outcome as _o
-from tutorial_impl.testing.verdict import words
 
 OUTPUT_TAIL_LINES = 200  # per rank, in error messages
 

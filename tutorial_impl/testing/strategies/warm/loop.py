@@ -23,10 +23,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tutorial_impl.testing import proctable
-from tutorial_impl.testing.call import RankSpec
 from tutorial_impl.testing.faults import inject
 from tutorial_impl.testing.rank import leftovers, main, torchenv
 from tutorial_impl.testing.rank import outcome as _o
+from tutorial_impl.testing.rank.spec import RankSpec
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies.warm import reuse
 

@@ -5,16 +5,22 @@ by signal SIGKILL``, ``rank(s) 0, 1 still running after the harness deadline of 
 what pytest's ``-ra``, junit XML and CI summaries show. The modules that decide what happened
 (``rank.outcome``, ``verdict.errors``, ``verdict.echo``, ``verdict.decision``) call these
 functions for the words; a test checks that each sentence is written here only. Pure text:
-no torch, nothing imported from the harness (``Place`` is a type only).
+no torch, nothing imported from the harness (a leaf: every folder may import it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from tutorial_impl.testing.diagnose.stacks import Place
+
+class Place(Protocol):
+    """Where a rank was, as these sentences read it (``diagnose.stacks.Place``): its text,
+    the call it sits in, the group-forming call it waits in."""
+
+    call: str | None
+    joining: str | None
+
 
 # torch.distributed's communication calls, as a rank's stack names them: two ranks of one
 # hang in two different ones are in different collectives.
