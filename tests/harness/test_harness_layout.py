@@ -218,6 +218,14 @@ SENTENCES = [
     "the group did not form in",
     "the ranks are in different collectives",
     "a skip must be taken by every rank",
+    "a hang that cannot resolve",
+    "did not fire",
+    "cannot be honoured",
+    "the warm world's verdict",
+    "harness configuration: ",
+    "the session stops here",
+    "phase within the harness deadline",
+    "not run: ",
 ]
 
 

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import pytest
 
 from tutorial_impl.testing import call as _call
+from tutorial_impl.testing import words
 from tutorial_impl.testing.rank import caught, leftovers
 from tutorial_impl.testing.rank.torchenv import CHECK_COLLECTIVES
 from tutorial_impl.testing.settings import config as _config
@@ -169,7 +170,7 @@ class RunRanksOfTest:
         self._one_at_a_time = threading.Lock()
         problem = shadowing.size_refusal(self.item, __name__, world_size, self.settings.world_size)
         if problem is not None:
-            pytest.fail(f"harness configuration: {problem}", pytrace=False)
+            pytest.fail(words.configuration(problem), pytrace=False)
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **options: Any) -> RankResults:
         __tracebackhide__ = True
@@ -261,7 +262,7 @@ def _from_helper(item: pytest.Function, fn: Callable[..., Any], *args: Any, **op
     __tracebackhide__ = True
     problem = shadowing.run_ranks_refusal(item, __name__)
     if problem is not None:
-        pytest.fail(f"harness configuration: {problem}", pytrace=False)
+        pytest.fail(words.configuration(problem), pytrace=False)
     # The item's own request (pytest's, private but long-lived): the fixture as the test
     # would have received it, set up once per test and torn down with it; once, whatever
     # threads of the test ask at the same time.
@@ -297,7 +298,7 @@ def _settings_of(item: pytest.Item, session: Session) -> _config.Settings:
             default_size(item.config),
         )
     except _config.ConfigError as exc:
-        pytest.fail(f"harness configuration: {exc}", pytrace=False)
+        pytest.fail(words.configuration(exc), pytrace=False)
 
 
 def call_dirs(

@@ -61,7 +61,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, fixtures
+from tutorial_impl.testing import backends, fixtures, words
 from tutorial_impl.testing.fixtures import (
     DEADLINE_CAP,
     SESSION,
@@ -169,10 +169,7 @@ def _join_the_job(config: pytest.Config, session: Session, launch: where.Launch)
     from tutorial_impl.testing.strategies.torchrun.worker import AbandonedLogs, Launched
 
     if session.init_method is not None:
-        raise pytest.UsageError(
-            "--init-method cannot be honoured under torchrun: the job has torchrun's own "
-            "rendezvous; drop the option (or use --launcher fork)"
-        )
+        raise pytest.UsageError(words.init_method_under_torchrun())
     the_job = Job(launch, session.default_deadline)
     session.join(Launched(the_job))
     config.pluginmanager.register(
@@ -319,7 +316,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     before its fixtures; lease the GPUs of a GPU test for its whole run (see ``backends``)."""
     problem = item.stash.get(_bad_config, None)
     if problem is not None:
-        pytest.fail(f"harness configuration: {problem}", pytrace=False)
+        pytest.fail(words.configuration(problem), pytrace=False)
     reason = item.stash.get(_refused_skip, None)
     if reason is not None:
         pytest.fail(f"--require-gpu: this GPU test cannot run here: {reason}", pytrace=False)
@@ -373,7 +370,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     problem = item.stash.get(_bad_config, None)
     crash = getattr(rep.longrepr, "reprcrash", None)
     if call.when == "setup" and problem is not None and crash is not None:
-        crash.message = f"harness configuration: {problem}"  # not pytest.fail's "Failed: "
+        crash.message = words.configuration(problem)  # not pytest.fail's "Failed: "
     if call.excinfo is not None:
         report.rewrite(rep, call.excinfo.value, item)
     return rep

@@ -141,3 +141,80 @@ def unformed_group(pending: list[int], where: dict[int, Place], ended: dict[int,
     if absent:
         return f": the group did not form in {calls}: rank(s) {ranks(absent)} never joined"
     return f": the group did not form in {calls}: {NEVER_MET}"
+
+
+# --- sentences of the strategies, the fault plan, the audit and the settings -------------
+
+
+def stranded(gone: str, waits: str, who: str, deadline: float, early: bool) -> str:
+    """``rank 1 returned after all_reduce #1; rank 0 waits in all_reduce #2 at t.py:9, which
+    rank 1 never entered: a hang that cannot resolve (ended when seen, ...)`` (``stranded``)."""
+    when = (
+        f"ended when seen, not at the harness deadline of {deadline:g} s"
+        if early
+        else f"seen at the harness deadline of {deadline:g} s"
+    )
+    return f"{gone}; {waits}, which {who} never entered: a hang that cannot resolve ({when})"
+
+
+def not_fired(unfired: Iterable[object]) -> str:
+    """Planned faults that did not fire, each with what its rank did instead."""
+    return "planned fault(s) did not fire (Fault(..., optional=True) if that may be so): " + (
+        "; ".join(map(str, unfired))
+    )
+
+
+def refused(named: Iterable[str], where: str, reasons: str) -> str:
+    """``may_exit cannot be honoured in a warm world (may_exit: ...)``: a strategy's refusal."""
+    return f"{', '.join(named)} cannot be honoured {where} ({reasons})"
+
+
+def audit_differs(warm: str, fresh: str) -> str:
+    """``--warm-audit``'s verdict when a warm world and fresh ranks disagree."""
+    return (
+        f"--warm-audit: the warm world's verdict ({warm}) differs from fresh ranks' "
+        f"({fresh}): the test depends on state a warm world carried over"
+    )
+
+
+def configuration(problem: object) -> str:
+    """A test's markers or options the harness cannot honour: the test's error in setup."""
+    return f"harness configuration: {problem}"
+
+
+def phase_lost(ended: str, when: str) -> str:
+    """Under torchrun: a worker ended during a test phase (``phases``)."""
+    return f"{ended} during the {when} phase; {SESSION_STOPS}"
+
+
+def phase_unfinished(silent: Iterable[int], when: str, places: str) -> str:
+    """Under torchrun: ranks that did not finish a test phase in time (``phases``)."""
+    return (
+        f"rank(s) {ranks(silent)} did not finish the {when} phase within the harness deadline"
+        + (f": {places}" if places else "")
+    )
+
+
+def not_run(why: object) -> str:
+    """Under torchrun: a test after the session broke (a rank lost) is not run."""
+    return f"not run: {why}"
+
+
+SESSION_STOPS = "the session stops here"  # under torchrun: a rank lost or stuck ends the job
+WORKERS_EXIT = f"{SESSION_STOPS}, and every worker exits non-zero"
+
+
+def unfired(fault: object, rank: int, did: str, made: str, named: str) -> str:
+    """One planned fault that did not fire, with what its rank did instead."""
+    return f"{fault} did not fire on rank {rank}: {did}; its collectives: {made}; " + (
+        f"its steps: {named}"
+    )
+
+
+def init_method_under_torchrun() -> str:
+    """``--init-method`` given to a worker of a torchrun job (a usage error at start)."""
+    return refused(
+        ["--init-method"],
+        "under torchrun",
+        "the job has torchrun's own rendezvous; drop the option, or use --launcher fork",
+    )

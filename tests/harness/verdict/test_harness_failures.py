@@ -33,6 +33,7 @@ from tutorial_impl.testing import (
 from tutorial_impl.testing.call import RankFiles
 from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.rank import main as _ranks
+from tutorial_impl.testing.strategies import supervise
 
 # A deadline far above what any of these runs needs: if a failure were only noticed at the
 # deadline, the elapsed-time assertions below would catch it.
@@ -139,10 +140,16 @@ def fail_two_ways(rank: int, world_size: int, second: str, mark: str) -> None:
     ("dies", 1, "rank 1 exited with code 3 (os._exit or a crash) before returning a result "
      "(rank(s) 2 failed too)"),
 ])  # fmt: skip
-def test_every_failing_rank_is_named_and_the_cause_comes_first(second, cause, headline, tmp_path):
+def test_every_failing_rank_is_named_and_the_cause_comes_first(
+    second, cause, headline, tmp_path, monkeypatch
+):
     """Two ranks fail differently: the first to fail is the cause, unless the other died
     (a death is what makes its peers fail), and the other is named on the same first line.
-    Rank 0, still busy, is where-were-the-others, not a failure."""
+    Rank 0, still busy, is where-were-the-others, not a failure. Both failures must reach the
+    parent within the grace that gathers simultaneous failures: under load (15-25 on two
+    cores) rank 2's report took longer than the 0.2 s grace after rank 1's death, so the
+    grace is widened here; what is proved is the naming, not the grace."""
+    monkeypatch.setattr(supervise, "CRASH_GRACE", 3.0)
     mark = str(tmp_path / "rank2-raised")
     with pytest.raises((RankFailed, RankCrashed)) as info:
         run_ranks(fail_two_ways, second, mark, world_size=3, timeout=DEADLINE)
@@ -465,7 +472,6 @@ def test_reports_found_together_are_taken_in_the_order_the_ranks_ended(monkeypat
     when each rank ended (``Report.at``), not by their handles, so the first failure stays
     the cause."""
     from tutorial_impl.testing.rank import outcome
-    from tutorial_impl.testing.strategies import supervise
 
     ended = {1: 20.0, 2: 10.0, 3: 30.0}  # rank 2 first, then 1, then 3
     procs = [

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose.recorder import Record, collectives
 from tutorial_impl.testing.diagnose.stacks import Frame, Place, frames_of, place
 from tutorial_impl.testing.diagnose.userops import can_be, in_functional_wait, user_op
@@ -89,12 +90,7 @@ class Stranded:
             by_name.setdefault(rec.name + _at(rec), []).append(r)
         waits = "; ".join(f"{_ranks(rs)} {_verb(rs)} in {name}" for name, rs in by_name.items())
         who = "it" if len(self.left) > 1 else f"rank {next(iter(self.left))}"
-        when = (
-            f"ended when seen, not at the harness deadline of {deadline:g} s"
-            if early
-            else f"seen at the harness deadline of {deadline:g} s"
-        )
-        return f"{gone}; {waits}, which {who} never entered: a hang that cannot resolve ({when})"
+        return words.stranded(gone, waits, who, deadline, early)
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose.stacks import frames_of, place
 from tutorial_impl.testing.faults.plan import (
     ENV,
@@ -243,10 +244,7 @@ class Unfired:
         made = ", ".join(f"{op} {n}" for op, n in sorted(self.ops.items()))
         made = made or NO_COLLECTIVE
         named = ", ".join(f"{name!r} {n}" for name, n in sorted(self.steps.items())) or "none"
-        return (
-            f"{self.fault} did not fire on rank {self.rank}: {did}; its collectives: {made}; "
-            f"its steps: {named}"
-        )
+        return words.unfired(self.fault, self.rank, did, made, named)
 
 
 # A harness plan's fault the rank's own code armed away (``faults.group.init_process_group``
@@ -265,10 +263,7 @@ class FaultNotFired(AssertionError):
 
     def __init__(self, unfired: list[Unfired]) -> None:
         self.unfired = unfired
-        super().__init__(
-            "planned fault(s) did not fire (Fault(..., optional=True) if that may be so): "
-            + "; ".join(map(str, unfired))
-        )
+        super().__init__(words.not_fired(unfired))
 
 
 def _counted(fault: Fault, point: Point) -> str:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from tutorial_impl.testing import backends
+from tutorial_impl.testing import backends, words
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.verdict import agree
 from tutorial_impl.testing.verdict.decision import Finished, decide
@@ -81,7 +81,7 @@ def refusal(strategy: Strategy, call: Call) -> str | None:
 def refused(named: Sequence[str], strategy: str, why: Mapping[str, str]) -> str:
     """The sentence a refusal says: ``may_exit cannot be honoured in a warm world (...)``."""
     reasons = "; ".join(f"{name}: {why[name]}" for name in named)
-    return f"{', '.join(named)} cannot be honoured {WHERE.get(strategy, strategy)} ({reasons})"
+    return words.refused(named, WHERE.get(strategy, strategy), reasons)
 
 
 WHERE = {"warm": "in a warm world", "torchrun": "under torchrun"}  # for the sentence above

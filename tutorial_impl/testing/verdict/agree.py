@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.verdict import echo
 from tutorial_impl.testing.verdict.errors import (
@@ -111,10 +112,7 @@ def agree(warm: Verdict, fresh: Verdict) -> Verdict:
         return warm
     shown = ", ".join(str(x) for x in warm_verdict)
     fresh_shown = ", ".join(str(x) for x in fresh_verdict)
-    message = (
-        f"--warm-audit: the warm world's verdict ({shown}) differs from fresh ranks' "
-        f"({fresh_shown}): the test depends on state a warm world carried over"
-    )
+    message = words.audit_differs(shown, fresh_shown)
     outputs = getattr(warm.error, "outputs", {}) or {}
     error = WarmAuditError(message, outputs)
     error.__cause__ = warm.error or fresh.error

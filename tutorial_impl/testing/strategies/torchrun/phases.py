@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from _pytest._code.code import ReprFileLocation
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose import stacks
 from tutorial_impl.testing.settings.timing import COLLECT_TIMEOUT
 
@@ -124,7 +125,7 @@ def agree(
     silent = [r for r in range(world_size) if r not in got and r not in (lost or {})]
     if lost:
         ended = "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
-        headline = f"{ended} during the {mine.when} phase; the session stops here"
+        headline = words.phase_lost(ended, mine.when)
         if mine.outcome == "failed":  # its own failure names the rank gone, and why
             rep.sections.append(("the job", headline))
         else:
@@ -143,10 +144,7 @@ def _silent(
     """Ranks that did not answer in time: stuck, with where they were (rank 0 asks)."""
     where = {r: stacks_of(r) for r in silent} if rank == 0 else {}
     places = ", ".join(f"rank {r} {_place(text)}" for r, text in where.items())
-    headline = (
-        f"rank(s) {', '.join(map(str, silent))} did not finish the {mine.when} phase "
-        "within the harness deadline" + (f": {places}" if places else "")
-    )
+    headline = words.phase_unfinished(silent, mine.when, places)
     rep.outcome = "failed"
     if rank == 0:
         rep.longrepr = RemoteRepr(headline, headline)
@@ -204,21 +202,18 @@ def lockstep_problem(
     tests."""
     if lost:
         ended = "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
-        return (
-            f"{ended} in {mine.nodeid} ({mine.when}): the session stops here, and every "
-            "worker exits non-zero"
-        )
+        return f"{ended} in {mine.nodeid} ({mine.when}): {words.WORKERS_EXIT}"
     silent = [r for r in range(world_size) if r not in got]
     if silent:
         return (
             f"rank(s) {', '.join(map(str, silent))} stuck in {mine.nodeid} ({mine.when}) past "
-            "the harness deadline: the session stops here, and every worker exits non-zero"
+            f"the harness deadline: {words.WORKERS_EXIT}"
         )
     for r, v in sorted(got.items()):
         if (v.nodeid, v.when) != (mine.nodeid, mine.when):
             return (
                 f"rank {r} reported {v.nodeid} ({v.when}) while this rank reported "
-                f"{mine.nodeid} ({mine.when}): the ranks are out of lockstep; the session "
-                "stops here"
+                f"{mine.nodeid} ({mine.when}): the ranks are out of lockstep; "
+                f"{words.SESSION_STOPS}"
             )
     return None

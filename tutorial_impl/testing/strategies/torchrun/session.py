@@ -45,6 +45,7 @@ from typing import Any
 
 import pytest
 
+from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose import stacks
 from tutorial_impl.testing.rank import leftovers
 from tutorial_impl.testing.settings.timing import (
@@ -166,7 +167,7 @@ class LaunchedSession:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Any:
         if self._not_run(item):  # skipped on every rank (pytest's own skip: no fixture)
-            item.add_marker(pytest.mark.skip(reason=f"not run: {self.broken}"))
+            item.add_marker(pytest.mark.skip(reason=words.not_run(self.broken)))
             return (yield)
         with self._clock(item, "setup"):
             return (yield)
@@ -190,7 +191,7 @@ class LaunchedSession:
     @contextlib.contextmanager
     def _clock(self, item: pytest.Item, when: str) -> Iterator[None]:
         if self.stopping and when != "teardown":  # told to end between two phases: no
-            raise JobStopped(f"{self.stopping}; the session stops here")  # more test code
+            raise JobStopped(f"{self.stopping}; {words.SESSION_STOPS}")  # more test code
         limit = self._limit(item)
         self._phase = _Phase(self.seq + 1, limit, time.monotonic() + limit)
         try:
@@ -231,7 +232,7 @@ class LaunchedSession:
             self.job.channel.set("abort", self.stopping)
         threading.Thread(target=self._end_by, name="harness stop", daemon=True).start()
         if self._phase is not None:
-            raise JobStopped(f"{self.stopping}; the session stops here")
+            raise JobStopped(f"{self.stopping}; {words.SESSION_STOPS}")
 
     def _end_by(self) -> None:
         time.sleep(STOP_BUDGET)
