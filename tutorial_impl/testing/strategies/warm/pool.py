@@ -45,10 +45,10 @@ from tutorial_impl.testing import call as _call
 from tutorial_impl.testing.call import Call
 from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.rank import debugging as _debugging
+from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.rendezvous import AgentStore
 from tutorial_impl.testing.settings.timing import CHECK_DEADLINE
 from tutorial_impl.testing.strategies import supervise
-from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.strategies.warm import loop as warm_rank
 from tutorial_impl.testing.strategies.warm import summary
 from tutorial_impl.testing.strategies.warm.summary import FAILED, WarmStats
