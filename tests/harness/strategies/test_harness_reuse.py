@@ -247,6 +247,10 @@ LEFT = {
         lambda: setattr(Settings, "describe", lambda self: "patched"),
         "Settings (its contents)",
     ),
+    "torch's wrapper, no import": (
+        lambda: _wrap(torch.nn.functional, "silu", False, torchs=True),
+        "torch.nn.functional.silu was replaced (monkeypatched)",
+    ),
     "import wraps": (
         lambda: _wrap(torch.nn.functional, "gelu", True),  # a user's wrapper, not torch's
         "torch.nn.functional.gelu was replaced (monkeypatched)",
@@ -306,7 +310,7 @@ def left_behind(rank: int, world_size: int, repeat: int) -> dict[str, object]:
     chained.append(task.after_task())
     seen, entered, clock = {}, [], time.time
     call, describe = torch.nn.Module.__call__, Settings.describe
-    wait, gelu = dist.Work.wait, torch.nn.functional.gelu
+    wait, gelu, silu = dist.Work.wait, torch.nn.functional.gelu, torch.nn.functional.silu
     for case, do in {**HARMLESS, **{k: v[0] for k, v in LEFT.items()}}.items():
         task = reuse.Baseline()  # a world that found a problem is replaced: a new baseline
         task.before_task()
@@ -319,7 +323,7 @@ def left_behind(rank: int, world_size: int, repeat: int) -> dict[str, object]:
     time.time = clock
     del torch.Tensor.equal
     torch.nn.Module.__call__, Settings.describe = call, describe
-    dist.Work.wait, torch.nn.functional.gelu = wait, gelu
+    dist.Work.wait, torch.nn.functional.gelu, torch.nn.functional.silu = wait, gelu, silu
     return dict(seen=seen, cost=sorted(cost)[len(cost) // 2], chained=chained)
 
 

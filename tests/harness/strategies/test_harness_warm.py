@@ -357,10 +357,19 @@ def test_the_audit_lets_a_late_report_be_a_stop_but_no_other_difference():
         verdict = agree(Verdict(None, both), Verdict(None, _failed(fresh)))
         assert (verdict.error is both) == agrees, case
         assert agrees or isinstance(verdict.error, WarmAuditError), case
-    # Two stopped runs with nothing of their own in common are not the same failure.
+    # Two stopped runs with nothing of their own in common are not the same failure; nor a
+    # run with a failure of its own and one with none (a stop, a lost connection).
     crossed = _failed({0: raised("'k'"), 1: _o.Stopped(None)})
     other = _failed({0: _o.Stopped(None), 1: raised("'j'")})
-    assert isinstance(agree(Verdict(None, crossed), Verdict(None, other)).error, WarmAuditError)
+    closed = _o.Raised("RuntimeError", "Connection closed by peer [127.0.0.1]:1", "tb")
+    echoed = _failed({0: _o.Stopped(None), 1: closed})
+    for fresh in (other, echoed):
+        assert isinstance(agree(Verdict(None, crossed), Verdict(None, fresh)).error, WarmAuditError)
+    # An error without every rank's ending (no verdict made it) is compared as before.
+    from tutorial_impl.testing.verdict.errors import RankFailed
+
+    bare = RankFailed(1, "tb", "rank 1 raised KeyError: 'k'", {}, exc_type="KeyError")
+    assert isinstance(agree(Verdict(None, crossed), Verdict(None, bare)).error, WarmAuditError)
 
 
 def test_the_summary_counts_a_failed_test_once_and_a_caught_call_apart(tmp_path):
@@ -372,14 +381,19 @@ def test_the_summary_counts_a_failed_test_once_and_a_caught_call_apart(tmp_path)
     from tutorial_impl.testing.strategies.warm import summary
 
     pool = warm.WarmPool()
+    closed = []
 
     def world(n: int) -> warm.World:
-        return warm.World((n,), [], SimpleNamespace(close=lambda: None), tmp_path / str(n), [])
+        store = SimpleNamespace(close=lambda: closed.append(n))
+        return warm.World((n,), [], store, tmp_path / str(n), [])
 
     first, second = world(1), world(2)
-    pool._call_failed(first, skipped=False)  # a failed call ...
+    pool.worlds[first.key] = first
+    pool._call_failed(first, skipped=False)  # a failed call: its world is gone at once ...
+    assert pool.worlds == {} and closed == [1] and first.problem is None  # ... counted later
     pool.served += [first, second]  # ... and a world that served the same test
     pool.test_ended(failed=True)
+    assert (first.problem, second.problem) == (summary.FAILED, summary.FAILED_TOO)
     pool._call_failed(world(3), skipped=False)  # in pytest.raises: the test passes
     pool.test_ended(failed=False)
     pool._call_failed(world(4), skipped=True)  # every rank skipped

@@ -208,9 +208,9 @@ class WarmPool(OwnRanks):
         while self.worlds:
             _, world = self.worlds.popitem()
             world.close()
-        for world, _ in self.failed_calls:  # no test said how it ended: a script's calls
+        calls, self.failed_calls = self.failed_calls, []
+        for world, _ in calls:  # no test said how it ended: a script's calls
             self.retire(world, summary.CALL_FAILED)
-        self.failed_calls.clear()
         self.served.clear()
 
     def pids(self) -> list[int]:
