@@ -77,6 +77,7 @@ from tutorial_impl.testing.forkserver import server as forkserver
 from tutorial_impl.testing.rendezvous import INIT_METHODS
 from tutorial_impl.testing.settings import config as _config
 from tutorial_impl.testing.settings import matrix
+from tutorial_impl.testing.strategies import torchcase
 from tutorial_impl.testing.strategies.torchrun import launch as where
 from tutorial_impl.testing.strategies.warm.pool import WarmPool
 from tutorial_impl.testing.strategies.warm.summary import register as warm_summary
@@ -125,6 +126,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     preload.addini(parser)  # rank_preload, rank_preload_test_imports, rank_preload_exclude
     parser.addini("warm_worlds", _config.HELP_INI_WARM_WORLDS, type="bool", default=False)
+    torchcase.addoption(group, parser)  # --torch-harness, torch_harness: torch's classes
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists (launched ranks quiet it)
@@ -153,6 +155,7 @@ def pytest_configure(config: pytest.Config) -> None:
         debug_rank=config.getoption("--rank-pdb"),
     )
     config.stash[SESSION] = session
+    config.pluginmanager.register(torchcase, "tutorial-impl-torchcase")  # MultiProcessTestCase
     launch = _launch(config)
     if launch is not None:
         _join_the_job(config, session, launch)
