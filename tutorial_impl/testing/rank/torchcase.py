@@ -29,7 +29,6 @@ import multiprocessing
 import os
 import sys
 import traceback
-import unittest
 from typing import Any
 
 from tutorial_impl.testing.rank.lookup import FunctionRef, resolve
@@ -84,6 +83,8 @@ def exit_code(code: Any) -> int:
 def run_test(self: Any, test_name: str, parent_pipe: Any) -> None:
     """torch's ``MultiProcessTestCase.run_test``, but the body's exception is raised, not
     sent to the parent as text with exit code 10."""
+    import unittest  # here, not at the top: the plugin imports this module
+
     import torch.distributed as c10d
     from torch.testing._internal import common_utils
     from torch.testing._internal.common_distributed import TEST_SKIPS
