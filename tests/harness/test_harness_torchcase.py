@@ -193,6 +193,7 @@ def verdicts(result: pytest.RunResult) -> dict[str, tuple[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # ~40 s on a quiet 2-core machine; minutes when it is overloaded
 def test_an_unmodified_torch_class_runs_on_forked_ranks_with_torchs_verdicts(pytester):
     pytester.makepyfile(test_stranger=STRANGER, test_switch=SWITCH)
     result = pytester.runpytest_inprocess(*ARGS)
@@ -220,6 +221,7 @@ def test_an_unmodified_torch_class_runs_on_forked_ranks_with_torchs_verdicts(pyt
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two interpreters spawned: ~10 s quiet, minutes overloaded
 def test_switched_off_torchs_own_harness_gives_the_same_verdict(pytester):
     """The smallest slice both ways: torch spawns its interpreters and names process 1 too."""
     pytester.makepyfile(test_stranger=STRANGER)
