@@ -134,9 +134,20 @@ class Back(MultiProcessTestCase):
         super().setUp()
         self._spawn_processes()
 
+    def _check_return_codes(self, fn, elapsed_time):  # a class's own check is honoured
+        assert 0 <= elapsed_time < 600, elapsed_time
+        print(f"checked codes {[p.exitcode for p in self.processes]}")
+        super()._check_return_codes(fn, elapsed_time)
+
     def test_on_the_harness(self):
         import sys
         assert "tutorial_impl.testing.rank.main" in sys.modules
+
+
+class NeverSpawns(MultiProcessTestCase):  # its setUp never spawns: torch runs nothing, passes
+    @pytest.mark.torch_harness(False)
+    def test_not_run(self):
+        raise AssertionError("never runs: no rank was started")
 
 
 @pytest.mark.torch_harness(False)
@@ -214,6 +225,8 @@ def test_an_unmodified_torch_class_runs_on_forked_ranks_with_torchs_verdicts(pyt
     # The switch: the module is off, its class marked back on ran on forked ranks.
     assert got["test_on_the_harness"][0] == "passed"
     assert got["test_nothing_spawned"][0] == "passed"  # torch's harness: nothing was started
+    assert got["test_not_run"][0] == "passed"  # on the harness: nothing started either
+    assert "checked codes [0, 0, 0, 0]" in text  # Back's own check had the codes (world 4)
     assert re.search(r"TorchHarnessWarning: \S+test_nothing_spawned ran under torch's own "
                      r"harness: OwnSpawn defines _spawn_processes for itself", text)
     pids = [int(pytester.path.joinpath(f"pid-{r}").read_text()) for r in range(2)]
@@ -260,6 +273,16 @@ def _mark(*args, **kwargs):
 )
 def test_one_switch_for_a_class_a_file_or_the_session(item, off):
     assert torchcase._switched_off(item) is off
+
+
+@pytest.mark.parametrize(
+    ("marked", "option", "set_"), [(False, None, False), (True, None, True), (False, 30.0, True)]
+)
+def test_torchs_timeout_is_the_deadline_unless_the_user_gave_one(marked, option, set_):
+    marks = {"rank_timeout": _mark(30)} if marked else {}
+    config = types.SimpleNamespace(getoption={"--rank-timeout": option}.get)
+    item = types.SimpleNamespace(get_closest_marker=marks.get, config=config)
+    assert torchcase._deadline_set(item) is set_
 
 
 def test_what_cannot_run_here_is_named():
