@@ -443,6 +443,7 @@ PYTEST_SIDE = {
     "plugin",
     "fixtures",
     "forkserver.plan",
+    "torchcase",  # pytest's hooks for torch's MultiProcessTestCase classes
     "strategies.torchrun.phases",
     "strategies.torchrun.session",
     "strategies.torchrun.reporter",  # which rank writes the report and junit

@@ -61,7 +61,7 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing import backends, fixtures, words
+from tutorial_impl.testing import backends, fixtures, torchcase, words
 from tutorial_impl.testing.fixtures import (
     DEADLINE_CAP,
     SESSION,
@@ -124,6 +124,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     plan.addini(parser)  # rank_preload, rank_preload_test_imports, rank_preload_exclude
     parser.addini("warm_worlds", _config.HELP_INI_WARM_WORLDS, type="bool", default=False)
+    torchcase.addoption(group, parser)  # --torch-harness, torch_harness: torch's classes
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists (launched ranks quiet it)
@@ -151,6 +152,7 @@ def pytest_configure(config: pytest.Config) -> None:
         debug_rank=config.getoption("--rank-pdb"),
     )
     config.stash[SESSION] = session
+    config.pluginmanager.register(torchcase, "tutorial-impl-torchcase")  # MultiProcessTestCase
     launch = _launch(config)
     if launch is not None:
         _join_the_job(config, session, launch)

@@ -73,6 +73,9 @@ MARKERS = {
     "check_collectives": "check before every collective that all ranks call the same one "
     "(TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks): a mismatch fails in seconds, not at the "
     "deadline",
+    "torch_harness(enabled=True)": "run this module's or class's torch MultiProcessTestCase "
+    "tests under torch's own harness, not on the harness's ranks; torch_harness(False) puts "
+    "a class back",
 }
 # The markers, options and ini values that set no field of a call (``call.Source`` names the
 # ones that do): what each decides instead (a deprecated marker is its new name's). A test
@@ -89,6 +92,8 @@ NOT_A_CALL_FIELD = {
     "rank_preload_test_imports": "what the forkserver imports (preload)",
     "rank_preload_exclude": "what the forkserver imports (preload)",
     "rank_forkserver_early": "when the forkserver starts (forkserver.plan: with the session)",
+    "torch_harness": "whether torch's MultiProcessTestCase tests run here (torchcase)",
+    "--torch-harness": "whether torch's MultiProcessTestCase tests run here (torchcase)",
 }
 HELP_RANK_TIMEOUT = (
     "harness deadline in seconds for every multi-rank test without its own rank_timeout "
