@@ -102,7 +102,7 @@ def _under_torchrun(item: pytest.Item) -> bool:
     from tutorial_impl.testing.fixtures import SESSION
 
     session = item.config.stash.get(SESSION, None)
-    return session is not None and session.launched is not None
+    return session is not None and not session.own_ranks
 
 
 def cannot(cls: type, base: type, under_torchrun: bool) -> str | None:

@@ -16,11 +16,11 @@ import pickle
 
 import pytest
 
-from tutorial_impl.testing import proctable, run_ranks
+from tutorial_impl.testing import proctable, run_ranks, words
 from tutorial_impl.testing.diagnose import stacks as forensics
 from tutorial_impl.testing.diagnose.stacks import Place
 from tutorial_impl.testing.rank import outcome
-from tutorial_impl.testing.verdict import errors, words
+from tutorial_impl.testing.verdict import errors
 from tutorial_impl.testing.verdict.errors import RankCrashed, RankFailed, RankSkipped, RankXFailed
 
 # --- 1. outcomes and the exceptions built from them ------------------------------------------
