@@ -30,6 +30,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tutorial_impl.ddp import toy
 from tutorial_impl.ddp.fsdp_practice import counted
@@ -75,6 +76,26 @@ def gathers_in_forward(comms: CommDebugMode, model: nn.Sequential) -> list[int]:
     return found
 
 
+class ForwardOrder(TorchDispatchMode):
+    """The forward in order: ``("forward", i)`` as Linear ``i``'s forward starts (before
+    FSDP's own pre-forward hook), ``("gather", n)`` for each all-gather, ``n`` the elements
+    it gathers (each Linear's are a different number: which layer it was)."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(self.starting(i), prepend=True)
+
+    def starting(self, i: int):
+        return lambda module, args: self.events.append(("forward", i))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "allgather" in str(func):
+            self.events.append(("gather", args[0].numel()))  # the gathered output
+        return func(*args, **(kwargs or {}))
+
+
 def step(rank: int, size: int, x, y, prefetch: bool = False, checkpointed: bool = False) -> dict:
     """One SGD step of ``toy.mlp(0)`` under FSDP2 on this rank's share of ``(x, y)``: the
     all-gathers each Linear's forward issued, the collectives in all, the elements of the
@@ -86,13 +107,15 @@ def step(rank: int, size: int, x, y, prefetch: bool = False, checkpointed: bool 
         saved.append(tensor.numel())
         return tensor
 
+    order = ForwardOrder(linears(model))
     with CommDebugMode() as comms:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), order:
             loss = F.mse_loss(model(toy.shard(x, rank, size)), toy.shard(y, rank, size))
         loss.backward()
     toy.plain_sgd_step(model)
     return {
         "gathers_in_forward": gathers_in_forward(comms, model),
+        "forward_order": order.events,
         "comms": counted(comms),
         "saved": sum(saved),
         "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
@@ -106,7 +129,7 @@ def demo(rank: int, size: int) -> None:
         print_line(
             f"rank {rank} prefetch={prefetch} checkpointed={checkpointed}: all-gathers in each "
             f"Linear's forward {seen['gathers_in_forward']}, {seen['saved']} elements saved "
-            f"for the backward, {seen['comms']}"
+            f"for the backward, {seen['comms']}; in order: {seen['forward_order']}"
         )
 
 
