@@ -23,7 +23,7 @@ EXPLAINED = {
     ),
     r"Full backward hook is firing when gradients are computed with respect to module "
     r"outputs since no inputs require gradients": (
-        "lessons D16 and D17 count collectives with CommDebugMode, which tracks modules with "
+        "lessons D16, D17 and D19 count collectives with CommDebugMode, which tracks modules with "
         "backward hooks; their inputs (token ids, a batch) need no gradient"
     ),
 }

@@ -1,19 +1,24 @@
-"""1. Setup (the run template) and 5.2 initialization methods.
+"""T1. Setup: N processes, one group (the tutorial's 1. Setup and 5.2 Initialization Methods).
 
-The tutorial claims that ``init_process`` (set the rendezvous address, ``init_process_group``,
-run ``fn``) started once per rank gives every process a place in one group, and that a
-group can be found three ways: ``env://``, ``tcp://`` and ``file://``. This module proves it:
-``init_methods.run`` all-reduces rank + 1, so a rank that did not join (or joined another
-group) returns a wrong sum, and every rank's sum is checked against the closed form.
+The idea. You start the same function once per process, each told its rank and the world
+size. ``dist.init_process_group`` makes them meet at a *rendezvous* (an address every one of
+them knows) and from then on they are one group: a collective needs every rank of it. The
+tutorial's template does exactly that (``init_process``: set the rendezvous address, join,
+run ``fn``), and 5.2 names three ways to find the rendezvous: ``env://`` (variables),
+``tcp://HOST:PORT`` and ``file://PATH``.
+
+The proof is one all-reduce. Each rank contributes ``rank + 1``; after ``all_reduce`` every
+rank must hold 1 + 2 + ... + N. A rank that did not join, or joined another group, cannot
+hold that sum, so checking every rank's sum against the closed form checks the group.
 
 Read in this order:
 
-1. ``test_the_tutorials_run_py_as_written``: the tutorial's own ``run.py``, spawn and all.
-2. ``init_process`` and the three init methods, started through the harness; for
-   ``env://`` the rank sets every variable it reads itself (``join_through_env_set_here``).
-3. The CLI: ``python -m tutorial_impl setup`` and its answers to bad input.
-4. Backends this machine may not have (MPI, a GPU per NCCL rank), refused clearly.
-5. Ctrl-C stops a demo and every one of its ranks.
+1. The idea, proven: ``init_process`` over three ranks, then each init method.
+2. The tutorial's own ``run.py``, spawn and all, as you would run it.
+3. The CLI (``python -m tutorial_impl setup``) and its answers to bad input; backends this
+   machine may not have (XCCL, MPI, a GPU per NCCL rank), refused clearly; Ctrl-C.
+4. At the bottom, how the suite runs ``run.py`` and hosts the rendezvous (machinery: you
+   need not read it to follow the lesson).
 """
 
 from __future__ import annotations
@@ -37,26 +42,51 @@ from tutorial_impl.dist_tuto import init_methods, p2p
 from tutorial_impl.dist_tuto.process import init_process, rank_device, select_gpu
 from tutorial_impl.testing import proctable
 
+# ---- The idea: one group, proven by one all-reduce ----------------------------------------
 
-def run_py_as_a_script(rank: int, size: int, port: int) -> tuple[str | None, list[int | None]]:
-    """``python -m tutorial_impl.dist_tuto.run``, in this rank: run.py's ``__main__`` block, run
-    by ``runpy`` as ``-m`` runs it. Returns the start method it chose for its processes and
-    the exit status of each process it started.
 
-    The rendezvous is the store the test hosts on a port the kernel picked, handed over as
-    torchrun would (``MASTER_PORT`` plus ``TORCHELASTIC_USE_AGENT_STORE``), instead of hoping
-    29500 is free; the spawned ranks inherit this environment.
+@pytest.mark.world_size(3)
+def test_init_process_runs_fn_in_a_group_on_every_rank(run_ranks):
+    """The template: ``init_process(rank, size, run)`` in three processes. ``run`` all-reduces
+    ``rank + 1``, so all three ranks must now hold 1 + 2 + 3 = 6, and each must know its own
+    rank and the world size."""
+    # backend=None: the ranks start bare, and init_process makes the group, as in run.py.
+    results = run_ranks(init_process, init_methods.run, "gloo", backend=None)
+    assert results == [
+        {"rank": r, "world_size": 3, "backend": "gloo", "sum": 6.0} for r in range(3)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["tcp", "file"])
+def test_each_init_method_forms_a_working_group(run_ranks, tmp_path, kind):
+    """The rank calls init_process_group itself with tcp://HOST:PORT or file://."""
+    results = run_ranks(init_methods.join_with, kind, str(tmp_path), world_size=3, backend=None)
+    assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    urls = {r["init_method"] for r in results}
+    assert len(urls) == 1 and urls.pop().startswith(f"{kind}://")  # one rendezvous for all
+
+
+@pytest.mark.world_size(3)
+def test_env_init_reads_the_variables_the_rank_set(run_ranks):
+    """env:// found the group through the variables each rank set itself (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: ``join_through_env_set_here``, below).
+
+    The ranks came from its ``RANK``: harness rank r is group rank 2 - r. The rendezvous
+    was at its ``MASTER_PORT``: the store this test hosts on a port the kernel picked held
+    no keys before the run, and the group's keys (the ranks' addresses) after it. And the
+    group works: every rank's all_reduce of rank + 1 gives 1 + 2 + 3.
     """
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # A fresh interpreter has chosen no start method yet; this rank was given its test
-    # process's (which another test may have fixed): back to none, as run.py expects.
-    multiprocessing.set_start_method(None, force=True)
-    script = runpy.run_module("tutorial_impl.dist_tuto.run", run_name="__main__", alter_sys=True)
-    chosen = multiprocessing.get_start_method(allow_none=True)
-    return chosen, [p.exitcode for p in script["processes"]]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert store.num_keys() == 0
+    results = run_ranks(join_through_env_set_here, store.port, backend=None)
+    assert [r["rank"] for r in results] == [2, 1, 0]
+    assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
+    assert {r["init_method"] for r in results} == {"env://"}
+    assert store.num_keys() > 0  # the ranks met here, not at the harness's store
+
+
+# ---- The tutorial's run.py, as written --------------------------------------------------
 
 
 @pytest.mark.slow
@@ -85,58 +115,15 @@ def test_the_tutorials_run_py_as_written(run_ranks):
     assert "tensor(0.)" not in out  # the receiver's zeros were overwritten by recv
 
 
+# ---- Refusals, the harness's option, the launcher and the CLI ---------------------------
+
+
 def test_a_rank_without_a_gpu_of_its_own_is_refused(monkeypatch):
     """NCCL needs one GPU per rank on a node; wrapping around would share one. Refused,
     naming both counts (a node with 2 GPUs, asked for local rank 2)."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"local rank 2 needs its own GPU, .* has 2 GPU\(s\)"):
         select_gpu(2)
-
-
-@pytest.mark.world_size(3)
-def test_init_process_runs_fn_in_a_group_on_every_rank(run_ranks):
-    # backend=None: the ranks start bare, and init_process makes the group, as in run.py.
-    results = run_ranks(init_process, init_methods.run, "gloo", backend=None)
-    assert results == [
-        {"rank": r, "world_size": 3, "backend": "gloo", "sum": 6.0} for r in range(3)
-    ]
-
-
-def join_through_env_set_here(rank: int, size: int, port: int) -> dict[str, object]:
-    """``env://``, with every variable it reads set right here, as the template sets them.
-
-    ``init_process_group("gloo", init_method="env://")`` takes no rank and no world size:
-    it reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``. The tutorial's
-    template sets the first two in ``init_process``; torchrun sets all four. We set all four,
-    overwriting what the harness gave this process, and number the ranks backwards
-    (``RANK = size - 1 - rank``) so that the group's ranks can only have come from here.
-    """
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)  # the store the test hosts, on a port it was given
-    # Connect to that store as a client, as torchrun's workers connect to their agent's,
-    # instead of rank 0 starting one (the tutorial's rank 0 hosts it on 29500).
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    os.environ["WORLD_SIZE"] = str(size)
-    os.environ["RANK"] = str(size - 1 - rank)
-    return init_methods.join_with(rank, size, "env", shared_dir="")
-
-
-@pytest.mark.world_size(3)
-def test_env_init_reads_the_variables_the_rank_set(run_ranks):
-    """env:// found the group through the variables ``join_through_env_set_here`` set.
-
-    The ranks came from its ``RANK``: harness rank r is group rank 2 - r. The rendezvous
-    was at its ``MASTER_PORT``: the store this test hosts on a port the kernel picked held
-    no keys before the run, and the group's keys (the ranks' addresses) after it. And the
-    group works: every rank's all_reduce of rank + 1 gives 1 + 2 + 3.
-    """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    assert store.num_keys() == 0
-    results = run_ranks(join_through_env_set_here, store.port, backend=None)
-    assert [r["rank"] for r in results] == [2, 1, 0]
-    assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
-    assert {r["init_method"] for r in results} == {"env://"}
-    assert store.num_keys() > 0  # the ranks met here, not at the harness's store
 
 
 def barrier_warnings(rank: int, size: int) -> dict[str, object]:
@@ -156,16 +143,6 @@ def test_init_process_binds_each_nccl_rank_to_its_own_gpu(run_ranks):
     "barrier(): using the device under current context")."""
     results = run_ranks(init_process, barrier_warnings, "nccl", backend=None)
     assert results == [{"device": f"cuda:{r}", "barrier_warnings": []} for r in range(2)]
-
-
-@pytest.mark.parametrize("kind", ["tcp", "file"])
-def test_each_init_method_forms_a_working_group(run_ranks, tmp_path, kind):
-    """The rank calls init_process_group itself with tcp://HOST:PORT or file://."""
-    results = run_ranks(init_methods.join_with, kind, str(tmp_path), world_size=3, backend=None)
-    assert [r["sum"] for r in results] == [6.0, 6.0, 6.0]
-    assert [r["rank"] for r in results] == [0, 1, 2]
-    urls = {r["init_method"] for r in results}
-    assert len(urls) == 1 and urls.pop().startswith(f"{kind}://")  # one rendezvous for all
 
 
 @pytest.mark.parametrize("kind", ["tcp", "file"])
@@ -309,3 +286,48 @@ def test_ctrl_c_stops_a_demo_and_every_rank():
         if proc.poll() is None or proctable.session_members(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+# ---- Machinery: how the suite runs run.py and hosts the rendezvous -----------------------
+# The tests above start ranks with the harness (``run_ranks``), which forks them and hands
+# each the rendezvous variables. Two of them need more, kept here so the lesson reads first.
+
+
+def run_py_as_a_script(rank: int, size: int, port: int) -> tuple[str | None, list[int | None]]:
+    """``python -m tutorial_impl.dist_tuto.run``, in this rank: run.py's ``__main__`` block, run
+    by ``runpy`` as ``-m`` runs it. Returns the start method it chose for its processes and
+    the exit status of each process it started.
+
+    The rendezvous is the store the test hosts on a port the kernel picked, handed over as
+    torchrun would (``MASTER_PORT`` plus ``TORCHELASTIC_USE_AGENT_STORE``), instead of hoping
+    29500 is free; the spawned ranks inherit this environment.
+    """
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    # A fresh interpreter has chosen no start method yet; this rank was given its test
+    # process's (which another test may have fixed): back to none, as run.py expects.
+    multiprocessing.set_start_method(None, force=True)
+    script = runpy.run_module("tutorial_impl.dist_tuto.run", run_name="__main__", alter_sys=True)
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    return chosen, [p.exitcode for p in script["processes"]]
+
+
+def join_through_env_set_here(rank: int, size: int, port: int) -> dict[str, object]:
+    """``env://``, with every variable it reads set right here, as the template sets them.
+
+    ``init_process_group("gloo", init_method="env://")`` takes no rank and no world size:
+    it reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``. The tutorial's
+    template sets the first two in ``init_process``; torchrun sets all four. We set all four,
+    overwriting what the harness gave this process, and number the ranks backwards
+    (``RANK = size - 1 - rank``) so that the group's ranks can only have come from here.
+    """
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)  # the store the test hosts, on a port it was given
+    # Connect to that store as a client, as torchrun's workers connect to their agent's,
+    # instead of rank 0 starting one (the tutorial's rank 0 hosts it on 29500).
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    os.environ["WORLD_SIZE"] = str(size)
+    os.environ["RANK"] = str(size - 1 - rank)
+    return init_methods.join_with(rank, size, "env", shared_dir="")

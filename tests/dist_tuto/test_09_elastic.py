@@ -1,26 +1,34 @@
-"""Elastic recovery: a job that loses a worker and ends as if it never had
+"""T9. Elastic recovery: a job that loses a worker and ends as if it never had
 (``tutorial_impl/dist_tuto/elastic.py``).
 
-What torchrun does when a worker dies. ``torchrun --max-restarts 1`` watches its workers;
-when one exits with an error (here: killed), its agent stops the others and starts all of
-them again, a new *attempt* (``TORCHELASTIC_RESTART_COUNT`` one higher), with the same
-command and environment. The new workers are new processes: nothing of the old ones'
-memory survives. So what an elastic restart resumes from is what the old workers left on
-disk: the lesson saves a ``torch.distributed.checkpoint`` after every step (the model, the
+The idea. When a worker of a ``torchrun --max-restarts 1`` job dies, torchrun's agent stops
+the others and starts all of them again: a new *attempt* (``TORCHELASTIC_RESTART_COUNT`` one
+higher), with the same command. The new workers are new processes: nothing of the old ones'
+memory survives, so what a restart resumes from is what the old workers left on disk. The
+lesson's ``train`` saves a ``torch.distributed.checkpoint`` after every step (the model, the
 optimizer's momentum, the step) and, when it starts, loads the newest *complete* one.
 
-The claim: a DDP job whose rank 1 is killed inside step 3's all_reduce is restarted once,
-resumes after step 2 (its last complete checkpoint), trains steps 3, 4 and 5, and ends with
-exactly the parameters of a run that was never interrupted: bit for bit, not merely close.
-Nothing else would do: the resumed run replays no step and skips none, and its optimizer
-carries on with the momentum it had, so every float it computes is the float the
+The claim: such a job, stopped after step 2 and started again, trains steps 3, 4 and 5 and
+ends with exactly the parameters of a run that was never interrupted: bit for bit, not
+merely close. Nothing else would do: the resumed run replays no step and skips none, and its
+optimizer carries on with the momentum it had, so every float it computes is the float the
 uninterrupted run computed.
 
-The job is a learner's command line:
+Read in this order:
+
+1. ``test_a_stopped_job_resumes_from_its_checkpoint_bit_for_bit``: the idea in plain torch.
+   Two ranks train one step and stop; a new model and optimizer (all ``train`` builds
+   anew, so only the files carry over) resume and train steps 2 and 3; an uninterrupted
+   run trains 3 steps. Both ranks must now hold the same parameters as that run.
+2. ``test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted``: the real thing,
+   a learner's command line, rank 1 killed inside step 3's all_reduce, torchrun restarting
+   both workers as new processes:
 
     TUTORIAL_IMPL_FAULTS=<the plan> torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
         -m tutorial_impl.testing.fault_launch -m tutorial_impl.dist_tuto.elastic \\
         --backend faulty --steps 5 --ckpt-dir CKPT --out FINAL
+
+3. At the bottom, the machinery of that job (you need not read it to follow the lesson).
 
 How the worker dies: no ``os._exit`` in the lesson's code. The launcher
 (``tutorial_impl/testing/fault_launch.py``) registers the ``"faulty"`` backend (gloo, with
@@ -75,47 +83,38 @@ LINE = re.compile(r"^Rank (\d) attempt (\d): (.*)$", re.MULTILINE)
 FIRED = re.compile(r"injected fault on rank (\d) at (all_reduce #\d+): Kill\(\)")
 
 
-def command(tmp: str) -> list[str]:
-    """The learner's command line, after ``torchrun`` (``python -m torch.distributed.run``),
-    with what the suite adds: ``--monitor-interval=0.1`` (notice the death sooner),
-    ``--start-method=fork`` (see the module's docstring), and ``--redirects=3`` (each
-    worker's stdout and stderr to files of their own, one directory per attempt)."""
-    flags = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
-    flags += ["--start-method=fork", "--redirects=3", f"--log-dir={tmp}/logs"]
-    flags += ["-m", "tutorial_impl.testing.fault_launch", "-m", "tutorial_impl.dist_tuto.elastic"]
-    flags += ["--backend=faulty", f"--steps={STEPS}"]
-    return flags + [f"--ckpt-dir={tmp}/ckpt", f"--out={tmp}/final.pt"]
+# ---- The idea: a restart knows only the files, and that is enough ----------------------
 
 
-# What a forked worker runs in place of ``python -u -m tutorial_impl.testing.fault_launch -m
-# MODULE ARGS``: ``fault_launch.call_main(MODULE, *ARGS)``.
-LAUNCHER = Entry(("-u", "-m", fault_launch.__name__, "-m"), fault_launch.call_main)
+def stopped_and_resumed(rank: int, world_size: int, tmp: str) -> tuple[dict, dict]:
+    """In each rank, plain torch (the harness made the gloo group): a job that stops after
+    step 1, the same job started again on its checkpoints, and a job never interrupted.
+    (Three steps, not the five of the job below: the idea needs no more, and CPU is dear.)"""
+    elastic.train(rank, world_size, 1, f"{tmp}/job")  # attempt 0: saves step 1, stops
+    # Attempt 1: ``train`` builds a new DDP model and a new optimizer (no momentum yet): all
+    # it can resume from is the newest complete checkpoint in the directory.
+    resumed = elastic.train(rank, world_size, 3, f"{tmp}/job")
+    return resumed, elastic.train(rank, world_size, 3, f"{tmp}/never")
 
 
-def uninterrupted(rank: int, world_size: int, ckpt_dir: str) -> tuple[dict, list[list[str]]]:
-    """The lesson's ``train``, never interrupted, on the same backend (nothing armed); and
-    each step's collectives, as the faulty group counted them (cut at each checkpoint)."""
-    faulty_group.init_process_group(rank, world_size, plan=())  # env:// from run_ranks
-    start, ends, save = len(faults.INJECTOR.history), [], dcp.save
-
-    def save_and_mark(*args, **kwargs):
-        save(*args, **kwargs)
-        ends.append(len(faults.INJECTOR.history))
-
-    try:
-        with mock.patch.object(dcp, "save", save_and_mark):
-            params = elastic.train(rank, world_size, STEPS, ckpt_dir)
-    finally:
-        dist.destroy_process_group()
-    history = [str(point) for point in faults.INJECTOR.history]
-    return params, [history[a:b] for a, b in zip([start, *ends], ends, strict=False)]
+def test_a_stopped_job_resumes_from_its_checkpoint_bit_for_bit(run_ranks, tmp_path):
+    results = run_ranks(stopped_and_resumed, str(tmp_path))
+    for rank, (resumed, never) in enumerate(results):
+        # Both ranks must now hold the uninterrupted run's parameters, bit for bit.
+        assert sorted(resumed) == sorted(never)
+        for name, tensor in never.items():
+            assert torch.equal(resumed[name], tensor), f"rank {rank}: {name} differs"
+        # And the restart did resume: it started after step 1 and saved only 2 and 3.
+        lines = [text for r, _, text in LINE.findall(results.outputs[rank]) if int(r) == rank]
+        assert lines[:2] == ["starting after step 0", "step 1 saved"], lines
+        assert lines[2:5] == ["starting after step 1", "step 2 saved", "step 3 saved"], lines
+    # The equality says something: the three steps moved every parameter.
+    with torch.random.fork_rng():  # make_model seeds the global generator: not ours to move
+        start = dict(elastic.make_model().named_parameters())
+    assert all(not torch.equal(start[n], t) for n, t in results[0][1].items())
 
 
-def faulted_job(rank: int, world_size: int, tmp: str):
-    """The command, with the plan in its environment (every worker inherits it), run by
-    torchrun's agent in this rank."""
-    os.environ.update({ENV: encode(PLAN), "OMP_NUM_THREADS": "1"})
-    return torchrun_with_forked_workers(command(tmp), LAUNCHER, f"{tmp}/pids")
+# ---- The real thing: torchrun restarts a job whose worker was killed -------------------
 
 
 @pytest.mark.slow
@@ -185,19 +184,6 @@ def test_a_job_killed_in_step_3_resumes_and_ends_as_if_never_interrupted(run_ran
     assert all(not torch.equal(start[name], tensor) for name, tensor in expected.items())
 
 
-def said(tmp: Path, rank: int, attempt: int, stream: str = "stdout") -> str:
-    """What worker ``rank`` of ``attempt`` wrote: the agent redirects each to its files."""
-    (path,) = tmp.glob(f"logs/*/attempt_{attempt}/{rank}/{stream}.log")
-    return path.read_text()
-
-
-def lesson_lines(tmp: Path, rank: int, attempt: int) -> list[str]:
-    """The lesson's own lines of worker ``rank`` in ``attempt``, in order."""
-    found = LINE.findall(said(tmp, rank, attempt))
-    assert {(int(r), int(a)) for r, a, _ in found} <= {(rank, attempt)}, found
-    return [text for _, _, text in found]
-
-
 def test_the_launcher_runs_a_module_under_torchrun_only(monkeypatch, capsys):
     """``fault_launch`` needs ``-m MODULE``, and the rank torchrun gives its worker: a plan
     is armed for a rank, and a process no agent started has none. Given both, it runs
@@ -221,3 +207,64 @@ def test_the_launcher_runs_a_module_under_torchrun_only(monkeypatch, capsys):
     assert "February 2024" in out and "29" in out.split()  # a leap year's February
     assert sys.argv[1:] == ["2024", "2"] and registered == [True]
     assert err.strip() == fault_launch.NOT_ARMED.format(attempt=1)
+
+
+# ---- Machinery: the faulted job's command, launcher, reference and logs -----------------
+# The lesson above needs none of this to be read; it is how the suite kills a worker at a
+# chosen collective and runs torchrun's agent cheaply.
+
+
+def command(tmp: str) -> list[str]:
+    """The learner's command line, after ``torchrun`` (``python -m torch.distributed.run``),
+    with what the suite adds: ``--monitor-interval=0.1`` (notice the death sooner),
+    ``--start-method=fork`` (see the module's docstring), and ``--redirects=3`` (each
+    worker's stdout and stderr to files of their own, one directory per attempt)."""
+    flags = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
+    flags += ["--start-method=fork", "--redirects=3", f"--log-dir={tmp}/logs"]
+    flags += ["-m", "tutorial_impl.testing.fault_launch", "-m", "tutorial_impl.dist_tuto.elastic"]
+    flags += ["--backend=faulty", f"--steps={STEPS}"]
+    return flags + [f"--ckpt-dir={tmp}/ckpt", f"--out={tmp}/final.pt"]
+
+
+# What a forked worker runs in place of ``python -u -m tutorial_impl.testing.fault_launch -m
+# MODULE ARGS``: ``fault_launch.call_main(MODULE, *ARGS)``.
+LAUNCHER = Entry(("-u", "-m", fault_launch.__name__, "-m"), fault_launch.call_main)
+
+
+def uninterrupted(rank: int, world_size: int, ckpt_dir: str) -> tuple[dict, list[list[str]]]:
+    """The lesson's ``train``, never interrupted, on the same backend (nothing armed); and
+    each step's collectives, as the faulty group counted them (cut at each checkpoint)."""
+    faulty_group.init_process_group(rank, world_size, plan=())  # env:// from run_ranks
+    start, ends, save = len(faults.INJECTOR.history), [], dcp.save
+
+    def save_and_mark(*args, **kwargs):
+        save(*args, **kwargs)
+        ends.append(len(faults.INJECTOR.history))
+
+    try:
+        with mock.patch.object(dcp, "save", save_and_mark):
+            params = elastic.train(rank, world_size, STEPS, ckpt_dir)
+    finally:
+        dist.destroy_process_group()
+    history = [str(point) for point in faults.INJECTOR.history]
+    return params, [history[a:b] for a, b in zip([start, *ends], ends, strict=False)]
+
+
+def faulted_job(rank: int, world_size: int, tmp: str):
+    """The command, with the plan in its environment (every worker inherits it), run by
+    torchrun's agent in this rank."""
+    os.environ.update({ENV: encode(PLAN), "OMP_NUM_THREADS": "1"})
+    return torchrun_with_forked_workers(command(tmp), LAUNCHER, f"{tmp}/pids")
+
+
+def said(tmp: Path, rank: int, attempt: int, stream: str = "stdout") -> str:
+    """What worker ``rank`` of ``attempt`` wrote: the agent redirects each to its files."""
+    (path,) = tmp.glob(f"logs/*/attempt_{attempt}/{rank}/{stream}.log")
+    return path.read_text()
+
+
+def lesson_lines(tmp: Path, rank: int, attempt: int) -> list[str]:
+    """The lesson's own lines of worker ``rank`` in ``attempt``, in order."""
+    found = LINE.findall(said(tmp, rank, attempt))
+    assert {(int(r), int(a)) for r, a, _ in found} <= {(rank, attempt)}, found
+    return [text for _, _, text in found]
