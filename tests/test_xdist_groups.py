@@ -106,9 +106,12 @@ def test_without_xdist_the_group_marker_is_still_known(pytester: pytest.Pytester
 def test_the_dearest_tests_come_first_a_group_by_its_sum(pytester: pytest.Pytester) -> None:
     """The order the root conftest gives (serially it is the run's order): the tests the
     costs file names, dearest first, a group at the sum of its tests' costs with all of
-    them; the rest as collected. In-process: the order needs no xdist."""
+    them; then the other slow tests; the rest as collected. In-process: the order needs no
+    xdist."""
     pytester.makeconftest(root_conftest())
-    pytester.makepyfile(test_one=TESTS)
+    pytester.makepyfile(
+        test_one=TESTS, test_two="import pytest\n\n@pytest.mark.slow\ndef test_s(): pass\n"
+    )
     costs = {
         "test_one.py::test_alone[4]": 3.0,
         "test_one.py::test_grouped[0]": 1.0,  # the group: 2.5, between the alone ones
@@ -123,9 +126,10 @@ def test_the_dearest_tests_come_first_a_group_by_its_sum(pytester: pytest.Pytest
         "alone[4]", "grouped[0]", "grouped[1]", "grouped[2]", "alone[2]",
         "alone[0]", "alone[1]", "alone[3]", "alone[5]",
     )]  # fmt: skip
-    assert order == expected, result.stdout.str()
-    # Without the file (a project that never profiled), the collection order.
+    slow = "test_two.py::test_s"  # named by no figure, marked slow: before the other unnamed
+    assert order == [*expected[:5], slow, *expected[5:]], result.stdout.str()
+    # Without the file (a project that never profiled): slow first, then collection order.
     (pytester.path / ".ci" / "suite_order.json").write_text("not json")
     result = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", *NO_PLUGIN)
     order = [line for line in result.stdout.lines if "::" in line]
-    assert order == sorted(expected, key=lambda t: ("alone" in t, t)), result.stdout.str()
+    assert order == [slow, *sorted(expected, key=lambda t: ("alone" in t, t))], result.stdout.str()
