@@ -8,16 +8,21 @@ Our own subprocesses (torchrun, the CLI demos) get the DNS workaround the harnes
 its own processes (``rendezvous.avoid_reverse_dns_stalls``) through the environment.
 
 Scheduling under ``pytest -n auto`` (this suite's own, nothing a user of the plugin gets):
-the tests marked ``slow`` (seconds each: torchrun jobs, pytest runs in a subprocess) are
-collected first, and xdist hands out tests one at a time (``--maxschedchunk 1`` unless given),
-so the long tests start at once, on whichever worker is free, and the hundreds of short
-ones fill in behind them: the workers end together. xdist's default hands each worker a
+the dearest tests are collected first, by the CPU the last serial profile measured
+(``.ci/suite_order.json``, every test over 0.5 s, written by ``.ci/suite_profile.py
+--update``; a group at its tests' sum), then the other tests marked ``slow`` (seconds each:
+torchrun jobs, pytest runs in a subprocess), and xdist hands out tests one at a time
+(``--maxschedchunk 1`` unless given), so the long tests start at once, on whichever worker is
+free, and the hundreds of short ones fill in behind them: the workers end together. (The
+``slow`` marker alone left 5-s tests it does not carry, D11's and D13's, warm worlds' reset,
+to start among the short ones, in collection order.) xdist's default hands each worker a
 quarter of its share in one consecutive chunk, which left a long test to start near the
 end on one worker while the other sat idle (14 s of 82 in one measured run).
 The scheduler is xdist's ``loadgroup`` (unless ``--dist`` is given): the same one-at-a-time
 hand-out, except that tests marked ``xdist_group("name")``, which share one expensive run
 (a module-scoped fixture, each claim its own test), go to one worker together (the workers
-are told, and the group tag kept on pytest 9.2: ``tests/test_xdist_groups.py``).
+are told, and the group tag kept on pytest 9.2: ``tests/test_xdist_groups.py``), and xdist's
+reorder of groups by their number of tests is off, so a group goes out where its cost says.
 
 ``-n auto`` starts two workers more than there are cores (4 on this 2-core machine): a worker
 spends part of a test waiting (for its ranks to start and rendezvous, for a deadline, a group
@@ -91,6 +96,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # with the chunk of 1 above does. Only when -n chose "load" and no --dist was given.
     if getattr(config.option, "dist", None) == "load" and not _dist_given(config):
         config.option.dist = "loadgroup"
+        # xdist's default for it hands out first the groups with the most tests, whatever
+        # they cost; the order of ``pytest_collection_modifyitems`` below (dearest first) is
+        # the one to keep.
+        config.option.loadscopereorder = False
     # A worker parses only the command line, so it does not see the switch above: without
     # ``loadgroup`` set here it would not tag its tests with their group, and the
     # controller would hand a group's tests out one by one (seen: a module's tests on two
@@ -112,13 +121,54 @@ def _dist_given(config: pytest.Config) -> bool:
     return any(str(w) == "-d" or str(w).startswith("--dist") for w in words)
 
 
+COSTS = ".ci/suite_order.json"  # test id -> CPU seconds, the dear ones (suite_profile --update)
+
+
 @pytest.hookimpl(trylast=True)  # after xdist's worker has tagged each test with its group
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Slow tests first, each group in collection order (a stable sort); every xdist worker
-    # sorts the same way, so their collections still agree.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Dearest first, by the last serial profile's CPU (a group: its tests' sum, so that it
+    # goes out where its cost says), then the other slow tests, then the rest, each in
+    # collection order (a stable sort); every xdist worker sorts the same way, so their
+    # collections still agree.
+    costs = _measured_costs(config.rootpath / COSTS)
+    groups: dict[str, float] = {}
+    for item in items:
+        if (group := _group(item)) is not None:
+            groups[group] = groups.get(group, 0.0) + costs.get(_plain_id(item, group), 0.0)
+
+    def key(item: pytest.Item) -> tuple[float, bool]:
+        group = _group(item)
+        cost = groups[group] if group is not None else costs.get(item.nodeid, 0.0)
+        return -cost, item.get_closest_marker("slow") is None
+
+    items.sort(key=key)
     for item in items:
         _keep_group_tag(item)
+
+
+def _measured_costs(path) -> dict[str, float]:  # noqa: ANN001 - a pathlib.Path
+    """The file's figures; none (collection order, slow first) where it is missing or bad."""
+    import json
+
+    try:
+        costs = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(costs, dict):
+        return {}
+    return {k: float(v) for k, v in costs.items() if isinstance(v, (int, float))}
+
+
+def _plain_id(item: pytest.Item, group: str) -> str:
+    """The test's id without xdist's ``@group`` tag (a pytest that reads ``_nodeid``)."""
+    return item.nodeid.removesuffix(f"@{group}")
+
+
+def _group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return None
+    return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
 
 
 def _keep_group_tag(item: pytest.Item) -> None:

@@ -196,6 +196,17 @@ def budget_report(mods: dict[str, dict], budget: dict[str, float], grow: float, 
     return flagged
 
 
+ORDER = ".ci/suite_order.json"  # the root conftest hands the dearest tests out first
+DEAR = 0.5  # seconds of CPU: the tests the order file names (the rest keep their order)
+
+
+def write_order(rows: list[dict], path: Path) -> int:
+    """Each test's CPU over ``DEAR``, dearest first, for ``pytest -n``'s order; how many."""
+    dear = sorted((r for r in rows if r["cpu"] >= DEAR), key=lambda r: -r["cpu"])
+    path.write_text(json.dumps({r["test"]: round(r["cpu"], 2) for r in dear}, indent=1) + "\n")
+    return len(dear)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=20)
@@ -239,6 +250,8 @@ def main(argv: list[str]) -> int:
                 + "\n"
             )
             print(f"suite_profile: wrote {len(mods)} modules' CPU to {path}")
+            order = write_order(rows, ROOT / ORDER)
+            print(f"suite_profile: wrote {order} tests' CPU to {ORDER} (xdist's order)")
         else:
             flagged = budget_report(mods, json.loads(path.read_text()), args.grow, args.slack)
             verdict = "\n  ".join(flagged) if flagged else "none"

@@ -21,6 +21,7 @@ does not refuse a grouped test.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -56,10 +57,26 @@ def test_alone(i):
 """
 
 
+# What the last serial profile measured (``.ci/suite_order.json``): two ungrouped tests
+# dearest, the group cheaper than either even summed, the rest not named (cheap).
+COSTS = {
+    "test_two.py::test_alone[4]": 9.0,
+    "test_one.py::test_alone[1]": 8.0,
+    "test_one.py::test_grouped[0]": 1.0,
+    "test_two.py::test_grouped[2]": 1.5,
+}
+
+
+def costs_file(pytester: pytest.Pytester) -> None:
+    (pytester.path / ".ci").mkdir()
+    (pytester.path / ".ci" / "suite_order.json").write_text(json.dumps(COSTS))
+
+
 @pytest.mark.slow
 def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(root_conftest())
     pytester.makepyfile(test_one=TESTS, test_two=TESTS)
+    costs_file(pytester)
     result = pytester.runpytest_subprocess("-n", "2", "-v", "-p", "no:cacheprovider", *NO_PLUGIN)
     result.assert_outcomes(passed=18)
     ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+)", result.stdout.str())
@@ -69,6 +86,11 @@ def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pyte
     assert all(test.endswith("@shared") for _, test in ran if "::test_grouped" in test), ran
     alone = {worker for worker, test in ran if "::test_alone" in test}
     assert alone == {"gw0", "gw1"}, ran  # not everything in one unit: "load" for the rest
+    # The two dearest go out first, one to each worker: each worker's first test (a worker
+    # runs what it was handed in order), though the group has more tests (xdist's default
+    # reorder would hand it out first).
+    first = {worker: test for worker, test in reversed(ran)}
+    assert set(first.values()) == {"test_two.py::test_alone[4]", "test_one.py::test_alone[1]"}, ran
 
 
 def test_without_xdist_the_group_marker_is_still_known(pytester: pytest.Pytester) -> None:
@@ -79,3 +101,35 @@ def test_without_xdist_the_group_marker_is_still_known(pytester: pytest.Pytester
         "-p", "no:xdist", "--strict-markers", "-p", "no:cacheprovider", *NO_PLUGIN
     )
     result.assert_outcomes(passed=9)
+
+
+def test_the_dearest_tests_come_first_a_group_by_its_sum(pytester: pytest.Pytester) -> None:
+    """The order the root conftest gives (serially it is the run's order): the tests the
+    costs file names, dearest first, a group at the sum of its tests' costs with all of
+    them; then the other slow tests; the rest as collected. In-process: the order needs no
+    xdist."""
+    pytester.makeconftest(root_conftest())
+    pytester.makepyfile(
+        test_one=TESTS, test_two="import pytest\n\n@pytest.mark.slow\ndef test_s(): pass\n"
+    )
+    costs = {
+        "test_one.py::test_alone[4]": 3.0,
+        "test_one.py::test_grouped[0]": 1.0,  # the group: 2.5, between the alone ones
+        "test_one.py::test_grouped[1]": 1.5,
+        "test_one.py::test_alone[2]": 2.0,  # above either of the group's, below their sum
+    }
+    (pytester.path / ".ci").mkdir()
+    (pytester.path / ".ci" / "suite_order.json").write_text(json.dumps(costs))
+    result = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", *NO_PLUGIN)
+    order = [line for line in result.stdout.lines if "::" in line]
+    expected = [f"test_one.py::test_{name}" for name in (
+        "alone[4]", "grouped[0]", "grouped[1]", "grouped[2]", "alone[2]",
+        "alone[0]", "alone[1]", "alone[3]", "alone[5]",
+    )]  # fmt: skip
+    slow = "test_two.py::test_s"  # named by no figure, marked slow: before the other unnamed
+    assert order == [*expected[:5], slow, *expected[5:]], result.stdout.str()
+    # Without the file (a project that never profiled): slow first, then collection order.
+    (pytester.path / ".ci" / "suite_order.json").write_text("not json")
+    result = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", *NO_PLUGIN)
+    order = [line for line in result.stdout.lines if "::" in line]
+    assert order == [slow, *sorted(expected, key=lambda t: ("alone" in t, t))], result.stdout.str()
