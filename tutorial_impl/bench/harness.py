@@ -52,6 +52,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -182,8 +183,12 @@ def time_audited(world_size: int, repeats: int) -> list[float]:
     return times
 
 
-def time_spawn(world_size: int, repeats: int) -> list[float]:
-    """Milliseconds per ``torch.multiprocessing.spawn`` of a fresh group."""
+def time_spawn(
+    world_size: int, repeats: int, rank_fn: Callable[..., None] | None = None, extra: tuple = ()
+) -> list[float]:
+    """Milliseconds per ``torch.multiprocessing.spawn`` of a fresh group: ``rank_fn(rank,
+    world_size, host, port, *extra)`` in each interpreter (by default one all_reduce,
+    ``_spawn_rank``; the training-step row passes its step, ``train_step``)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -191,7 +196,9 @@ def time_spawn(world_size: int, repeats: int) -> list[float]:
         store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                               wait_for_workers=False, timeout=timedelta(seconds=60))  # fmt: skip
         torch.multiprocessing.spawn(
-            _spawn_rank, args=(world_size, "127.0.0.1", store.port), nprocs=world_size
+            rank_fn or _spawn_rank,
+            args=(world_size, "127.0.0.1", store.port, *extra),
+            nprocs=world_size,
         )
         del store
         times.append((time.perf_counter() - start) * 1e3)

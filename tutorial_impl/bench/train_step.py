@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from datetime import timedelta
 from pathlib import Path
@@ -42,7 +41,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing
+
+from tutorial_impl.bench.harness import time_spawn
 
 STEP = """
 def train_step(rank, world_size):
@@ -152,31 +152,17 @@ def kind(name: str) -> str:
     return re.sub(r"\d+\]$", "]", re.sub(r"_\d+$", "", name))
 
 
-def _spawn_rank(rank: int, world_size: int, port: int, step: str) -> None:
-    """A fresh interpreter: join the parent's store and take the same step."""
+def _spawn_rank(rank: int, world_size: int, host: str, port: int, step: str) -> None:
+    """A fresh interpreter (``harness.time_spawn``): join the parent's store and take the
+    same step."""
     torch.set_num_threads(1)  # as the harness's ranks
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+    store = dist.TCPStore(host, port, world_size, is_master=False,
                           timeout=timedelta(seconds=120))  # fmt: skip
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     names: dict[str, Any] = {}
     exec(HEADER + step, names)  # the test file's own step, nothing of the harness's
     names["train_step"](rank, world_size)
     dist.destroy_process_group()
-
-
-def time_spawn(world_size: int, repeats: int) -> list[float]:
-    """Milliseconds per ``torch.multiprocessing.spawn`` of the step in a fresh group."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                              wait_for_workers=False, timeout=timedelta(seconds=120))  # fmt: skip
-        torch.multiprocessing.spawn(
-            _spawn_rank, args=(world_size, store.port, STEP), nprocs=world_size
-        )
-        del store
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def measure(world_size: int, count: int, spawn_repeats: int) -> dict[str, Any]:
@@ -196,7 +182,8 @@ def measure(world_size: int, count: int, spawn_repeats: int) -> dict[str, Any]:
         mptc, _ = session(Path(work), "test_mptc.py")
     summary = re.search(r"warm worlds: [^\n]*", output)
     return figures(
-        fresh, warm, time_spawn(world_size, spawn_repeats), mptc.get("test_step", []),
+        fresh, warm, time_spawn(world_size, spawn_repeats, _spawn_rank, (STEP,)),
+        mptc.get("test_step", []),
         summary.group(0) if summary else None,
     )  # fmt: skip
 
