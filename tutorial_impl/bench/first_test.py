@@ -48,7 +48,7 @@ HELP = "pairs of fresh sessions, forkserver started early and by the first test 
 
 
 def runs(text: str) -> int:
-    """``--first-test-runs``'s value: a count of pairs, 0 or more."""
+    """A count, 0 or more: ``--first-test-runs``'s (pairs) and ``--train-step-tests``'."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (none) or more, not {value}")

@@ -326,9 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-runs", type=int, default=5, help="runs timed from SIGKILL to verdict (0: none)"
     )
     parser.add_argument("--first-test-runs", type=first_test.runs, default=3, help=first_test.HELP)
-    parser.add_argument(
-        "--train-step-tests", type=train_step.tests, default=6, help=train_step.HELP
-    )
+    parser.add_argument("--train-step-tests", type=first_test.runs, default=6, help=train_step.HELP)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return parser
 

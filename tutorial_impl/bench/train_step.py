@@ -27,7 +27,6 @@ warm-world line; None for each with no tests.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -118,14 +117,6 @@ KEYS = (
     "train_spawn_ratio", "train_mptc_ratio", "train_warm_summary",
 )  # fmt: skip
 HELP = "DDP + AdamW step tests (and as many plain ones) per session, fresh and warm (0: none)"
-
-
-def tests(text: str) -> int:
-    """``--train-step-tests``'s value: 0 or more."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (none) or more, not {value}")
-    return value
 
 
 def session(work: Path, file: str, *options: str) -> tuple[dict[str, list[float]], str]:
