@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import pickle
 import random
 import signal
 import socket
@@ -269,7 +270,18 @@ HARMLESS = {
     "thread excepthook": lambda: setattr(threading, "excepthook", _tracer),
     "group counter": lambda: setattr(dist.distributed_c10d, "_group_count", -1),
     "a setting": lambda: random.seed(0),  # reset before the next task: no problem
+    # Python caches ``__slotnames__`` on a class whose instance is pickled, as a rank's tensor
+    # result is: a warm world retired 8 times a run for it (``_forget_slotnames`` first).
+    "pickled": lambda: pickle.dumps([torch.ones(1), torch.nn.Parameter(torch.ones(1))]),
 }
+PICKLED = (torch.Tensor, torch.nn.Parameter)
+
+
+def _forget_slotnames() -> None:
+    """As in a world that never pickled a tensor yet (this rank sent none back so far)."""
+    for cls in PICKLED:
+        if "__slotnames__" in vars(cls):
+            delattr(cls, "__slotnames__")
 
 
 def left_behind(rank: int, world_size: int, repeat: int) -> dict[str, object]:
@@ -312,10 +324,14 @@ def left_behind(rank: int, world_size: int, repeat: int) -> dict[str, object]:
     call, describe = torch.nn.Module.__call__, Settings.describe
     wait, gelu, silu = dist.Work.wait, torch.nn.functional.gelu, torch.nn.functional.silu
     for case, do in {**HARMLESS, **{k: v[0] for k, v in LEFT.items()}}.items():
+        if case == "pickled":
+            _forget_slotnames()
         task = reuse.Baseline()  # a world that found a problem is replaced: a new baseline
         task.before_task()
         left = do()
         seen[case] = task.after_task()
+        if case == "pickled":  # the case did what a result does
+            seen["slotnames added"] = all("__slotnames__" in vars(cls) for cls in PICKLED)
         task.reset()
         entered += [left] if case in ("renamed", "profiler", "inference", "mode") else []
     for context in reversed(entered):
@@ -331,6 +347,7 @@ def test_after_task_names_what_cannot_be_reset_and_costs_little(run_ranks):
     [found] = run_ranks(left_behind, 50, world_size=1, backend=None)
     for case in HARMLESS:
         assert found["seen"][case] is None, (case, found["seen"][case])
+    assert found["seen"]["slotnames added"] is True
     for case, (_, named) in LEFT.items():
         assert named in (found["seen"][case] or ""), (case, found["seen"][case])
     own, patched, wrapped, next_task, unwrapped = found["chained"]

@@ -67,6 +67,9 @@ WATCHED = (  # the modules whose attributes tests commonly monkeypatch
 # which is reset), and Python's registry of warnings shown.
 OWN = {"_group_count", "_init_counter", "rendezvous_iterator", "Storage", "__warningregistry__"}
 OWN.add("breakpointhook")  # the harness's own, set for every task (``debugging``)
+# Python's own cache on a class whose instance was pickled or copied (``copyreg._slotnames``):
+# a rank's tensor result, sent back to the parent, puts it on ``torch.Tensor``.
+OWN.add("__slotnames__")
 # The classes whose methods tests commonly monkeypatch (a user's own: ``_globals``); torch's
 # classes made in C (``torch._C.TensorBase``, ``torch.Generator``) refuse any attribute set.
 CLASSES = (
