@@ -352,7 +352,8 @@ def ctrl_c_a_demo_started_in_its_own_session(rank: int, size: int) -> dict[str, 
                     break
             members = proctable.session_members(pid)
             seen["members_while_training"] = len(members)
-            os.killpg(pid, signal.SIGINT)
+            with contextlib.suppress(ProcessLookupError):  # gone already: the count says so
+                os.killpg(pid, signal.SIGINT)
             out.read()  # to its end: the command and every rank are gone
         with open(err_r) as err:
             seen["err"] = err.read()
@@ -363,7 +364,8 @@ def ctrl_c_a_demo_started_in_its_own_session(rank: int, size: int) -> dict[str, 
         seen["members_left"] = proctable.session_members(pid)
     finally:
         if proctable.session_members(pid):
-            os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         for orphan in [pid, *members]:  # handed to this rank when the command exited
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(orphan, os.WNOHANG)
