@@ -23,6 +23,7 @@ Read in this order:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -249,43 +250,26 @@ def test_mpi_template(run_ranks):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_demo_and_every_rank():
+def test_ctrl_c_stops_a_demo_and_every_rank(run_ranks):
     """Ctrl-C on a running demo: the launcher stops every rank, says so, and exits 130.
 
     A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the launcher,
-    its forkserver and the ranks. We do the same to a demo started in a session of its own,
-    once rank 0 has printed its first epoch, and then ask the kernel (not the launcher)
-    whether any process of that session is left.
+    its forkserver and the ranks. We do the same to ``python -m tutorial_impl train`` started
+    in a session of its own, once rank 0 has printed its first epoch, and then ask the kernel
+    (not the launcher) whether any process of that session is left.
+
+    As with ``run.py`` above, the command's own process is a fork of a rank the harness
+    started (``ctrl_c_a_demo_started_in_its_own_session``, below), torch imported already:
+    a fresh interpreter would only import it again. Everything the launcher starts is what
+    a learner's terminal would see: its forkserver, a fresh interpreter, and the ranks that
+    server forks.
     """
-    demo = [sys.executable, "-m", "tutorial_impl", "train", "--epochs", "50", "--samples", "512"]
-    proc = subprocess.Popen(
-        demo,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        # Background jobs may inherit SIGINT ignored; a terminal's foreground job does not.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        deadline = time.monotonic() + 60
-        for line in proc.stdout:  # the ranks are training once rank 0 reports an epoch
-            if line.startswith("Rank  0 , epoch") or time.monotonic() > deadline:
-                break
-        assert len(proctable.session_members(proc.pid)) >= 3, "launcher, forkserver, ranks"
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 130, err
-        assert "interrupted; all ranks stopped" in err
-        assert "Traceback" not in err  # one clear line, not the launcher's insides
-        end = time.monotonic() + 5
-        while proctable.session_members(proc.pid) and time.monotonic() < end:
-            time.sleep(0.05)
-        assert proctable.session_members(proc.pid) == []
-    finally:
-        if proc.poll() is None or proctable.session_members(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    (seen,) = run_ranks(ctrl_c_a_demo_started_in_its_own_session, world_size=1, backend=None)
+    assert seen["members_while_training"] >= 3, "launcher, forkserver, ranks"
+    assert seen["exit_status"] == 130, seen["err"]
+    assert "interrupted; all ranks stopped" in seen["err"]
+    assert "Traceback" not in seen["err"]  # one clear line, not the launcher's insides
+    assert seen["members_left"] == []
 
 
 # ---- Machinery: how the suite runs run.py and hosts the rendezvous -----------------------
@@ -312,6 +296,80 @@ def run_py_as_a_script(rank: int, size: int, port: int) -> tuple[str | None, lis
     script = runpy.run_module("tutorial_impl.dist_tuto.run", run_name="__main__", alter_sys=True)
     chosen = multiprocessing.get_start_method(allow_none=True)
     return chosen, [p.exitcode for p in script["processes"]]
+
+
+DEMO = ["train", "--epochs", "50", "--samples", "512"]  # runs far longer than the test waits
+
+
+def ctrl_c_a_demo_started_in_its_own_session(rank: int, size: int) -> dict[str, object]:
+    """``python -m tutorial_impl train`` in a session of its own, Ctrl-C'd once it trains.
+
+    The command is a fork of this rank that leaves its session (``setsid``, what
+    ``start_new_session`` does before exec), takes a terminal's default Ctrl-C back
+    (background jobs may inherit SIGINT ignored; a terminal's foreground job does not) and
+    runs the ``__main__`` block of ``tutorial_impl`` with runpy, as ``-m`` runs it, its
+    output to pipes. It starts as a fresh interpreter would: no start method chosen, and no
+    rank forkserver (this rank's is the test's, which nested ranks would share), so the
+    launcher starts its own, inside the command's session. Its exit status is
+    ``sys.exit``'s. What it left behind the kernel tells: the session's live processes.
+    (Those orphaned to this rank, a subreaper, are reaped here, as init would.)
+    """
+    from tutorial_impl.testing.forkserver import server as rank_server
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the command
+        code = 1
+        try:
+            os.setsid()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.argv = ["tutorial_impl", *DEMO]
+            # What a fresh interpreter has: no start method chosen, and no rank forkserver
+            # yet (this rank's is the test's, which nested ranks would share).
+            multiprocessing.set_start_method(None, force=True)
+            rank_server.SERVER.__init__()
+            runpy.run_module("tutorial_impl", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            os._exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    seen: dict[str, object] = {}
+    members: list[int] = []
+    try:
+        with open(out_r) as out:
+            deadline = time.monotonic() + 60
+            for line in out:  # the ranks are training once rank 0 reports an epoch
+                if line.startswith("Rank  0 , epoch") or time.monotonic() > deadline:
+                    break
+            members = proctable.session_members(pid)
+            seen["members_while_training"] = len(members)
+            with contextlib.suppress(ProcessLookupError):  # gone already: the count says so
+                os.killpg(pid, signal.SIGINT)
+            out.read()  # to its end: the command and every rank are gone
+        with open(err_r) as err:
+            seen["err"] = err.read()
+        seen["exit_status"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        end = time.monotonic() + 5
+        while proctable.session_members(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        seen["members_left"] = proctable.session_members(pid)
+    finally:
+        if proctable.session_members(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        for orphan in [pid, *members]:  # handed to this rank when the command exited
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(orphan, os.WNOHANG)
+    return seen
 
 
 def join_through_env_set_here(rank: int, size: int, port: int) -> dict[str, object]:
