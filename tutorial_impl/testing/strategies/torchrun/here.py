@@ -143,6 +143,7 @@ def run_here(
     child = _child_report(child_r, child_w)
     killed = leftovers.kill_leftovers(keep=before)  # an abandoned function's children too
     if ended is not None:  # still running: where?
+        supervise.ABANDONED.add(thread)  # first: its nested run_ranks starts no more ranks
         killed += _kill_nested_ranks(nested_before)
         report, stacks = _abandon(job, thread, ended, worker, killed)
         return Answer(child or report, output, stacks, standing=standing(thread.ident, ENTRY))
@@ -200,7 +201,6 @@ def _abandon(
     """A function still running when the wait ended (``why``): left to end by itself
     (``job.abandoned``), its report and stacks naming the place its live frames are in."""
     job.abandoned.append(thread)
-    supervise.ABANDONED.add(thread)  # its nested run_ranks may start no more ranks
     frames = frames_of(sys._current_frames().get(thread.ident or -1), ENTRY)
     title = f"Thread {thread.ident:#x} ({thread.name}, most recent call first):"
     report = _o.Report(why(place(frames)), worker, time.time(), killed=killed)
