@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import multiprocessing.pool  # noqa: F401 - see below
 import re
+import subprocess
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -358,3 +359,37 @@ def test_torchrun(pytester: pytest.Pytester, run_ranks) -> None:
     if [w.exitcode for w in workers] != [0, 0]:
         problems.append(f"[torchrun] workers exited {[w.exitcode for w in workers]}")
     assert problems == [], workers.outputs[0][-4000:]
+
+
+def test_an_abandoned_rank_functions_nested_ranks_do_not_outlive_its_test() -> None:
+    """Under torchrun a rank function still running when its call ends (another rank failed,
+    the deadline) is abandoned: a thread, it cannot be killed. Its nested ``run_ranks`` could
+    then run into the next tests, whose ``mp.active_children()`` listed those ranks: made
+    to happen by having rank 1 of ``test_torchrun``'s job fail its nested-run test at once,
+    rank 0's nested ranks failed the next three tests with the assertion two loaded
+    ``-n auto`` runs showed (``assert [<RankProcess ... started daemon>] == []``). Now the
+    ranks it had started are killed with the call, named, and off multiprocessing's book (a
+    ``sleep`` stands in for one); a nested ``run_ranks`` it makes afterwards is refused
+    before any rank starts."""
+    from tutorial_impl.testing.strategies import supervise
+    from tutorial_impl.testing.strategies.torchrun import here
+
+    before = set(supervise.LIVE.pids)
+    nested = subprocess.Popen(["sleep", "600"], start_new_session=True)  # leads its group
+    supervise.LIVE.add(nested.pid)
+    try:
+        killed = here._kill_nested_ranks(before)
+        assert [k.pid for k in killed] == [nested.pid]
+        assert "a rank of a nested run_ranks" in killed[0].command
+        assert nested.wait(5) == -9 and nested.pid not in supervise.LIVE.pids
+    finally:
+        supervise.LIVE.pids.discard(nested.pid)
+        if nested.poll() is None:
+            nested.kill()
+    supervise.ABANDONED.add(threading.current_thread())
+    try:
+        with pytest.raises(RuntimeError, match="abandoned"):
+            FORKED.gather(call.build(leave_a_daemon_thread, backend=None))
+    finally:
+        supervise.ABANDONED.discard(threading.current_thread())
+    assert supervise.LIVE.pids == before

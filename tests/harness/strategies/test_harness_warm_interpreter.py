@@ -121,6 +121,11 @@ def find(rank, world_size, how, name=None):
     assert STATE[how]() == FRESH[how], f"{how}: {STATE[how]()!r}, fresh {FRESH[how]!r}"
 
 
+def find_each(rank, world_size):
+    for how in STATE:
+        find(rank, world_size, how)
+
+
 def fails(rank, world_size):
     note(rank, "fails")
     raise ValueError("a failing test")
@@ -134,6 +139,10 @@ def test_a_leaves(run_ranks, how):
 @pytest.mark.parametrize("how", list(CHANGE))
 def test_b_finds(run_ranks, how):
     run_ranks(find, how)
+
+
+def test_b_finds_each_in_one_world(run_ranks):  # the forked reference: every check, fresh
+    run_ranks(find_each)
 
 
 def test_c_fails(run_ranks):
@@ -186,9 +195,11 @@ def test_a_warm_world_resets_or_retires_what_a_test_changed_and_says_so(
     # Forked, the reference: each check passes in a fresh rank (``FRESH`` is what a fresh
     # rank sees). The changes are left out there: no forked rank serves two tests (the
     # conformance suite's forked run proves it), so a change dies with its ranks; warm, every
-    # change comes before its check. (Half the forked run's ranks.)
+    # change comes before its check. The checks only read, so one fresh world runs them all,
+    # each under its own name (``find_each``): 2 ranks where a world per check took 2 * 23.
+    reference = ["test_carry.py::test_b_finds_each_in_one_world", *order[-3:]]
     runs = {
-        "forked": ([name for name in order if "test_a_leaves" not in name], len(HOW) + 2),
+        "forked": (reference, 3),
         "warm": ([*order, "--warm-worlds"], 2 * len(HOW) + 2),
     }
     verdicts = {}

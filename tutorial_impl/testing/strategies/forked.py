@@ -86,6 +86,11 @@ def _to_stderr(text: str) -> None:
 
 def start(spec: _call.RankSpec) -> supervise.Proc:
     """Fork one fresh rank for ``spec`` from the server."""
+    if threading.current_thread() in supervise.ABANDONED:
+        raise RuntimeError(
+            "run_ranks was called by a rank function its torchrun worker abandoned (its test "
+            "has ended): its ranks would outlive that test"
+        )
     ctx = server.context()
     spec.forkserver = server.SERVER.address()  # for a nested run_ranks in the rank
     reader, writer = ctx.Pipe(duplex=False)

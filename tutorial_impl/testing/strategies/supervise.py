@@ -28,6 +28,7 @@ import multiprocessing.process
 import os
 import pickle
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -121,6 +122,10 @@ class Live:
 
 LIVE = Live()
 atexit.register(LIVE.kill_all)
+# The threads of this process running a rank function a torchrun worker abandoned (``here``):
+# its test has ended, so a nested ``run_ranks`` there may start no ranks (``forked.start``);
+# they would outlive the test, into the next one's processes.
+ABANDONED: set[threading.Thread] = set()
 
 
 def kill_group(pid: int, frozen_first: bool = True) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import multiprocessing.process
 import os
 import pickle
 import sys
@@ -39,7 +40,7 @@ from tutorial_impl.testing.settings.timing import (
     STORE_POLL_MAX,
     STORE_POLL_MIN,
 )
-from tutorial_impl.testing.strategies import waiting
+from tutorial_impl.testing.strategies import supervise, waiting
 from tutorial_impl.testing.strategies.torchrun.job import Job
 from tutorial_impl.testing.strategies.torchrun.stranded import Look
 
@@ -120,6 +121,7 @@ def run_here(
 
     leftovers.become_subreaper()  # what the function starts stays within reach
     before = leftovers.spared()  # not the function's: spared (forkserver-started ones too)
+    nested_before = set(supervise.LIVE.pids)  # ranks of this worker's nested runs until now
     tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
     sys.stdout, sys.stderr = tee_out, tee_err
     # Not a daemon, as a forked rank's main thread is not: the threads the function starts
@@ -141,10 +143,38 @@ def run_here(
     child = _child_report(child_r, child_w)
     killed = leftovers.kill_leftovers(keep=before)  # an abandoned function's children too
     if ended is not None:  # still running: where?
+        supervise.ABANDONED.add(thread)  # first: its nested run_ranks starts no more ranks
+        killed += _kill_nested_ranks(nested_before)
         report, stacks = _abandon(job, thread, ended, worker, killed)
         return Answer(child or report, output, stacks, standing=standing(thread.ident, ENTRY))
     report = _ended(job, key, box["report"], child, killed)
     return Answer(report, output, standing=standing(None, ENTRY))
+
+
+def _kill_nested_ranks(before: set[int]) -> tuple[_o.Leftover, ...]:
+    """The ranks of a nested ``run_ranks`` the abandoned function still waits for, killed and
+    named. They are the forkserver's children, not this worker's, so ``kill_leftovers`` does
+    not see them, and the abandoned thread would end them only when its run ends: during the
+    next test, whose ``multiprocessing.active_children()`` then listed them (another rank
+    failed while this one was in the nested run). Taken off multiprocessing's book too, as
+    the run's own ``finally`` (``supervise.LIVE.kill``) does; that run then finds them dead."""
+    doomed = set(supervise.LIVE.pids) - before
+    if not doomed:
+        return ()
+    named = {
+        p.pid: f"multiprocessing {type(p).__name__} {p.name!r}, a rank of a nested run_ranks"
+        for p in list(multiprocessing.process._children)  # type: ignore[attr-defined]
+        if p.pid in doomed
+    }
+    for pid in sorted(doomed):
+        supervise.kill_group(pid)
+        supervise.LIVE.pids.discard(pid)
+    for p in list(multiprocessing.process._children):  # type: ignore[attr-defined]
+        if p.pid in doomed:
+            multiprocessing.process._children.discard(p)  # type: ignore[attr-defined]
+    return tuple(
+        _o.Leftover(pid, named.get(pid, "a rank of a nested run_ranks")) for pid in sorted(doomed)
+    )
 
 
 def uncaptured(failure: BaseException) -> _o.Raised:
