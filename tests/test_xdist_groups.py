@@ -9,10 +9,10 @@ a field xdist (3.8) does not write the tag to (pytest-xdist issue #1386). Every 
 were handed out one by one, and a shared run ran once on each worker that got one of them.
 
 The proof: the root conftest in a project of its own, two files whose grouped tests are
-interleaved with ungrouped ones, run with ``-n 2`` in a subprocess (xdist's workers are
-processes). The harness's plugin is left out of that run: under ``-n`` its controller starts
-the rank forkserver, an import of torch (2.5 s of CPU) no test there needs; about 1.2 s of CPU
-is left. Every grouped test must run on one
+interleaved with ungrouped ones, run with ``-n 2``: its controller in this process, its two
+workers new interpreters (a controller of its own was a third, ~0.4 s of CPU). The harness's
+plugin is left out of that run: under ``-n`` its controller starts the rank forkserver, an
+import of torch (2.5 s of CPU) no test there needs. Every grouped test must run on one
 worker, tagged with its group; and the ungrouped ones stay handed out one at a time, so the
 tests of one file still spread over both workers. Without xdist (``-p no:xdist``, as the
 serial profile ``.ci/suite_profile.py`` runs) the marker is still known, so ``--strict-markers``
@@ -21,6 +21,7 @@ does not refuse a grouped test.
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from pathlib import Path
@@ -77,7 +78,16 @@ def test_a_group_runs_on_one_worker_and_the_rest_is_spread(pytester: pytest.Pyte
     pytester.makeconftest(root_conftest())
     pytester.makepyfile(test_one=TESTS, test_two=TESTS)
     costs_file(pytester)
-    result = pytester.runpytest_subprocess("-n", "2", "-v", "-p", "no:cacheprovider", *NO_PLUGIN)
+    # The controller runs here (its workers are new interpreters all the same): a controller
+    # of its own would be one more interpreter importing pytest and xdist (~0.4 s of CPU).
+    # The conftest turns the collector off at the session's start and on again when
+    # collection ends, which a controller never reaches: this process's state is restored.
+    collecting = gc.isenabled()
+    try:
+        result = pytester.runpytest_inprocess("-n", "2", "-v", "-p", "no:cacheprovider", *NO_PLUGIN)
+    finally:
+        if collecting:
+            gc.enable()
     result.assert_outcomes(passed=18)
     ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+)", result.stdout.str())
     assert len(ran) == 18, result.stdout.str()
