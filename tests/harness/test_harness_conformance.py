@@ -43,6 +43,7 @@ lines, which it does not change).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import resource
@@ -1597,12 +1598,16 @@ def read_progress(output: str) -> dict[str, Got]:
 
 def warnings_entries(output: str, name: str) -> str:
     """The entries of pytest's warnings summary that name test ``name``."""
-    summary = re.search(r"^=+ warnings summary =+\n(.*?)(?=^=+ |\Z)", output, re.S | re.M)
-    if not summary:
-        return ""
-    entries = summary.group(1).split("\n\n")
     own = re.compile(rf"::{re.escape(name)}$", re.M)
-    return "\n\n".join(e for e in entries if own.search(e))
+    return "\n\n".join(e for e in _summary_entries(output) if own.search(e))
+
+
+@functools.lru_cache(maxsize=4)
+def _summary_entries(output: str) -> tuple[str, ...]:
+    """The entries of pytest's warnings summary in ``output``, found once per run: the search
+    walks the whole output (megabytes with ``-rA``), about 10 ms of CPU each time."""
+    summary = re.search(r"^=+ warnings summary =+\n(.*?)(?=^=+ |\Z)", output, re.S | re.M)
+    return tuple(summary.group(1).split("\n\n")) if summary else ()
 
 
 def _matches(expected: str | re.Pattern[str] | None, line: str) -> bool:
@@ -1646,7 +1651,7 @@ def deviations(run: Run, cases: dict[str, Case] = CASES) -> list[str]:
             for pattern in want.out if g.out is not None else ():
                 if not re.search(pattern, g.out):
                     out.append(f"{tag}: junit system-out has no /{pattern}/: {g.out[-300:]!r}")
-            text = warnings_entries(run.output, n)
+            text = warnings_entries(run.output, n) if want.warnings else ""
             for pattern in want.warnings:
                 if not re.search(pattern, text):
                     out.append(
