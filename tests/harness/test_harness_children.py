@@ -378,18 +378,15 @@ def test_an_abandoned_rank_functions_nested_ranks_do_not_outlive_its_test() -> N
     nested = subprocess.Popen(["sleep", "600"], start_new_session=True)  # leads its group
     supervise.LIVE.add(nested.pid)
     try:
-        killed = here._kill_nested_ranks(before)
+        killed = here._kill_nested_ranks(threading.current_thread(), before)
         assert [k.pid for k in killed] == [nested.pid]
         assert "a rank of a nested run_ranks" in killed[0].command
         assert nested.wait(5) == -9 and nested.pid not in supervise.LIVE.pids
-    finally:
-        supervise.LIVE.pids.discard(nested.pid)
-        if nested.poll() is None:
-            nested.kill()
-    supervise.ABANDONED.add(threading.current_thread())
-    try:
-        with pytest.raises(RuntimeError, match="abandoned"):
+        with pytest.raises(RuntimeError, match="abandoned"):  # this thread starts no more
             FORKED.gather(call.build(leave_a_daemon_thread, backend=None))
     finally:
         supervise.ABANDONED.discard(threading.current_thread())
+        supervise.LIVE.pids.discard(nested.pid)
+        if nested.poll() is None:
+            nested.kill()
     assert supervise.LIVE.pids == before

@@ -120,8 +120,7 @@ def run_here(
         done.set()
 
     leftovers.become_subreaper()  # what the function starts stays within reach
-    before = leftovers.spared()  # not the function's: spared (forkserver-started ones too)
-    nested_before = set(supervise.LIVE.pids)  # ranks of this worker's nested runs until now
+    before, nested_before = leftovers.spared(), set(supervise.LIVE.pids)  # not the function's
     tee_out, tee_err = _Tee(sys.stdout), _Tee(sys.stderr)
     sys.stdout, sys.stderr = tee_out, tee_err
     # Not a daemon, as a forked rank's main thread is not: the threads the function starts
@@ -143,21 +142,22 @@ def run_here(
     child = _child_report(child_r, child_w)
     killed = leftovers.kill_leftovers(keep=before)  # an abandoned function's children too
     if ended is not None:  # still running: where?
-        supervise.ABANDONED.add(thread)  # first: its nested run_ranks starts no more ranks
-        killed += _kill_nested_ranks(nested_before)
+        killed += _kill_nested_ranks(thread, nested_before)
         report, stacks = _abandon(job, thread, ended, worker, killed)
         return Answer(child or report, output, stacks, standing=standing(thread.ident, ENTRY))
     report = _ended(job, key, box["report"], child, killed)
     return Answer(report, output, standing=standing(None, ENTRY))
 
 
-def _kill_nested_ranks(before: set[int]) -> tuple[_o.Leftover, ...]:
-    """The ranks of a nested ``run_ranks`` the abandoned function still waits for, killed and
-    named. They are the forkserver's children, not this worker's, so ``kill_leftovers`` does
-    not see them, and the abandoned thread would end them only when its run ends: during the
-    next test, whose ``multiprocessing.active_children()`` then listed them (another rank
-    failed while this one was in the nested run). Taken off multiprocessing's book too, as
-    the run's own ``finally`` (``supervise.LIVE.kill``) does; that run then finds them dead."""
+def _kill_nested_ranks(thread: threading.Thread, before: set[int]) -> tuple[_o.Leftover, ...]:
+    """The ranks of a nested ``run_ranks`` the abandoned function (in ``thread``) still waits
+    for, killed and named, once ``thread`` may start no more (``supervise.ABANDONED``). They
+    are the forkserver's children, not this worker's, so ``kill_leftovers`` does not see them,
+    and the abandoned thread would end them only when its run ends: during the next test,
+    whose ``multiprocessing.active_children()`` then listed them (another rank failed while
+    this one was in the nested run). Taken off multiprocessing's book too, as the run's own
+    ``finally`` (``supervise.LIVE.kill``) does; that run then finds them dead."""
+    supervise.ABANDONED.add(thread)  # first: its nested run_ranks starts no more ranks
     doomed = set(supervise.LIVE.pids) - before
     if not doomed:
         return ()

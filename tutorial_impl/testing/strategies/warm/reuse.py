@@ -64,12 +64,10 @@ WATCHED = (  # the modules whose attributes tests commonly monkeypatch
     "time random warnings threading socket signal subprocess logging"
 ).split()
 # Rebound by torch itself (group and RPC counters; torch.Storage follows the default dtype,
-# which is reset), and Python's registry of warnings shown.
+# which is reset), Python's registry of warnings shown and its cache on a pickled class (a
+# rank's tensor result sets ``torch.Tensor.__slotnames__``), the harness's ``breakpointhook``.
 OWN = {"_group_count", "_init_counter", "rendezvous_iterator", "Storage", "__warningregistry__"}
-OWN.add("breakpointhook")  # the harness's own, set for every task (``debugging``)
-# Python's own cache on a class whose instance was pickled or copied (``copyreg._slotnames``):
-# a rank's tensor result, sent back to the parent, puts it on ``torch.Tensor``.
-OWN.add("__slotnames__")
+OWN |= {"__slotnames__", "breakpointhook"}  # breakpointhook: set for every task (debugging)
 # The classes whose methods tests commonly monkeypatch (a user's own: ``_globals``); torch's
 # classes made in C (``torch._C.TensorBase``, ``torch.Generator``) refuse any attribute set.
 CLASSES = (
@@ -79,9 +77,8 @@ CLASSES = (
 ).split()
 # Attributes of the watched modules that are reset instead (``interpreter.hook_settings``;
 # ``threading.settrace`` and ``setprofile`` keep theirs in the module).
-RESET_ATTRS = {f"sys.{n}" for n in interpreter.SYS_HOOKS} | {
-    f"threading.{n}" for n in ("excepthook", "_trace_hook", "_profile_hook")
-}
+RESET_ATTRS = {f"sys.{n}" for n in interpreter.SYS_HOOKS}
+RESET_ATTRS |= {f"threading.{n}" for n in ("excepthook", "_trace_hook", "_profile_hook")}
 GRACE = 0.05  # seconds the threads a task started have to finish
 TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 # Signals faulthandler handles in C (SIGUSR1: the deadline's stack dumps, see ``rank``).
