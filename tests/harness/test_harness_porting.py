@@ -18,7 +18,6 @@ import os
 import re
 from pathlib import Path
 
-import porting_preload  # noqa: F401 - what the MultiProcessTestCase port imports (it says why)
 import pytest
 import torch
 from torchrun_worker import job_environment, pytest_as_a_torchrun_worker
@@ -52,20 +51,19 @@ def counts(code: str) -> tuple[int, int]:
     return len(marks), sum(1 for n in needs if n and int(n[1] or 1) > gpus)
 
 
-def has_the_preload(rank: int, world_size: int) -> bool:
-    import sys
-
-    return "porting_preload" in sys.modules
-
-
 @pytest.mark.slow
 def test_every_ported_example_in_the_guide_passes_forked_warm_and_under_torchrun(
     pytester: pytest.Pytester, run_ranks
 ) -> None:
-    # This session's rank forkserver starts now, with this session's plan (``porting_preload``
-    # among its imports): started by the first run below, it would take that run's plan, and
-    # this session's later tests would get its ranks (flags frozen by torch's common_utils).
-    assert run_ranks(has_the_preload, world_size=1, backend=None) == [True]
+    # This session's rank forkserver starts now, with this session's plan: started by the
+    # first run below, it would take that run's plan, and this session's later tests would get
+    # its ranks (flags frozen by torch's common_utils). ``porting_preload`` (what the
+    # MultiProcessTestCase port imports, it says why) is imported here, not at the top: a rank
+    # imports its function's module, and this module's other ranks (the shared store's) would
+    # each import torch's TestCase module with it (about 0.25 s of CPU a rank).
+    import porting_preload
+
+    assert run_ranks(porting_preload.has_the_preload, world_size=1, backend=None) == [True]
     examples = harness_examples()
     assert len(examples) >= 5, "the guide lost its examples"  # shape + four ports
     assert any(size_of(code) == 4 for code in examples), "MultiProcessTestCase's port is 4"

@@ -395,7 +395,9 @@ def test_a_crashing_reporter_and_a_sigterm_still_give_a_report(
     after it is reported as not run, and each worker exits with the session's status."""
     pytester.makepyfile(test_crashes=CRASHES)
     store = agents_store(JOB_DEADLINE)
-    args = [*ARGS, "--junitxml=job.xml", "-k", f"test_a_ or {case} or test_j_", "test_crashes.py"]
+    # The earlier result is a plain passing test's: test_a's two 9 MiB values (the segfault
+    # test's claim) cost each case here about 0.4 s of CPU and prove nothing more.
+    args = [*ARGS, "--junitxml=job.xml", "-k", f"test_g_ or {case} or test_j_", "test_crashes.py"]
     start = time.monotonic()
     workers = run_ranks(
         pytest_as_a_torchrun_worker,
@@ -411,7 +413,7 @@ def test_a_crashing_reporter_and_a_sigterm_still_give_a_report(
     output = "\n".join(workers.outputs)
     assert (pytester.path / "job.xml").exists(), output[-5000:]
     got = verdicts(pytester.path / "job.xml")
-    assert got["test_a_big_results"][0] == "passed", (got, output[-5000:])
+    assert got["test_g_plain_after"][0] == "passed", (got, output[-5000:])
     assert got[case][:1] == ("failed",) and got[case][1].startswith(first_line), got
     assert got["test_j_last"][0] == "skipped", got
     assert re.match(r"not run: rank [01] (was killed|got SIGTERM)", got["test_j_last"][1]), got
