@@ -116,19 +116,34 @@ def test_a_failure_report_shows_where_the_other_ranks_were(tmp_path, world_size)
     assert proctable.wait_until_gone(tmp_path) == {}
 
 
+def _reported(pid: int) -> bool:
+    """Whether rank ``pid`` has sent its report: it then waits in ``signal.pause``
+    (``rank.main.rank_main``). Where the kernel hides where a process waits: assumed."""
+    try:
+        where = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return True
+    return "pause" in where or where in ("", "0")
+
+
 def fail_two_ways(rank: int, world_size: int, second: str, mark: str) -> None:
     """Rank 2 raises first; rank 1 fails after it (raising a moment later, or dying at
     once); rank 0 is busy (in plain Python: a collective would fail too when a peer dies,
     a moment later or not). Rank 1 waits for rank 2's mark, written as it raises: under
     load rank 2 may start later than rank 1, and 50 ms of sleep did not order them."""
     if rank == 2:
-        Path(mark).touch()
+        Path(mark).write_text(str(os.getpid()))
         raise KeyError("first")
     if rank == 1:
         stop = time.monotonic() + 20
-        while not os.path.exists(mark) and time.monotonic() < stop:
+        while time.monotonic() < stop and not (os.path.exists(mark) and os.path.getsize(mark)):
             time.sleep(0.005)
         if second == "dies":
+            # Once rank 2 has sent its report it pauses until the parent kills it: dying
+            # only then, rank 1 does not race that report (under load it once came later than
+            # the grace after this death, and rank 2 went unnamed).
+            while not _reported(int(Path(mark).read_text())) and time.monotonic() < stop:
+                time.sleep(0.005)
             os._exit(3)  # the cause whatever the order: a death makes its peers fail
         time.sleep(0.1)  # inside the grace in which simultaneous failures are gathered
         raise ValueError("second")
