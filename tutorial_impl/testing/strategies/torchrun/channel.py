@@ -23,9 +23,9 @@ from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.settings.timing import HEARTBEAT_LOST, STORE_POLL_MAX, STORE_POLL_MIN
 from tutorial_impl.testing.strategies.torchrun.launch import Launch
 
-# ``ENDING/RANK``: False once the watcher of a crashed worker has told the job (``watcher``),
-# True when that watcher is about to end; the reporter exits after it (``watchers_ended``).
-ENDING = "watcher-ending"
+# ``CRASHED/RANK``: set by the watcher of a worker whose session ended without a word and not
+# with 0 (``watcher``): the agent, not the reporter's own exit, ends the job (``crashed``).
+CRASHED = "crashed"
 
 
 @dataclass(frozen=True)
@@ -136,17 +136,9 @@ class Channel:
                 found[rank] = pickle.loads(self._take(name))
         return found
 
-    def watchers_ended(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` s until the watcher of every crashed worker that told the
-        job (``ENDING``) says it is ending; whether there was any."""
-        keys = [f"{ENDING}/{r}" for r in range(self.launch.world_size)]
-        stop, pause = time.monotonic() + timeout, STORE_POLL_MIN
-        crashed = waiting = [k for k in keys if self.has(k)]
-        while waiting and time.monotonic() < stop:
-            waiting = [k for k in waiting if not self.get(k)]
-            time.sleep(pause if waiting else 0)
-            pause = min(pause * 2, STORE_POLL_MAX)
-        return bool(crashed)
+    def crashed(self) -> bool:
+        """Whether the watcher of a worker said its session crashed (``CRASHED``)."""
+        return any(self.has(f"{CRASHED}/{r}") for r in range(self.launch.world_size))
 
     def gather(
         self, key: str, obj: Any, timeout: float, heartbeats: Heartbeats | None = None

@@ -333,9 +333,9 @@ class LaunchedSession:
         """Exit with the agreed status, once rank 0's report is written: the agent SIGTERMs
         the workers still running as soon as one exits non-zero, and rank 0 must not be cut
         off mid-report. Rank 0 then waits briefly for the others to leave first, so the
-        agent sees every worker end by itself; after a crash, until the agent, which saw the
-        crashed worker end, ends this one (at most ``GIVE_UP`` s): torchrun names one failed
-        worker, the lowest rank among those it finds ended, which must be the crashed one."""
+        agent sees every worker end by itself; after a crash, until the agent ends this one
+        (at most ``GIVE_UP`` s): torchrun names one failed worker, the lowest rank among those
+        it finds ended at a look, which must be the crashed one, not this rank's status."""
         channel = self.job.channel
         if not self.reporter.is_me():
             stop = time.monotonic() + REPORT_WAIT
@@ -346,7 +346,7 @@ class LaunchedSession:
         channel.set("done")
         channel.publish("leaving", self.status)
         channel.collect("leaving", GIVE_UP, self.job.heartbeats)
-        if channel.watchers_ended(GIVE_UP):  # a worker crashed: the agent ends this one
+        if channel.crashed():  # the agent, which saw that worker end, ends this one
             stop = time.monotonic() + GIVE_UP
             while self.stopping is None and time.monotonic() < stop:
                 time.sleep(0.01)

@@ -31,7 +31,6 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from datetime import timedelta
 
 from tutorial_impl.testing import proctable
@@ -64,11 +63,10 @@ def watch(launch: Launch) -> None:
             os._exit(1)
         return
     os.close(writer)
-    code, leaving = _watch(launch, child, reader)
+    code = _watch(launch, child, reader)
     # What the session spared as its own helpers (a forkserver a nested run_ranks started, a
     # resource tracker), orphaned now: they would end by themselves, a moment after us.
     leftovers.kill_leftovers(keep=before)
-    leaving()  # last: the reporter exits once it reads this, so the agent sees our end first
     _end_as(code)
 
 
@@ -88,9 +86,8 @@ def _cuda_started() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def _watch(launch: Launch, child: int, said: int) -> tuple[int, Callable[[], None]]:
-    """Wait for the session; tell the job if it crashed; its exit code (minus a signal), and
-    what to call just before this process ends (``_tell``)."""
+def _watch(launch: Launch, child: int, said: int) -> int:
+    """Wait for the session; tell the job if it crashed; its exit code (minus a signal)."""
     for signum in FORWARDED:
         signal.signal(signum, lambda signum, _: _forward(child, signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the session
@@ -109,7 +106,9 @@ def _watch(launch: Launch, child: int, said: int) -> tuple[int, Callable[[], Non
         chose = os.read(said, 1) == b"."
     except BlockingIOError:
         chose = False
-    return code, (lambda: None) if chose else _tell(launch, code)
+    if not chose:
+        _tell(launch, code)
+    return code
 
 
 def _forward(child: int, signum: int) -> None:
@@ -117,14 +116,13 @@ def _forward(child: int, signum: int) -> None:
         os.kill(child, signum)
 
 
-def _tell(launch: Launch, code: int) -> Callable[[], None]:
+def _tell(launch: Launch, code: int) -> None:
     """Tell the peers how this worker's session ended, unless it said so itself (a fault
-    that kills: ``Job.leave``), and wait until the job's report is written; what says that
-    this process is about to end (``ENDING``): the reporter, which waits for it, must exit
-    after us, or the agent would see its exit status first and not this worker's signal."""
+    that kills: ``Job.leave``), and wait until the job's report is written. A crash is also
+    marked ``CRASHED``: the reporter then waits for the agent to end it (``Channel.crashed``)."""
     import torch.distributed as dist
 
-    from tutorial_impl.testing.strategies.torchrun.channel import ENDING, Channel, Departure
+    from tutorial_impl.testing.strategies.torchrun.channel import CRASHED, Channel, Departure
 
     try:
         store = dist.TCPStore(
@@ -138,18 +136,13 @@ def _tell(launch: Launch, code: int) -> Callable[[], None]:
         channel = Channel(launch, store)
         if not channel.has(f"exited/{launch.rank}"):
             channel.set(f"exited/{launch.rank}", Departure(code, time.time()))
-        channel.set(f"{ENDING}/{launch.rank}", False)  # this watcher will say when it ends
+        if code != 0:
+            channel.set(f"{CRASHED}/{launch.rank}")
         stop = time.monotonic() + REPORT_WAIT
         while not channel.has("done") and time.monotonic() < stop:
             time.sleep(STORE_POLL_MAX)
     except Exception:  # noqa: BLE001 - no store (rank 0 hosted it): the heartbeat tells
-        return lambda: None
-    return lambda: _quietly(channel.set, f"{ENDING}/{launch.rank}", True)
-
-
-def _quietly(call: Callable[..., None], *args: object) -> None:
-    with contextlib.suppress(Exception):  # the store is gone: nobody is waiting any more
-        call(*args)
+        pass
 
 
 def _end_as(code: int) -> None:
