@@ -320,13 +320,31 @@ def _sigchld_set_aside() -> Iterator[None]:
 def _reap(killed: dict[int, Leftover]) -> None:
     """Reap the killed: multiprocessing's own through its bookkeeping (a process it started
     and someone else reaped would look alive to it for ever; one its forkserver started is
-    forgotten once that server has said it ended, at this or a later look), the rest here."""
-    multiprocessing.active_children()
-    for pid in killed:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass  # reaped already, or not ours (a grandchild reaped by its own parent)
+    forgotten once that server has said it ended, at this or a later look), the rest here.
+    Each child of ours is waited for (within ``KILL_GRACE``) while SIGCHLD is still set
+    aside: a killed DataLoader worker not yet reaped when its handler is back made the next
+    SIGCHLD raise "DataLoader worker ... is killed by signal" in the rank (seen once)."""
+    stop = time.monotonic() + KILL_GRACE
+    waiting = set(killed)
+    while True:
+        multiprocessing.active_children()
+        for pid in list(waiting):
+            try:  # ended? (not reaped here: multiprocessing's own must see it end)
+                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped, or not ours (a grandchild, a forkserver's)
+                waiting.discard(pid)
+                continue
+            if ended is not None and not _of_multiprocessing(pid):
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+                waiting.discard(pid)
+        if not waiting or time.monotonic() > stop:
+            return
+        time.sleep(0.001)
+
+
+def _of_multiprocessing(pid: int) -> bool:
+    return any(p.pid == pid for p in multiprocessing.process._children)  # type: ignore[attr-defined]
 
 
 def warn(killed: dict[int, tuple[Leftover, ...]]) -> None:
