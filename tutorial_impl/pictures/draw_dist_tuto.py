@@ -155,8 +155,8 @@ def _lane(c: Canvas, spans: list[Span], t0: float, scale: float, y: float, post:
             above[-1][1] += f", {span.call}"
         else:
             above.append([x0, f"{span.call} ({ms:.1f} ms)" if ms >= 0.1 else span.call])
-    for x, text in above:
-        c.text(x + 5, y - 8, text, ha="left")
+    for x, text in above:  # one that would run past the time axis ends at its end
+        c.text(min(x + 5, T1 - len(text) * CHAR), y - 8, text, ha="left")
 
 
 def draw_p2p(plt: Any, p2p: list[dict[str, list[Span]]], path: Path) -> Drawn:
