@@ -39,7 +39,8 @@ from typing import Any
 
 import pytest
 
-from tutorial_impl.testing.rank.lookup import function_ref
+from tutorial_impl.testing import torchcase_continuous
+from tutorial_impl.testing.rank.lookup import defined_by, function_ref
 from tutorial_impl.testing.rank.torchcase import torch_rank
 
 TORCH_MODULE = "torch.testing._internal.common_distributed"
@@ -54,6 +55,7 @@ HELP_INI = "true: as --torch-harness, for every session of this project"
 # What a class may not define for itself and still run here: how torch starts, joins and
 # runs its ranks (``_run``, the rank's setup, and ``_check_return_codes`` may be its own).
 OWN_MACHINERY = ("_spawn_processes", "_start_processes", "_join_processes", "run_test")
+UNDER_TORCHRUN = "this pytest is one worker of a torchrun job, which has no forked ranks"
 
 
 class TorchHarnessWarning(UserWarning):
@@ -68,11 +70,33 @@ def addoption(group: Any, parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
-    """A ``MultiProcessTestCase`` test's ranks are the harness's while its body runs."""
+    """A ``MultiProcessTestCase`` test's ranks are the harness's while its body runs; a
+    ``MultiProcContinuousTest``'s are a warm world's (``torchcase_continuous``)."""
+    case = _continuous_case(item)
+    if case is not None:
+        with torchcase_continuous.taken_over(item, case, _deadline_set(item)):
+            return (yield)
     case = _torch_case(item)
     if case is not None:
         _take_over(item, case)
     return (yield)
+
+
+def _continuous_case(item: pytest.Item) -> Any:
+    """``item``'s unittest instance, if it is a ``MultiProcContinuousTest`` to run here."""
+    module = sys.modules.get(TORCH_MODULE)
+    base = getattr(module, "MultiProcContinuousTest", None)  # torch 2.9 and later
+    case = getattr(item, "instance", None) if base is not None else None
+    if case is None or not isinstance(case, base) or _switched_off(item):
+        return None
+    if _under_torchrun(item):
+        reason: str | None = UNDER_TORCHRUN
+    else:
+        reason = torchcase_continuous.cannot(type(case), base)
+    if reason is not None:
+        item.warn(TorchHarnessWarning(f"{item.nodeid} ran under torch's own harness: {reason}"))
+        return None
+    return case
 
 
 def _torch_case(item: pytest.Item) -> Any:
@@ -108,15 +132,11 @@ def _under_torchrun(item: pytest.Item) -> bool:
 def cannot(cls: type, base: type, under_torchrun: bool) -> str | None:
     """Why ``cls`` must run under torch's own harness; None if the harness can run it."""
     if under_torchrun:
-        return "this pytest is one worker of a torchrun job, which has no forked ranks"
-    own = [name for name in OWN_MACHINERY if _defined_by(cls, name) is not base]
+        return UNDER_TORCHRUN
+    own = [name for name in OWN_MACHINERY if defined_by(cls, name) is not base]
     if own:
         return f"{cls.__qualname__} defines {', '.join(own)} for itself"
     return None
-
-
-def _defined_by(cls: type, name: str) -> type | None:
-    return next((k for k in cls.__mro__ if name in vars(k)), None)
 
 
 @dataclasses.dataclass

@@ -112,6 +112,11 @@ def function_ref(fn: Callable[..., Any]) -> FunctionRef:
     return FunctionRef(module_name, qualname, file, code)
 
 
+def defined_by(cls: type, name: str) -> type | None:
+    """The class of ``cls``'s MRO that defines ``name`` (None: none does)."""
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+
 def resolve(ref: FunctionRef) -> Callable[..., Any]:
     """Inside the rank: the function ``ref`` names, its module imported or loaded as needed."""
     return _attribute(_module(ref), ref.qualname)

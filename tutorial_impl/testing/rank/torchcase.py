@@ -104,3 +104,50 @@ def run_test(self: Any, test_name: str, parent_pipe: Any) -> None:
     if self.destroy_pg_upon_exit:
         with contextlib.suppress(AssertionError, ValueError):  # torch's: destroyed already
             c10d.destroy_process_group()
+
+
+def continuous_rank(rank: int, world_size: int, case: FunctionRef, test_name: str) -> None:
+    """One test of a torch ``MultiProcContinuousTest`` class, in a rank of a world that stays
+    for the class's tests (``torchcase_continuous``), as torch's worker runs it
+    (``_run_test_given_id``): a fresh instance with ``self.rank`` and ``self.world_size``,
+    the same seed on every rank, the test method; the class itself is left as it is (a warm
+    world would take a changed class for state carried into the next test).
+
+    The verdict is torch's worker's: a ``sys.exit`` with a ``TEST_SKIPS`` code skips the test
+    with that entry's message; any other exception fails it, ``unittest.SkipTest`` and any
+    other ``sys.exit`` included (torch's worker sends them to the parent as errors)."""
+    import unittest  # here, not at the top: the plugin imports this module
+
+    import torch.distributed as dist
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+
+    cls = resolve(case)
+    os.environ["LOCAL_RANK"] = str(rank)  # torch's _init_pg sets it (the harness resets it)
+    self = cls(test_name)
+    self.rank, self.world_size = rank, world_size
+    self.pg = dist.distributed_c10d._get_default_group()  # torch's _init_pg: ``cls.pg``
+    common_utils.set_rng_seed()
+    try:
+        getattr(self, test_name)()
+    except SystemExit as exc:
+        skip = next((s for s in TEST_SKIPS.values() if s.exit_code == exc.code), None)
+        if skip is None:
+            raise WorkerExit(
+                f"sys.exit({exc.code!r}) in the test, which torch's harness fails"
+            ) from None
+        raise unittest.SkipTest(skip.message) from None
+    except unittest.SkipTest as exc:
+        raise WorkerSkipTest(
+            f"{exc} (a SkipTest raised in a rank fails the test, as under torch's harness)"
+        ) from exc
+
+
+class WorkerExit(RuntimeError):
+    """A ``sys.exit`` in a continuous test's rank with no ``TEST_SKIPS`` code: torch's worker
+    reports it to the parent as an error."""
+
+
+class WorkerSkipTest(RuntimeError):
+    """A ``unittest.SkipTest`` raised in a continuous test's rank: torch's worker reports it
+    to the parent as an error (only a ``TEST_SKIPS`` exit code skips there)."""
