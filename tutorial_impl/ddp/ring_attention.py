@@ -34,8 +34,10 @@ kernels (flash, efficient, cuDNN). On the CPU over gloo (2 ranks, Q, K, V of sha
 (1, 2, 8, 4), sequence dimension 2, whole-sequence buffers given to the context manager),
 the causal call fails: ``NotImplementedError: Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-registered.``; the non-causal call returned a local (1, 2, 4, 4) block once and hung inside
-the call in the three runs after (killed after 25 s). So this lesson writes the ring out.
+registered.``; the non-causal call returned a local (1, 2, 4, 4) block in the first run
+(not checked against the whole sequence) and hung inside the call in the runs after it
+(three of them seen hanging: one killed after 120 s, two whose stacks faulthandler dumped
+after 25 s in the call). So this lesson writes the ring out.
 
     python -m tutorial_impl.ddp.ring_attention     # 2 local ranks; --world-size 4
 """
