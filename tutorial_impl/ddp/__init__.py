@@ -1,6 +1,6 @@
-"""DDP in practice, and what came after it: lessons D1-D18 of the course (docs/ddp.md).
+"""DDP in practice, and what came after it: lessons D1-D20 of the course (docs/ddp.md).
 
-D1-D9 follow the first tutorial's T1-T6; D10-D18 follow T7-T9 (docs/course.md's reading
+D1-D9 follow the first tutorial's T1-T6; D10-D20 follow T7-T9 (docs/course.md's reading
 order). In order; lesson DN's tests are ``tests/ddp/test_ddp_NN_<name>.py``:
 
 ``toy.py``          the tiny model and the data every lesson uses
@@ -21,7 +21,9 @@ order). In order; lesson DN's tests are ``tests/ddp/test_ddp_NN_<name>.py``:
 ``pipeline_ddp.py`` D15. pipeline stages replicated with DDP on a 2 x 2 mesh (case 2)
 ``tp_transformer.py`` D16. TP for a transformer block: heads, ``SequenceParallel``, loss
 ``fsdp_practice.py`` D17. FSDP2 in practice: bf16 ``MixedPrecisionPolicy``, HSDP on 2 x 2
-``pipeline_schedules.py`` D18. 1F1B and interleaved 1F1B: the bubble, measured
+``pipeline_schedules.py`` D18. 1F1B, interleaved 1F1B, zero bubble: the bubble, measured
+``fsdp_prefetch.py`` D19. FSDP2: explicit prefetching, activation checkpointing
+``ring_attention.py`` D20. context parallelism: K/V blocks around a ring, online softmax
 
 Every module except ``toy.py`` runs as a demo: ``python -m tutorial_impl.ddp.<module>``
 (``torchrun_env.py`` is a torchrun worker script instead).
