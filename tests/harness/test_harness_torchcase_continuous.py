@@ -15,6 +15,7 @@ barrier after rank 1 raised) where the plugin takes seconds.
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import timedelta
 
@@ -77,6 +78,14 @@ class Poisoned(MultiProcContinuousTest):
         dist.barrier()
 
 
+class NeverAsks(MultiProcContinuousTest):
+    def setUp(self):  # never asks for processes: torch's dispatcher runs the body right here
+        pass
+
+    def test_runs_in_the_pytest_process(self):
+        Path(__file__).with_name("ran-in").write_text(str(os.getpid()))
+
+
 def test_z_the_plugin_left_the_classes_as_they_were():  # torch's harness leaves its state
     for cls in (Plain, Poisoned):
         assert not {"_spawn_processes", "_processes_spawned", "task_queues"} & set(vars(cls))
@@ -113,6 +122,7 @@ TORCH = {
     "test_a_raises": ("failed", ""),
     "test_b_after_a_failure": ("skipped", "Previous test failed, skipping "),
 }
+TORCH["test_runs_in_the_pytest_process"] = ("passed", "")
 # Where the plugin does better: the world that saw a failure is replaced, nothing is skipped;
 # and it leaves the user's classes as they were.
 PLUGIN = {**TORCH, "test_b_after_a_failure": ("passed", "")}
@@ -139,7 +149,7 @@ def test_a_continuous_class_runs_on_warm_worlds_with_torchs_verdicts(pytester):
         assert reason in torch_run[name][1], name
 
     pytester.makepyfile(test_stranger=STRANGER)
-    for old in (pytester.path / "pids").iterdir():
+    for old in [*(pytester.path / "pids").iterdir(), pytester.path / "ran-in"]:
         old.unlink()
     result = pytester.runpytest_inprocess(*ARGS)
     mine = verdicts(result)
@@ -150,6 +160,7 @@ def test_a_continuous_class_runs_on_warm_worlds_with_torchs_verdicts(pytester):
     text = result.stdout.str()
     assert "Started process" not in text  # torch's spawn log: no interpreter was spawned
     assert "RuntimeError: Exception in worker process" not in text
+    assert (pytester.path / "ran-in").read_text() == str(os.getpid())  # as torch ran it
 
     # One world served the class's tests while nothing failed; a fresh one after the failure.
     pids = {name: pid for name, (pid, _) in proctable.recorded(pytester.path / "pids").items()}
