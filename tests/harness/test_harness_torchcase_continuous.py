@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcContinuousTest
+from torch.testing._internal.common_utils import SEED
 
 from tutorial_impl.testing import proctable
 
@@ -57,6 +58,8 @@ class Plain(MultiProcContinuousTest):
         note("b")
         assert (self.rank, self.world_size) == (dist.get_rank(), 2)
         assert os.environ["LOCAL_RANK"] == str(self.rank)
+        seeded = torch.Generator().manual_seed(SEED)  # every rank starts from torch's seed
+        assert torch.equal(torch.rand(2), torch.rand(2, generator=seeded))
 
     def test_c_exit_skip(self):
         sys.exit(TEST_SKIPS["small_worldsize"].exit_code)
