@@ -30,12 +30,13 @@ import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from tutorial_impl.testing.rank.lookup import defined_by, function_ref
 from tutorial_impl.testing.rank.torchcase import continuous_rank
+
+if TYPE_CHECKING:  # the plugin's side imports pytest; a module a rank may import does not
+    import pytest
 
 # How torch starts, feeds and judges its processes, and how its group is made: a class that
 # defines any of them for itself runs under torch's own harness.
