@@ -5,7 +5,8 @@ against torch's harness as PyTorch's own are (``STRANGER``: gloo, world 2, a gro
 ``self.file_name``). With the plugin, ``pytest`` runs it on ranks forked from the harness's
 forkserver, with torch's verdict test by test (``TORCH``, what torch's own harness gave for every
 test: ``pytest --torch-harness`` on this file, recorded in docs/benchmarks.md), the raising
-rank named first, every rank's stack at a hang, nothing left running; ``--torch-harness``
+rank named first, every rank's stack at a hang, nothing left running, no store's file left
+(``test_fails_holding_its_store``: torch's last rank deletes it); ``--torch-harness``
 hands a test back to torch's harness, whose verdict is the same (one test here, its processes
 started by torch's harness from a fork context: a spawned interpreter costs ~6 s of CPU here).
 Old code (before ``torchcase``): every test ran under torch's harness, so the first lines below
@@ -15,6 +16,7 @@ minutes.
 
 from __future__ import annotations
 
+import os
 import re
 import types
 
@@ -118,6 +120,12 @@ class GlooTest(MultiProcessTestCase):
         assert (self.rank, self.world_size, self.file_name) == (
             int(os.environ["RANK"]), 2, self.file_name
         )
+
+    def test_fails_holding_its_store(self):
+        Path(__file__).with_name("store").write_text(self.file_name)
+        self._group()
+        dist.barrier()
+        self.assertEqual(self.rank, -1)  # every rank fails, its default group still open
 """
 
 # A module off the harness, one class of it back on; a class that spawns in a way of its own.
@@ -179,6 +187,7 @@ TORCH = {
     "test_any_code": ("passed", ""),
     "test_rank_one_exits": ("passed", ""),
     "test_knows_its_rank": ("passed", ""),
+    "test_fails_holding_its_store": ("failed", ""),
 }
 # What the harness says first (patterns) where torch says "Process 0 exited with error code
 # 10 ..." (the victim first) or "Process 0 terminated or timed out after 4.1 seconds".
@@ -234,6 +243,10 @@ def test_an_unmodified_torch_class_runs_on_forked_ranks_with_torchs_verdicts(pyt
     )
     pids = [int(pytester.path.joinpath(f"pid-{r}").read_text()) for r in range(2)]
     assert pids and not [pid for pid in pids if proctable.running(pid)]  # killed at the hang
+    # torch's last rank out deletes the FileStore's file, a failed test's too; the harness
+    # kills its ranks, so it does that for them (before: the file stayed, one per failure)
+    store = pytester.path.joinpath("store").read_text()
+    assert store and not os.path.exists(store), store
 
 
 # The same class, its processes started by torch's own ``_start_processes`` from a fork

@@ -31,8 +31,10 @@ torch's module is imported only when a test module already imported it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import time
 from typing import Any
@@ -181,10 +183,24 @@ def join(item: pytest.Item, case: Any, spawn: _Spawn, fn: Any) -> None:
         )
     except RankError as error:
         reported(error)
+    finally:
+        release_store(case.file_name)
     codes = [r.exitcode if isinstance(r, RankExited) else r for r in results]
     case.processes = [Ended(rank, code) for rank, code in enumerate(codes)]
     case.pid_to_pipe = {p.pid: NoPipe(p.pid) for p in case.processes}
     case._check_return_codes(fn, time.time() - started)
+
+
+def release_store(path: str) -> None:
+    """What the last of torch's ranks does on its way out: a ``FileStore`` deletes its file
+    when its last user is destroyed, and torch's ranks end their interpreters, a failed
+    test's too. The harness's ranks are killed instead (a failed rank's frames, or its
+    default group, still held the store), so the file of a store they opened is deleted
+    here, once they are gone. A file no rank opened (a test skipped before its group) is
+    empty and stays, as torch's ``setUp`` leaves it."""
+    with contextlib.suppress(OSError):  # gone already: the ranks' stores deleted it
+        if os.path.getsize(path) > 0:
+            os.remove(path)
 
 
 def _deadline_set(item: pytest.Item) -> bool:
