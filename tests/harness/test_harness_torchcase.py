@@ -85,6 +85,7 @@ class GlooTest(MultiProcessTestCase):
         self._group()
 
     def test_exit_skip(self):
+        Path(__file__).with_name("unused-store").write_text(self.file_name)
         sys.exit(TEST_SKIPS["small_worldsize"].exit_code)
 
     def test_hang(self):
@@ -247,6 +248,8 @@ def test_an_unmodified_torch_class_runs_on_forked_ranks_with_torchs_verdicts(pyt
     # kills its ranks, so it does that for them (before: the file stayed, one per failure)
     store = pytester.path.joinpath("store").read_text()
     assert store and not os.path.exists(store), store
+    unused = pytester.path.joinpath("unused-store").read_text()  # torch's harness leaves it
+    assert unused and not os.path.exists(unused), unused
 
 
 # The same class, its processes started by torch's own ``_start_processes`` from a fork

@@ -195,12 +195,11 @@ def release_store(path: str) -> None:
     """What the last of torch's ranks does on its way out: a ``FileStore`` deletes its file
     when its last user is destroyed, and torch's ranks end their interpreters, a failed
     test's too. The harness's ranks are killed instead (a failed rank's frames, or its
-    default group, still held the store), so the file of a store they opened is deleted
-    here, once they are gone. A file no rank opened (a test skipped before its group) is
-    empty and stays, as torch's ``setUp`` leaves it."""
+    default group, still held the store), so the file is deleted here, once they are gone;
+    also the empty one of a test no rank made a group for, which torch's ``setUp`` made and
+    its harness leaves behind."""
     with contextlib.suppress(OSError):  # gone already: the ranks' stores deleted it
-        if os.path.getsize(path) > 0:
-            os.remove(path)
+        os.remove(path)
 
 
 def _deadline_set(item: pytest.Item) -> bool:
