@@ -62,6 +62,8 @@ import pytest
 from _pytest import nodes
 from . import sibling
 from mylib.metrics import Mean, test_helper
+from torch.testing._internal.distributed.distributed_test import DistributedTest
+import torch.testing._internal.distributed.rpc_test
 from mylib import conftest
 import test_other, conftest
 from typing import TYPE_CHECKING
@@ -114,6 +116,9 @@ def test_the_scan_reads_the_files_pytest_would_collect_and_their_module_imports(
         "os.path": [],
         "mylib.metrics": ["Mean", "Sum"],  # not test_helper: a test module is the rank's
         "mylib": [],  # nor conftest
+        # an installed library's modules named like tests are the library's (torch's suites)
+        "torch.testing._internal.distributed.distributed_test": ["DistributedTest"],
+        "torch.testing._internal.distributed.rpc_test": [],
         "typing": ["TYPE_CHECKING"],
         "optional_dep": [],
         "in_a_with": [],
