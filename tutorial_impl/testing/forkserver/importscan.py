@@ -287,5 +287,5 @@ def _installed(top: str) -> bool:
         spec = importlib.machinery.PathFinder.find_spec(top)
     except (ImportError, ValueError):
         return False
-    where = spec.origin or next(iter(spec.submodule_search_locations or ()), None) if spec else None
+    where = spec.origin if spec else None  # None too for a namespace package: not counted
     return bool(where) and bool({"site-packages", "dist-packages"} & set(Path(where).parts))
