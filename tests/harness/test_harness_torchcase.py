@@ -160,6 +160,20 @@ class NeverSpawns(MultiProcessTestCase):  # its setUp never spawns: torch runs n
 
 
 @pytest.mark.torch_harness(False)
+class NoDevices(MultiProcessTestCase):  # FSDPTest's world on a CPU host: min(8, GPU count)
+    @property
+    def world_size(self):
+        return 0
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_a_world_of_none(self):
+        raise AssertionError("never runs: torch starts no rank, and passes")
+
+
+@pytest.mark.torch_harness(False)
 class OwnSpawn(MultiProcessTestCase):
     def setUp(self):
         super().setUp()
@@ -236,6 +250,7 @@ def test_an_unmodified_torch_class_runs_on_forked_ranks_with_torchs_verdicts(pyt
     assert got["test_on_the_harness"][0] == "passed"
     assert got["test_nothing_spawned"][0] == "passed"  # torch's harness: nothing was started
     assert got["test_not_run"][0] == "passed"  # on the harness: nothing started either
+    assert got["test_a_world_of_none"][0] == "passed"  # torch's join: no process, a pass
     assert "checked codes [0, 0, 0, 0]" in text  # Back's own check had the codes (world 4)
     assert re.search(
         r"TorchHarnessWarning: \S+test_nothing_spawned ran under torch's own "
