@@ -131,6 +131,8 @@ class GlooTest(MultiProcessTestCase):
 
 # A module off the harness, one class of it back on; a class that spawns in a way of its own.
 SWITCH = """\
+from pathlib import Path
+
 import pytest
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
@@ -167,10 +169,25 @@ class NoDevices(MultiProcessTestCase):  # FSDPTest's world on a CPU host: min(8,
 
     def setUp(self):
         super().setUp()
+        Path(__file__).with_name("none-store").write_text(self.file_name)
         self._spawn_processes()
 
     def test_a_world_of_none(self):
         raise AssertionError("never runs: torch starts no rank, and passes")
+
+
+@pytest.mark.torch_harness(False)
+class OneRank(MultiProcessTestCase):  # a world of one is a world: its rank runs the test
+    @property
+    def world_size(self):
+        return 1
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_a_world_of_one(self):
+        Path(__file__).with_name("one-rank").write_text(str(self.rank))
 
 
 @pytest.mark.torch_harness(False)
@@ -251,6 +268,9 @@ def test_an_unmodified_torch_class_runs_on_forked_ranks_with_torchs_verdicts(pyt
     assert got["test_nothing_spawned"][0] == "passed"  # torch's harness: nothing was started
     assert got["test_not_run"][0] == "passed"  # on the harness: nothing started either
     assert got["test_a_world_of_none"][0] == "passed"  # torch's join: no process, a pass
+    assert not os.path.exists(pytester.path.joinpath("none-store").read_text())
+    assert got["test_a_world_of_one"][0] == "passed"
+    assert pytester.path.joinpath("one-rank").read_text() == "0"  # its rank ran it
     assert "checked codes [0, 0, 0, 0]" in text  # Back's own check had the codes (world 4)
     assert re.search(
         r"TorchHarnessWarning: \S+test_nothing_spawned ran under torch's own "
