@@ -83,11 +83,15 @@ def test_a_dead_parameter_server_fails_training_with_a_clear_error(run_ranks, tm
     assert error.startswith("training failed:\ntrainer0 failed:") and "\ntrainer1 failed:" in error
     assert "embedding lookup on parameter server ps0 failed" in error
     # The trainers heard it, so they left without a graceful shutdown (which would wait for
-    # the dead server). Everyone was gone within the RPC timeout: a lost connection is
-    # noticed at once; a silent one would take the whole timeout.
+    # the dead server). Each heard it as the lost connection (EOF), at once, not as its RPC
+    # timing out: a silent server would have taken the whole timeout. (The wall clock is not
+    # the proof: at load 5 the ranks' ends came 10.1 s after the death, the EOF at once.)
     assert [results[i]["training_ok"] for i in range(config.trainers)] == [False, False]
+    first, second = error.split("\ntrainer1 failed:")
+    assert "EOF: end of file" in first and "EOF: end of file" in second, error
+    assert "ran for more than" not in error  # torch's words for an RPC past its timeout
     for rank in (0, 1, master):
-        assert results[rank]["end_time"] - died_at < RPC_TIMEOUT
+        assert results[rank]["end_time"] > died_at  # everyone was still there to hear it
     assert proctable.wait_until_gone(tmp_path) == {}  # asked of the kernel, not the harness
 
 
