@@ -160,6 +160,13 @@ def test_c04b_rank_1_returns_early(run_ranks):
     run_ranks(returns_early)
 
 
+# torch's collective checker: rank 0 waits in its barrier before the all_reduce, recorded nowhere
+@pytest.mark.check_collectives
+@pytest.mark.rank_timeout(10)
+def test_c04e_rank_1_returns_early_under_the_checker(run_ranks):
+    run_ranks(returns_early)
+
+
 def slow_rank_1(rank, world_size):
     note()
     if rank == 1:
@@ -1170,6 +1177,14 @@ CASES: dict[str, Case] = {
         )
     ),
     "test_c04b_rank_1_returns_early": Case(
+        Expect(
+            "failed",
+            "rank 1 returned after all_reduce #1; rank 0 waits in all_reduce #2 at "
+            f"{MODULE}.py:{EARLY_LINE}" + NEVER.format(10),
+            within=2,
+        )
+    ),
+    "test_c04e_rank_1_returns_early_under_the_checker": Case(
         Expect(
             "failed",
             "rank 1 returned after all_reduce #1; rank 0 waits in all_reduce #2 at "

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tutorial_impl.testing import RankTimeout
 from tutorial_impl.testing.diagnose.recorder import Record
-from tutorial_impl.testing.diagnose.stranded import Standing, find
+from tutorial_impl.testing.diagnose.stranded import Checked, Standing, find
 from tutorial_impl.testing.diagnose.userops import IMPLEMENTED_BY, can_be, user_op
 from tutorial_impl.testing.faults.inject import Fired
 from tutorial_impl.testing.rank import outcome as _o
@@ -218,6 +218,108 @@ def test_a_stranding_no_look_saw_before_the_deadline_is_named_at_it(run_ranks, m
     )
 
 
+# --- under torch's collective checker (--check-collectives) ------------------------------------
+# The checker's records carry no group name ("") and the collective a peer waits to enter is not
+# recorded at all: it waits in the checker's barrier. What each rank says of its checked groups
+# (how many collectives it issued on each) decides.
+
+
+def checked_world(issued_by_1: int = 3, **peer) -> tuple[dict, dict]:
+    """Rank 1 returned after issuing ``issued_by_1`` collectives; ranks 0, 2, 3 issued 3, all
+    finished, and wait in an all_reduce call (the 4th), in the checker's barrier."""
+    records = {r: upto(r, 3, group="") for r in PEERS}
+    records[1] = upto(1, issued_by_1, group="")
+    checked = {"0": Checked(3, HOUR_MS)}
+    standings = {
+        r: Standing(r, dict(WORLD), peer.get("frames", IN_ALL_REDUCE), peer.get("checked", checked))
+        for r in PEERS
+    }
+    standings[1] = Standing(1, dict(WORLD), (), {"0": Checked(issued_by_1, HOUR_MS)})
+    return records, standings
+
+
+def test_a_peer_in_the_checkers_barrier_is_stranded_by_a_rank_that_never_made_the_call():
+    records, standings = checked_world()
+    found = find(records, standings, [1], PEERS, DEADLINE)
+    assert found is not None and sorted(found.waiting) == list(PEERS)
+    assert found.line(True, DEADLINE).startswith(
+        "rank 1 returned after all_reduce #3; ranks 0, 2, 3 wait in all_reduce #4 at "
+        "test_x.py:12, which rank 1 never entered: a hang that cannot resolve"
+    )
+    records[1] = []  # before any collective of this call (torchrun: an earlier test's are gone)
+    found = find(records, standings, [1], PEERS, DEADLINE)
+    assert found is not None and found.left == {1: None}
+
+
+def test_under_the_checker_a_group_timeout_of_the_deadline_itself_is_no_shorter():
+    records, standings = checked_world(checked={"0": Checked(3, int(DEADLINE * 1000))})
+    assert find(records, standings, [1], PEERS, DEADLINE) is not None
+
+
+def test_under_the_checker_a_group_of_another_name_is_named():
+    """One group, not the default one (a world the test made itself): its name is said."""
+    records, standings = checked_world()
+    standings = {
+        r: dataclasses.replace(s, groups={"3": WORLD["0"]}, checked={"3": s.checked["0"]})
+        for r, s in standings.items()
+    }
+    found = find(records, standings, [1], PEERS, DEADLINE)
+    assert found is not None
+    assert found.line(True, DEADLINE).startswith(
+        "rank 1 returned after all_reduce #3 on group 3; ranks 0, 2, 3 wait in all_reduce #4 on "
+        "group 3 at test_x.py:12"
+    )
+
+
+def test_in_two_checked_groups_the_call_is_named_without_a_number():
+    """The stack does not say which group the call is on: stranded only if the returned rank
+    is behind in every one, and the call named without a number."""
+    groups = {"0": WORLD["0"], "1": (0, 1)}
+    both = {"0": Checked(3, HOUR_MS), "1": Checked(2, HOUR_MS)}
+    records, standings = checked_world()
+    standings = {0: Standing(0, groups, IN_ALL_REDUCE, both), 1: Standing(1, groups, (), both)}
+    found = find(records, standings, [1], [0], DEADLINE)
+    assert found is not None
+    assert found.line(True, DEADLINE).startswith(
+        "rank 1 returned after all_reduce; rank 0 waits in all_reduce at test_x.py:12, which "
+    )
+    ahead = {"0": Checked(3, HOUR_MS), "1": Checked(3, HOUR_MS)}  # it entered one of them
+    standings[1] = Standing(1, groups, (), ahead)
+    assert find(records, standings, [1], [0], DEADLINE) is None
+
+
+# Each takes one condition away from ``checked_world``: (its arguments, standings replaced).
+NOT_STRANDED_UNDER_THE_CHECKER = {
+    "entered": ({"issued_by_1": 4}, {}),  # rank 1 made the call: the checker lets rank 0 by
+    "not-in-a-call": ({"frames": (USER,)}, {}),  # computing, not waiting
+    "in-another-call": ({"frames": ((TORCH, 1, "monitored_barrier"), USER)}, {}),
+    "short-group-timeout": ({"checked": {"0": Checked(3, 1500)}}, {}),
+    "a-group-not-checked": ({"checked": {}}, {}),
+    "rank-1-unchecked": ({}, {1: Standing(1, dict(WORLD))}),
+    "not-a-member": (
+        {},
+        {r: Standing(r, {"0": PEERS}, IN_ALL_REDUCE, {"0": Checked(3, HOUR_MS)}) for r in PEERS},
+    ),
+    "other-members": ({}, {1: Standing(1, {"0": (0, 1)}, (), {"0": Checked(3, HOUR_MS)})}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_STRANDED_UNDER_THE_CHECKER))
+def test_no_verdict_under_the_checker_unless_every_condition_holds(name):
+    kwargs, changed = NOT_STRANDED_UNDER_THE_CHECKER[name]
+    records, standings = checked_world(**kwargs)
+    standings.update(changed)
+    assert find(records, standings, [1], PEERS, DEADLINE) is None
+
+
+def test_a_peer_inside_a_collective_under_the_checker_is_left_to_its_deadline():
+    """An unfinished collective of the peer's own (it passed the checker's barrier: rank 1 may
+    have entered it, async) gives no verdict, whatever the counts say."""
+    records, standings = checked_world()
+    records.update({r: upto(r, 3, waiting=True, group="") for r in PEERS})
+    assert find(records, standings, [1], PEERS, DEADLINE) is None
+
+
 def test_the_users_call_names_the_collective():
     records, standings = world_of_four()
     standings.update(_peers_standing(WORLD, ((TORCH, 1, "reduce_scatter_tensor"), USER)))
@@ -335,6 +437,20 @@ def test_three_peers_of_a_returned_rank_end_at_once(run_ranks, tmp_path):
     )
     assert error.value.pending == [0, 2, 3]
     assert seconds < 2.0, seconds  # the bar: from rank 1's return to the verdict
+
+
+@pytest.mark.check_collectives
+def test_under_the_checker_a_peer_of_a_returned_rank_ends_at_once(run_ranks, tmp_path):
+    """torch's checker makes rank 0 wait in a barrier before its 4th all_reduce, which no
+    record shows: the counts of issued collectives name it, long before the deadline."""
+    clock = tmp_path / "returned"
+    with pytest.raises(RankTimeout) as error:
+        run_ranks(three_wait_for_rank_1, str(clock), world_size=2, timeout=30)
+    assert error.value.headline.startswith(
+        "rank 1 returned after all_reduce #3; rank 0 waits in all_reduce #4 at "
+        "test_harness_stranded.py:"
+    )
+    assert "(ended when seen, not at the harness deadline of 30 s)" in error.value.headline
 
 
 def returns_beside_slow_peers(rank: int, world_size: int) -> int:

@@ -64,7 +64,10 @@ class Record:
 
     @property
     def name(self) -> str:
-        """``all_reduce #17`` (and its group unless it is the default one)."""
+        """``all_reduce #17`` (and its group unless it is the default one); the call alone
+        where its number is not known (``seq`` 0: ``stranded``'s checked groups)."""
+        if self.seq == 0:
+            return self.called or self.op
         return collective_name(self.called or self.op, self.seq, self.group, self.group_desc)
 
     @property
@@ -142,6 +145,32 @@ def members() -> dict[str, tuple[int, ...]]:
 
     names = dist.distributed_c10d._world.pg_names
     return {name: tuple(dist.get_process_group_ranks(pg)) for pg, name in names.items()}
+
+
+def checked() -> dict[str, tuple[int, int]]:
+    """Every group of this process that torch's collective checker wraps
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, what ``--check-collectives`` sets), by name: how many
+    collectives this rank has issued on it, and its timeout in ms. The checker makes every
+    rank of the group meet (a monitored barrier, point-to-point: recorded nowhere) before the
+    group's collective is issued and counted, so a rank waiting there has no record of it.
+    Nothing while the recorder is off: a collective in progress would leave no record either."""
+    import torch
+    import torch.distributed as dist
+
+    found: dict[str, tuple[int, int]] = {}
+    if os.environ.get(ENV, str(DEFAULT_ENTRIES)).strip() in ("", "0"):
+        return found
+    for pg, name in dist.distributed_c10d._world.pg_names.items():
+        for device in ("cpu", "cuda"):
+            try:
+                backend = pg._get_backend(torch.device(device))
+            except RuntimeError:  # no backend for that device in this group
+                continue
+            if type(backend).__name__ == "_ProcessGroupWrapper":
+                timeout = backend.options._timeout.total_seconds()
+                found[name] = (pg._get_sequence_number_for_group(), int(timeout * 1000))
+                break
+    return found
 
 
 def collectives(records: Sequence[Record], group: str | None = None) -> list[Record]:

@@ -28,6 +28,17 @@ ranks' answers from the job's store and looks at itself (``torchrun``).
 
 A peer that is only slow has not returned; a peer that waits in a collective of a group the
 returned rank is not in fails the third condition: both still get their deadline.
+
+Under torch's collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: ``--check-collectives``)
+a peer never reaches the collective: the checker first makes every rank of the group meet in a
+monitored barrier, point-to-point and recorded nowhere, and only then issues (records and
+counts) the collective. So ``entering`` decides from what each rank says of its checked groups
+(``Checked``: how many collectives it has issued on each): a peer is stranded when its thread
+is in a collective call, no collective of it is unfinished (it is not inside one the returned
+rank may have entered), every group it is in is checked, with a timeout no shorter than the
+deadline, and has the returned rank as a member (as both see it) that issued no more of the
+group's collectives than the peer: the call it waits to enter is one the returned rank never
+made. The group of the call is not in its stack, hence every group.
 """
 
 from __future__ import annotations
@@ -40,9 +51,22 @@ from dataclasses import dataclass
 from tutorial_impl.testing import words
 from tutorial_impl.testing.diagnose.recorder import Record, collectives
 from tutorial_impl.testing.diagnose.stacks import Frame, Place, frames_of, place
-from tutorial_impl.testing.diagnose.userops import can_be, in_functional_wait, user_op
+from tutorial_impl.testing.diagnose.userops import (
+    COLLECTIVE_CALLS,
+    can_be,
+    in_functional_wait,
+    user_op,
+)
 
 POLL = 0.3  # seconds between two looks, while some rank has returned and others run
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A group torch's collective checker wraps, as one rank sees it (``recorder.checked``)."""
+
+    issued: int  # the collectives this rank has issued on it
+    timeout_ms: int  # the group's timeout, which the checker's barrier waits at most
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,7 @@ class Standing:
     rank: int | None  # its rank in its default group (None: it has none)
     groups: dict[str, tuple[int, ...]]  # each group it is in, by name: its members
     frames: tuple[Frame, ...] = ()  # its rank function's thread, most recent call first
+    checked: dict[str, Checked] = dataclasses.field(default_factory=dict)  # by group name
 
     @property
     def where(self) -> Place | None:
@@ -63,12 +88,13 @@ def standing(thread: int | None, stop: str) -> Standing:
     function, whose frames are read down to the function named ``stop``."""
     import torch.distributed as dist
 
-    from tutorial_impl.testing.diagnose.recorder import members
+    from tutorial_impl.testing.diagnose.recorder import checked, members
 
     if not dist.is_available() or not dist.is_initialized():
         return Standing(None, {})
     frame = sys._current_frames().get(thread) if thread is not None else None
-    return Standing(dist.get_rank(), members(), tuple(frames_of(frame, stop)))
+    wrapped = {name: Checked(*seen) for name, seen in checked().items()}
+    return Standing(dist.get_rank(), members(), tuple(frames_of(frame, stop)), wrapped)
 
 
 @dataclass(frozen=True)
@@ -120,6 +146,10 @@ def find(
     for w in sorted(running):
         waits_in = blocked_in(w, records.get(w, ()), standings.get(w), deadline)
         if waits_in is None:
+            entered = entering(w, records, standings, returned, deadline)
+            if entered is not None:
+                waiting[w] = entered[0]
+                left.update(entered[1])
             continue
         members = standings[w].groups.get(waits_in.group, ())
         for r in sorted(returned):
@@ -162,3 +192,73 @@ def blocked_in(
         return None
     frames = newest.frames or ((spot.file, spot.line, spot.func),)
     return dataclasses.replace(newest, frames=frames, called=called)
+
+
+def entering(
+    rank: int,
+    records: Mapping[int, Sequence[Record]],
+    standings: Mapping[int, Standing],
+    returned: Collection[int],
+    deadline: float,
+) -> tuple[Record, dict[int, Record | None]] | None:
+    """The collective ``rank`` waits to enter in torch's checker, that a rank of
+    ``returned`` never made (the module's rules), and each such rank's last collective;
+    else None."""
+    own = standings.get(rank)
+    if own is None or own.rank != rank or not own.groups or set(own.checked) != set(own.groups):
+        return None
+    spot = own.where
+    mine = collectives(records.get(rank, ()))
+    if spot is None or spot.call not in COLLECTIVE_CALLS or any(not c.completed for c in mine):
+        return None
+    if any(c.timeout_ms < deadline * 1000 for c in own.checked.values()):
+        return None
+    left = {}
+    for r in sorted(returned):
+        theirs = standings.get(r)
+        if (
+            theirs is not None
+            and theirs.rank == r
+            and all(
+                r in members
+                and theirs.groups.get(name) == members
+                and name in theirs.checked
+                and theirs.checked[name].issued <= own.checked[name].issued
+                for name, members in own.groups.items()
+            )
+        ):
+            left[r] = _last(r, collectives(records.get(r, ())), theirs, own)
+    if not left:
+        return None
+    only = next(iter(own.checked)) if len(own.checked) == 1 else None
+    seq = own.checked[only].issued + 1 if only is not None else 0
+    frames = ((spot.file, spot.line, spot.func),)
+    return _named(rank, spot.call, seq, only, frames), left
+
+
+def _last(rank: int, done: Sequence[Record], theirs: Standing, own: Standing) -> Record | None:
+    """A returned rank's last collective of this call (None: it made none), numbered in the
+    peer's group if it has one only (the checker's records carry no group name)."""
+    if not done:
+        return None
+    only = next(iter(own.checked)) if len(own.checked) == 1 else None
+    seq = theirs.checked[only].issued if only is not None else 0
+    return _named(rank, done[-1].op, seq, only, ())
+
+
+def _named(rank: int, op: str, seq: int, group: str | None, frames: tuple[Frame, ...]) -> Record:
+    return Record(
+        rank=rank,
+        group=group or "",
+        group_desc="default_pg" if group == "0" else "",
+        seq=seq,
+        op=op,
+        p2p=False,
+        input_sizes=(),
+        input_dtypes=(),
+        output_sizes=(),
+        output_dtypes=(),
+        state="scheduled",
+        completed=False,
+        frames=frames,
+    )

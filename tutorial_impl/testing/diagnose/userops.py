@@ -29,6 +29,22 @@ IMPLEMENTED_BY: dict[str, frozenset[str]] = {
 }
 
 
+# torch.distributed's collective calls: what a rank's stack may show it waiting in.
+COLLECTIVE_CALLS = frozenset(
+    {
+        "all_gather",
+        "all_reduce",
+        "all_to_all",
+        "barrier",
+        "broadcast",
+        "gather",
+        "reduce",
+        "scatter",
+        *IMPLEMENTED_BY,
+    }
+)
+
+
 def can_be(call: str | None, op: str) -> bool:
     """Whether the user's ``call`` (a stack's ``Place.call``) may be waiting in the recorded
     ``op``: the same name, or one torch implements it with."""
