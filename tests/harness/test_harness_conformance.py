@@ -971,6 +971,12 @@ def test_c50g_an_early_return_before_a_redistribute(run_ranks):
     run_ranks(early_before_redistribute)
 
 
+@pytest.mark.check_collectives  # torch's checker: the redistribute's records name no group
+@pytest.mark.rank_timeout(10)
+def test_c50h_an_early_return_before_a_redistribute_under_the_checker(run_ranks):
+    run_ranks(early_before_redistribute)
+
+
 # c35: a warm world's own machinery meets none of the test's: torch's groups of a DeviceMesh
 # go with the test (the next test runs in the same world), and a rank that returned while its
 # peer waits in a barrier is stranding it, in a world that served tests before (the world's
@@ -1489,6 +1495,14 @@ CASES: dict[str, Case] = {
         )
     ),
     "test_c50g_an_early_return_before_a_redistribute": Case(
+        Expect(
+            "failed",
+            f"rank 1 returned after scatter #1; rank 0 waits in all_gather #2 at {MODULE}.py:"
+            f"{REDISTRIBUTE_LINE}" + NEVER.format(10),
+            within=5,
+        )
+    ),
+    "test_c50h_an_early_return_before_a_redistribute_under_the_checker": Case(
         Expect(
             "failed",
             f"rank 1 returned after scatter #1; rank 0 waits in all_gather #2 at {MODULE}.py:"

@@ -312,6 +312,34 @@ def test_no_verdict_under_the_checker_unless_every_condition_holds(name):
     assert find(records, standings, [1], PEERS, DEADLINE) is None
 
 
+def test_a_functional_collectives_wait_under_the_checker_is_seen_by_the_counts():
+    """DTensor's collectives skip the checker's barrier: the peer's newest record is
+    unfinished, under no group name. With one (checked) group, the counts decide: stranded
+    when the returned rank issued fewer of the group's collectives; not when it issued as many
+    (it entered the one waited in), nor when the peer is in two groups (whose is it?)."""
+    records, standings = checked_world()
+    records.update({r: upto(r, 4, waiting=True, group="") for r in PEERS})
+    four = {"0": Checked(4, HOUR_MS)}
+    standings.update(_peers_standing_checked(IN_REDISTRIBUTE, four))
+    found = find(records, standings, [1], PEERS, DEADLINE)
+    assert found is not None
+    assert found.line(True, DEADLINE).startswith(
+        "rank 1 returned after all_reduce #3; ranks 0, 2, 3 wait in all_reduce #4 at test_x.py:12"
+    )
+    standings[1] = Standing(1, dict(WORLD), (), four)  # it entered #4 too
+    assert find(records, standings, [1], PEERS, DEADLINE) is None
+    standings[1] = Standing(1, dict(WORLD), (), {"0": Checked(3, HOUR_MS)})
+    two = {"0": WORLD["0"], "1": WORLD["0"]}
+    both = {"0": Checked(4, HOUR_MS), "1": Checked(4, HOUR_MS)}
+    standings.update({r: Standing(r, two, IN_REDISTRIBUTE, both) for r in PEERS})
+    standings[1] = Standing(1, two, (), {"0": Checked(3, HOUR_MS), "1": Checked(3, HOUR_MS)})
+    assert find(records, standings, [1], PEERS, DEADLINE) is None
+
+
+def _peers_standing_checked(frames, checked) -> dict:
+    return {r: Standing(r, dict(WORLD), frames, checked) for r in PEERS}
+
+
 def test_a_peer_inside_a_collective_under_the_checker_is_left_to_its_deadline():
     """An unfinished collective of the peer's own (it passed the checker's barrier: rank 1 may
     have entered it, async) gives no verdict, whatever the counts say."""

@@ -38,14 +38,16 @@ is in a collective call, no collective of it is unfinished (it is not inside one
 rank may have entered), every group it is in is checked, with a timeout no shorter than the
 deadline, and has the returned rank as a member (as both see it) that issued no more of the
 group's collectives than the peer: the call it waits to enter is one the returned rank never
-made. The group of the call is not in its stack, hence every group.
+made. The group of the call is not in its stack, hence every group. A functional collective
+(DTensor's) skips the checker's barrier: its record has no group name, and with one group the
+counts decide (``inside_checked``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tutorial_impl.testing import words
@@ -145,8 +147,9 @@ def find(
     waiting: dict[int, Record] = {}
     for w in sorted(running):
         waits_in = blocked_in(w, records.get(w, ()), standings.get(w), deadline)
-        if waits_in is None:
-            entered = entering(w, records, standings, returned, deadline)
+        if waits_in is None or not waits_in.group:  # none, or the checker's: no group name
+            checker = entering if waits_in is None else inside_checked(waits_in)
+            entered = checker(w, records, standings, returned, deadline)
             if entered is not None:
                 waiting[w] = entered[0]
                 left.update(entered[1])
@@ -234,6 +237,41 @@ def entering(
     seq = own.checked[only].issued + 1 if only is not None else 0
     frames = ((spot.file, spot.line, spot.func),)
     return _named(rank, spot.call, seq, only, frames), left
+
+
+def inside_checked(waits_in: Record) -> Callable[..., tuple[Record, dict] | None]:
+    """For a peer blocked in collective ``waits_in`` that torch's checker recorded without a
+    group name (one it did not check first: a functional collective's): stranded when its one
+    group is checked and the returned rank issued fewer of that group's collectives."""
+
+    def find_one(
+        rank: int,
+        records: Mapping[int, Sequence[Record]],
+        standings: Mapping[int, Standing],
+        returned: Collection[int],
+        deadline: float,
+    ) -> tuple[Record, dict[int, Record | None]] | None:
+        own = standings[rank]
+        if len(own.checked) != 1 or set(own.checked) != set(own.groups):
+            return None  # which group it is cannot be told
+        name, members = next(iter(own.groups.items()))
+        left = {}
+        for r in sorted(returned):
+            theirs = standings.get(r)
+            if (
+                theirs is not None
+                and theirs.rank == r
+                and r in members
+                and theirs.groups.get(name) == members
+                and name in theirs.checked
+                and theirs.checked[name].issued < own.checked[name].issued
+            ):
+                left[r] = _last(r, collectives(records.get(r, ())), theirs, own)
+        desc = "default_pg" if name == "0" else ""
+        named = dataclasses.replace(waits_in, group=name, group_desc=desc)
+        return (named, left) if left else None
+
+    return find_one
 
 
 def _last(rank: int, done: Sequence[Record], theirs: Standing, own: Standing) -> Record | None:
