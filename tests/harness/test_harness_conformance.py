@@ -1168,6 +1168,25 @@ UNFIRED = (
     "optional=True) if that may be so): delay on rank(s) 1 at all_reduce #5 did not fire on rank "
     "1: it made 1 all_reduce(s) that matched; its collectives: all_reduce 1; its steps: none"
 )
+# Plain and under torch's collective checker (c04b/c04e, c50g/c50h): the same first line.
+RETURNED_EARLY = Case(
+    Expect(
+        "failed",
+        "rank 1 returned after all_reduce #1; rank 0 waits in all_reduce #2 at "
+        f"{MODULE}.py:{EARLY_LINE}" + NEVER.format(10),
+        within=2,
+    )
+)
+BEFORE_REDISTRIBUTE = Case(
+    Expect(
+        "failed",
+        f"rank 1 returned after scatter #1; rank 0 waits in all_gather #2 at {MODULE}.py:"
+        f"{REDISTRIBUTE_LINE}" + NEVER.format(10),
+        within=5,
+    )
+)
+
+
 CASES: dict[str, Case] = {
     "test_c01_all_reduce_passes": Case(Expect("passed")),
     "test_c02_raise_on_rank_1": Case(Expect("failed", "rank 1 raised ValueError: boom on one")),
@@ -1182,22 +1201,8 @@ CASES: dict[str, Case] = {
             within=2,
         )
     ),
-    "test_c04b_rank_1_returns_early": Case(
-        Expect(
-            "failed",
-            "rank 1 returned after all_reduce #1; rank 0 waits in all_reduce #2 at "
-            f"{MODULE}.py:{EARLY_LINE}" + NEVER.format(10),
-            within=2,
-        )
-    ),
-    "test_c04e_rank_1_returns_early_under_the_checker": Case(
-        Expect(
-            "failed",
-            "rank 1 returned after all_reduce #1; rank 0 waits in all_reduce #2 at "
-            f"{MODULE}.py:{EARLY_LINE}" + NEVER.format(10),
-            within=2,
-        )
-    ),
+    "test_c04b_rank_1_returns_early": RETURNED_EARLY,
+    "test_c04e_rank_1_returns_early_under_the_checker": RETURNED_EARLY,
     "test_c04c_a_slow_rank_is_waited_for": Case(Expect("passed")),
     # gloo records a reduce_scatter_tensor as an all_reduce: the line names the user's call,
     # and the fault rank 1 caught, which explains why it returned.
@@ -1494,22 +1499,8 @@ CASES: dict[str, Case] = {
             ),
         )
     ),
-    "test_c50g_an_early_return_before_a_redistribute": Case(
-        Expect(
-            "failed",
-            f"rank 1 returned after scatter #1; rank 0 waits in all_gather #2 at {MODULE}.py:"
-            f"{REDISTRIBUTE_LINE}" + NEVER.format(10),
-            within=5,
-        )
-    ),
-    "test_c50h_an_early_return_before_a_redistribute_under_the_checker": Case(
-        Expect(
-            "failed",
-            f"rank 1 returned after scatter #1; rank 0 waits in all_gather #2 at {MODULE}.py:"
-            f"{REDISTRIBUTE_LINE}" + NEVER.format(10),
-            within=5,
-        )
-    ),
+    "test_c50g_an_early_return_before_a_redistribute": BEFORE_REDISTRIBUTE,
+    "test_c50h_an_early_return_before_a_redistribute_under_the_checker": BEFORE_REDISTRIBUTE,
     "test_c35a_a_two_dimensional_device_mesh": Case(Expect("passed")),
     "test_c35b_the_next_test_after_the_mesh": Case(Expect("passed")),
     "test_c35c_rank_1_skips_a_barrier": Case(

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tutorial_impl.testing import words
@@ -148,8 +148,11 @@ def find(
     for w in sorted(running):
         waits_in = blocked_in(w, records.get(w, ()), standings.get(w), deadline)
         if waits_in is None or not waits_in.group:  # none, or the checker's: no group name
-            checker = entering if waits_in is None else inside_checked(waits_in)
-            entered = checker(w, records, standings, returned, deadline)
+            entered = (
+                entering(w, records, standings, returned, deadline)
+                if waits_in is None
+                else inside_checked(w, waits_in, records, standings, returned)
+            )
             if entered is not None:
                 waiting[w] = entered[0]
                 left.update(entered[1])
@@ -216,21 +219,7 @@ def entering(
         return None
     if any(c.timeout_ms < deadline * 1000 for c in own.checked.values()):
         return None
-    left = {}
-    for r in sorted(returned):
-        theirs = standings.get(r)
-        if (
-            theirs is not None
-            and theirs.rank == r
-            and all(
-                r in members
-                and theirs.groups.get(name) == members
-                and name in theirs.checked
-                and theirs.checked[name].issued <= own.checked[name].issued
-                for name, members in own.groups.items()
-            )
-        ):
-            left[r] = _last(r, collectives(records.get(r, ())), theirs, own)
+    left = _behind(rank, own, records, standings, returned, strictly=False)
     if not left:
         return None
     only = next(iter(own.checked)) if len(own.checked) == 1 else None
@@ -239,39 +228,55 @@ def entering(
     return _named(rank, spot.call, seq, only, frames), left
 
 
-def inside_checked(waits_in: Record) -> Callable[..., tuple[Record, dict] | None]:
-    """For a peer blocked in collective ``waits_in`` that torch's checker recorded without a
+def inside_checked(
+    rank: int,
+    waits_in: Record,
+    records: Mapping[int, Sequence[Record]],
+    standings: Mapping[int, Standing],
+    returned: Collection[int],
+) -> tuple[Record, dict[int, Record | None]] | None:
+    """For ``rank`` blocked in collective ``waits_in`` that torch's checker recorded without a
     group name (one it did not check first: a functional collective's): stranded when its one
     group is checked and the returned rank issued fewer of that group's collectives."""
+    own = standings[rank]
+    if len(own.checked) != 1 or set(own.checked) != set(own.groups):
+        return None  # which group it is cannot be told
+    left = _behind(rank, own, records, standings, returned, strictly=True)
+    name = next(iter(own.groups))
+    named = dataclasses.replace(
+        waits_in, group=name, group_desc="default_pg" if name == "0" else ""
+    )
+    return (named, left) if left else None
 
-    def find_one(
-        rank: int,
-        records: Mapping[int, Sequence[Record]],
-        standings: Mapping[int, Standing],
-        returned: Collection[int],
-        deadline: float,
-    ) -> tuple[Record, dict[int, Record | None]] | None:
-        own = standings[rank]
-        if len(own.checked) != 1 or set(own.checked) != set(own.groups):
-            return None  # which group it is cannot be told
-        name, members = next(iter(own.groups.items()))
-        left = {}
-        for r in sorted(returned):
-            theirs = standings.get(r)
-            if (
-                theirs is not None
-                and theirs.rank == r
-                and r in members
-                and theirs.groups.get(name) == members
-                and name in theirs.checked
-                and theirs.checked[name].issued < own.checked[name].issued
-            ):
-                left[r] = _last(r, collectives(records.get(r, ())), theirs, own)
-        desc = "default_pg" if name == "0" else ""
-        named = dataclasses.replace(waits_in, group=name, group_desc=desc)
-        return (named, left) if left else None
 
-    return find_one
+def _behind(
+    rank: int,
+    own: Standing,
+    records: Mapping[int, Sequence[Record]],
+    standings: Mapping[int, Standing],
+    returned: Collection[int],
+    strictly: bool,
+) -> dict[int, Record | None]:
+    """Each rank of ``returned`` that is a member of every group of ``own`` (as both see it)
+    and issued fewer (``strictly``) or no more of its collectives than ``rank``: its last."""
+    left = {}
+    for r in sorted(returned):
+        theirs = standings.get(r)
+        if theirs is None or theirs.rank != r:
+            continue
+        if all(
+            r in members
+            and theirs.groups.get(name) == members
+            and name in theirs.checked
+            and (
+                theirs.checked[name].issued < own.checked[name].issued
+                if strictly
+                else theirs.checked[name].issued <= own.checked[name].issued
+            )
+            for name, members in own.groups.items()
+        ):
+            left[r] = _last(r, collectives(records.get(r, ())), theirs, own)
+    return left
 
 
 def _last(rank: int, done: Sequence[Record], theirs: Standing, own: Standing) -> Record | None:
