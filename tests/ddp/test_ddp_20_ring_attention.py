@@ -11,6 +11,7 @@ non-causal one used every block, its own first, then each from one more hop away
 
 from __future__ import annotations
 
+import re
 from unittest import mock
 
 import pytest
@@ -74,3 +75,13 @@ def test_ring_attention_is_attention_over_the_whole_sequence(run_ranks) -> None:
                 assert seen["used"] == (order[: rank + 1] if causal else order), where
     for rank, seen in enumerate(results):  # a rank outside a ring took no part in it
         assert {n for n, _ in seen} == {n for n in RINGS if rank < n}, f"rank {rank}"
+
+
+def test_the_demo_checks_itself_with_and_without_the_mask(run_ranks):
+    """``python -m tutorial_impl.ddp.ring_attention``: every rank prints both runs, each with
+    its error against one process's SDPA on the whole sequence, and both errors are tiny."""
+    results = run_ranks(lesson.demo, world_size=2)
+    for rank, printed in enumerate(results.outputs):
+        lines = re.findall(rf"causal=\s*(True|False), rank {rank}: .* error (\S+)", printed)
+        assert sorted(causal for causal, _ in lines) == ["False", "True"], printed
+        assert all(float(error) <= ATOL for _, error in lines), printed
