@@ -59,14 +59,16 @@ def test_prints_what_the_tutorial_prints(run_ranks):
 
 @pytest.mark.world_size(3)
 def test_send_returns_only_after_the_receiver_called_recv(run_ranks):
-    """Rank 1 calls ``recv`` 0.1 s late, rank 2 0.2 s; rank 0's ``send`` to each waits for it.
+    """Each receiver calls ``recv`` 0.1 s after rank 0 called its ``send``; the send waits.
 
     Every time is ``time.monotonic()``, one clock for all processes of a machine. Rank 0
     called each send before its receiver called ``recv`` (the premise: the receiver really
-    was late), and each send returned only after the receiver entered ``recv``, for a message
-    of one float: gloo sends no data before the receiver says its ``recv`` is posted
-    (``p2p.run_send_waits_for_recv``). A transport that sent ahead (MPI's eager small
-    messages) would have returned at once, while the receiver still slept.
+    was late; a note on another tag tells it the send is called, so a rank that started late
+    is late all the same), and each send returned only after the receiver entered ``recv``,
+    so it took the receiver's 0.1 s, for a message of one float: gloo sends no data before
+    the receiver says its ``recv`` is posted (``p2p.run_send_waits_for_recv``). A transport
+    that sent ahead (MPI's eager small messages) would have returned at once, while the
+    receiver still slept.
     """
     sends, *recv_entered = run_ranks(p2p.run_send_waits_for_recv)
     assert len(sends) == len(recv_entered) == 2
@@ -74,6 +76,7 @@ def test_send_returns_only_after_the_receiver_called_recv(run_ranks):
         called, returned = sends[dst - 1]
         assert called < entered, f"rank {dst} was not late: the test shows nothing"
         assert returned >= entered, f"rank 0's send to rank {dst} returned before its recv"
+        assert returned - called >= 0.1, f"rank 0's send to rank {dst} did not wait"
 
 
 def irecv_before_send(rank: int, size: int) -> dict[str, object]:

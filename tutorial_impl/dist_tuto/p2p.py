@@ -43,27 +43,34 @@ def run_send_waits_for_recv(
 ) -> list[tuple[float, float]] | float:
     """2.1, seen on a clock: a gloo ``send`` returns only after its receiver called ``recv``.
 
-    Receiver ``r`` is late: it sleeps ``r * delay`` seconds, notes when it calls ``recv``
-    (``time.monotonic()``, one clock for every process of a machine) and returns that time.
-    Rank 0 returns, per receiver, when its ``send`` was called and when it returned. With
-    gloo every send returns after its receiver's ``recv`` began, whatever the size, one
-    float included: gloo's TCP transport sends no data ahead. A ``send`` only announces
-    itself; the data leaves when the receiver answers that its ``recv`` is posted, and
-    ``send`` returns once it has left. (MPI may copy a small message into a buffer and
-    return at once; NCCL's ``send`` returns as soon as it is queued on the GPU's stream.
-    "Blocking" promises only that the tensor may be reused when ``send`` returns.)
+    Rank 0 sends to each receiver in turn and returns, per receiver, when its ``send`` was
+    called and when it returned. Just before each ``send`` it posts a note on another tag
+    (an ``isend``, which waits for nobody): the receiver waits for the note, so it knows the
+    ``send`` has been called, sleeps ``delay`` seconds more (a late receiver, however late
+    its process started), notes when it calls ``recv`` (``time.monotonic()``, one clock for
+    every process of a machine) and returns that time. With gloo every send returns after its
+    receiver's ``recv`` began, whatever the size, one float included: gloo's TCP transport
+    sends no data ahead. A ``send`` only announces itself; the data leaves when the receiver
+    answers that its ``recv`` is posted, and ``send`` returns once it has left. (MPI may copy
+    a small message into a buffer and return at once; NCCL's ``send`` returns as soon as it
+    is queued on the GPU's stream. "Blocking" promises only that the tensor may be reused
+    when ``send`` returns.)
     """
+    data, note = 0, 1  # tags: the payload and "my send is called"
     tensor = torch.zeros(1, device=rank_device())
     if rank == 0:
         times = []
         for dst in range(1, size):
             called = time.monotonic()
-            dist.send(tensor=tensor, dst=dst)
+            noted = dist.isend(torch.ones(1, device=rank_device()), dst=dst, tag=note)
+            dist.send(tensor=tensor, dst=dst, tag=data)
             times.append((called, time.monotonic()))
+            noted.wait()
         return times
-    time.sleep(rank * delay)  # a late receiver
+    dist.recv(torch.zeros(1, device=rank_device()), src=0, tag=note)
+    time.sleep(delay)  # a late receiver: rank 0 is already in its send
     entered = time.monotonic()
-    dist.recv(tensor=tensor, src=0)
+    dist.recv(tensor=tensor, src=0, tag=data)
     return entered
 
 
