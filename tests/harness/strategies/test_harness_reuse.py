@@ -79,6 +79,13 @@ def flags() -> dict[str, str]:
     return {key: repr(value) for key, value in found.items()}
 
 
+def _not_blocked() -> signal.Signals:
+    """A signal the rank does not block yet: the session may have inherited a blocked
+    SIGWINCH (``perf record`` blocks it for the command it runs)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return next(s for s in (signal.SIGWINCH, signal.SIGURG, signal.SIGXCPU) if s not in blocked)
+
+
 def change_every_setting() -> None:
     """What a careless test leaves set: every global ``before_task`` must reset."""
     random.seed(1)
@@ -100,7 +107,7 @@ def change_every_setting() -> None:
     signal.signal(signal.SIGTERM, lambda *args: None)
     signal.alarm(100)
     signal.setitimer(signal.ITIMER_PROF, 100)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGWINCH])  # SIGUSR2: blocked by records
+    signal.pthread_sigmask(signal.SIG_BLOCK, [_not_blocked()])  # SIGUSR2: blocked by records
     logging.getLogger().addHandler(logging.NullHandler())
     logging.disable(logging.CRITICAL)
     sys.setrecursionlimit(5000)
@@ -371,7 +378,7 @@ OTHER = {
     "decimal DefaultContext": lambda v: v.replace("ROUND_HALF_EVEN", "ROUND_DOWN"),
     "locale": lambda v: "C",
     "umask": lambda v: 0o077 if v != 0o077 else 0o022,
-    "signal mask": lambda v: {*v, signal.SIGWINCH},
+    "signal mask": lambda v: {*v, _not_blocked()},
     "socket default timeout": lambda v: 3.0,
     "sys trace function": lambda v: _tracer,
     "sys profile function": lambda v: _tracer,
