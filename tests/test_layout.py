@@ -75,6 +75,40 @@ def test_no_test_imports_rank_functions_from_a_helpers_module():
     assert not bad, bad
 
 
+def module_aliases(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, alias) of every module of this package that ``path`` imports under
+    another name (``from tutorial_impl.a import b as c``, ``import tutorial_impl.a.b as c``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tutorial_impl"):
+            pairs = [(f"{node.module}.{a.name}", a.asname) for a in node.names]
+        elif isinstance(node, ast.Import):
+            pairs = [(a.name, a.asname) for a in node.names if a.name.startswith("tutorial_impl")]
+        else:
+            continue
+        for module, alias in pairs:
+            where = REPO / Path(*module.split("."))
+            if alias and (where.with_suffix(".py").is_file() or where.is_dir()):
+                found.append((node.lineno, module, alias))
+    return found
+
+
+def test_no_module_is_imported_under_the_name_of_another():
+    """A reader who meets ``runner.run`` looks for ``runner.py``: a module imported under
+    another name takes the name of its own package, or a name no module of the tree has
+    (``stacks as forensics`` and ``protocol as runner`` named modules since renamed, and
+    ``__main__ as cli`` one that exists beside it)."""
+    names = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.rglob("*/")}
+    bad, seen = [], 0
+    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "tests").rglob("*.py")]):
+        for line, module, alias in module_aliases(path):
+            seen += 1
+            if alias in names and alias not in module.split("."):
+                bad.append(f"{path.relative_to(REPO)}:{line}: {module} as {alias}")
+    assert not bad, bad
+    assert seen >= 30  # the aliases were found (about 70 today): the rule did not pass vacuously
+
+
 def test_the_docs_name_every_module_and_test_file():
     """The learning path must lead to every file a reader may need: README.md or a docs page
     names each one."""

@@ -38,7 +38,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl import __main__ as cli
+from tutorial_impl import __main__ as entry
 from tutorial_impl import pictures
 from tutorial_impl.ddp import toy
 from tutorial_impl.dist_tuto import collectives
@@ -91,7 +91,7 @@ def run_the_command(out: Path) -> Command:
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(record, "record", keep_record)
         patch.setattr(pictures, "draw", keep_draw)
-        status = cli.main(["pictures", "--out", str(out), "--timeout", "60"])
+        status = entry.main(["pictures", "--out", str(out), "--timeout", "60"])
     sizes = {name: png_size((out / name).read_bytes()) for name in pictures.IMAGES}
     return Command(status, printed.getvalue().splitlines(), kept["recorded"], kept["drawn"], sizes)
 
@@ -394,6 +394,6 @@ def test_ddp_buckets_one_all_reduce_per_bucket_launched_during_backward(command)
 def test_without_matplotlib_the_command_says_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     out = tmp_path / "images"
-    assert cli.main(["pictures", "--out", str(out)]) == 2
+    assert entry.main(["pictures", "--out", str(out)]) == 2
     assert 'pip install -e ".[plot]"' in capsys.readouterr().err
     assert not out.exists()  # refused before anything was started or written

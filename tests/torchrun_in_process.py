@@ -89,7 +89,7 @@ def agents_with_fresh_workers(
 class Entry:
     """What a forked worker runs in place of a command: ``head``, the start of the command as
     torchrun builds it (``("-u", "-m", "tutorial_impl")``), and ``call``, the function that
-    does what the rest of it would (``cli.main``), given the rest as strings."""
+    does what the rest of it would (``tutorial_impl.__main__.main``), given the rest as strings."""
 
     head: tuple[str, ...]
     call: Callable[..., object]

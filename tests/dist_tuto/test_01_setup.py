@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_impl import __main__ as cli
+from tutorial_impl import __main__ as entry
 from tutorial_impl.cli import check_backend, launch
 from tutorial_impl.dist_tuto import init_methods, p2p
 from tutorial_impl.dist_tuto.process import init_process, rank_device, select_gpu
@@ -178,27 +178,27 @@ def test_launch_refuses_bad_input_before_starting_ranks():
 )
 def test_cli_messages_for_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
+        entry.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_cli_unknown_section(capsys):
-    assert cli.main(["nosuch"]) == 2
+    assert entry.main(["nosuch"]) == 2
     assert "unknown section 'nosuch'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("section", ["setup", "p2p", "collectives", "ring"])
 def test_cli_help(capsys, section):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([section, "--help"])
+        entry.main([section, "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert f"python -m tutorial_impl {section}" in out and "--world-size" in out
 
 
 def test_cli_lists_the_sections(capsys):
-    assert cli.main(["--help"]) == 0
+    assert entry.main(["--help"]) == 0
     out = capsys.readouterr().out
     for section in ("setup", "p2p", "collectives", "ring"):
         assert f"  {section} " in out

@@ -238,10 +238,10 @@ def test_backend_none_leaves_the_group_to_the_function(run_ranks, how):
 INIT_METHOD_SPY = """
 import torch
 import torch.distributed as dist
-from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import protocol
 
 seen = []
-real = runner.run
+real = protocol.run
 
 def spy(strategy, call):
     seen.append(call.init_method)
@@ -253,7 +253,7 @@ def rank_sum(rank, world_size):
     return t.item()
 
 def test_uses_the_option(run_ranks, monkeypatch):
-    monkeypatch.setattr(runner, "run", spy)
+    monkeypatch.setattr(protocol, "run", spy)
     assert run_ranks(rank_sum) == [3.0, 3.0]
     assert seen == [{expected!r}]
 """

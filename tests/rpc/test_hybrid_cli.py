@@ -31,7 +31,7 @@ import re
 import pytest
 
 from tests.torchrun_in_process import Entry, assert_forks_of, torchrun_with_forked_workers
-from tutorial_impl import __main__ as cli
+from tutorial_impl import __main__ as entry
 from tutorial_impl.rpc import hybrid
 from tutorial_impl.rpc.hybrid import HybridConfig, run_worker
 from tutorial_impl.rpc.hybrid_world import master_rank
@@ -78,7 +78,7 @@ TORCHRUN += ["--rpc-timeout", "30", "--timeout", "120"]
 def run_cli(*argv: str) -> int:
     """What ``python -m tutorial_impl ARGV`` runs, called: its exit status is the return
     value, which the agent reads back."""
-    return cli.main(list(argv))
+    return entry.main(list(argv))
 
 
 CLI = Entry(("-u", "-m", "tutorial_impl"), run_cli)  # a forked worker's stand-in for the command

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tutorial_impl import __main__ as cli
+from tutorial_impl import __main__ as entry
 from tutorial_impl.rpc import demo
 
 EXPECTED_LINES = [
@@ -60,7 +60,7 @@ def test_help_describes_the_section(capsys):
 
 
 def test_the_cli_lists_the_section_before_the_hybrid_one(capsys):
-    assert cli.main(["--help"]) == 0
+    assert entry.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "  rpc " in out
     assert out.index("  rpc ") < out.index("  hybrid ")

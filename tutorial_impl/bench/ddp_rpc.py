@@ -26,8 +26,7 @@ from typing import Any, TextIO
 
 import torch
 
-from tutorial_impl.bench import ddp_rpc_workers as workers
-from tutorial_impl.bench import report
+from tutorial_impl.bench import ddp_rpc_workers, report
 from tutorial_impl.bench.ddp_rpc_workers import OPTIMIZERS, BenchConfig, run_worker
 from tutorial_impl.bench.stats import Row, format_table, summarize
 from tutorial_impl.cli import failure_report
@@ -50,7 +49,7 @@ def run_benchmark(
     # Have the rank forkserver import this module (torch.distributed.rpc, optim, ...) once,
     # instead of every one of the workers importing it after the fork. It only takes effect
     # if no rank was started yet in this process (true for the CLI).
-    server.add_preload([workers.__name__])
+    server.add_preload([ddp_rpc_workers.__name__])
     t0 = time.time() if t0 is None else t0
     print(
         f"starting {cfg.world_size} workers ({cfg.trainers} trainers, "

@@ -2,10 +2,10 @@
 
 A test's markers and options become one checked ``call.Call``; a strategy runs it (``forked``:
 fresh ranks, ``warm``: a warm world, ``torchrun``: this worker of a torchrun job, all behind
-``runner``); each rank's result is caught by ``outcome.capture`` and ``verdict.decide`` turns
-every rank's report into the results or the one error. ``plugin`` is the pytest glue
-(options and hooks; the fixtures are in ``fixtures``). The module map, with what flows
-between the modules: ``docs/architecture.md``.
+``strategies.protocol``); each rank's result is caught by ``rank.outcome.capture`` and
+``verdict.decision.decide`` turns every rank's report into the results or the one error.
+``plugin`` is the pytest glue (options and hooks; the fixtures are in ``fixtures``). The
+module map, with what flows between the modules: ``docs/architecture.md``.
 
 Importing this package does not import torch; running ranks does.
 """

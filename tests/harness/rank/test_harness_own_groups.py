@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tutorial_impl.testing import call
 from tutorial_impl.testing.rendezvous import reserve_port
-from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import protocol
 from tutorial_impl.testing.strategies.warm import pool as warm
 from tutorial_impl.testing.verdict.errors import RankTimeout
 
@@ -71,7 +71,7 @@ def test_a_librarys_setup_ddp_on_its_own_port_passes(run_ranks, own_ports):
 def test_in_a_warm_world_too_which_is_then_replaced(own_ports):
     pool = warm.WarmPool()
     try:
-        results = runner.run(pool, call.build(library_test, (own_ports[0],), world_size=2))
+        results = protocol.run(pool, call.build(library_test, (own_ports[0],), world_size=2))
         assert results == [{"had_group": True, "agent_store": None, "sum": 3.0}] * 2
         [world] = pool.worlds.values()  # its answer to "as good as new?", as the next test's
         problem = warm.checked(world)

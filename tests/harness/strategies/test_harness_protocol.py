@@ -1,8 +1,9 @@
-"""The one protocol of the strategies (``runner``), checked on values: no rank is started.
+"""The one protocol of the strategies (``strategies.protocol``), checked on values: no rank
+is started.
 
 One refusal rule for every strategy (its ``cannot``: data), the session's list and its
 choice, the audit as a wrapper strategy, and ``verdict.decide`` called in one place only, by
-``runner.run``. The strategies' runs themselves are the conformance suite's.
+``protocol.run``. The strategies' runs themselves are the conformance suite's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tutorial_impl.testing.faults.plan import Fault, Kill
 from tutorial_impl.testing.fixtures import Session, strategies_for
 from tutorial_impl.testing.rank import outcome as _o
 from tutorial_impl.testing.settings.config import Settings
-from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import protocol
 from tutorial_impl.testing.strategies.forked import FORKED
 from tutorial_impl.testing.strategies.torchrun.worker import NOT_HONOURED, Launched
 from tutorial_impl.testing.strategies.warm import pool as warm
@@ -41,21 +42,21 @@ SET = {
 }
 
 
-def _strategies() -> list[runner.Strategy]:
+def _strategies() -> list[protocol.Strategy]:
     return [FORKED, warm.WarmPool(), Launched(job=None)]  # type: ignore[arg-type]
 
 
 def test_one_refusal_rule_for_every_strategy_names_the_field():
     plain = call.build(len)
     for strategy in _strategies():
-        assert runner.refusal(strategy, plain) is None, strategy.name
+        assert protocol.refusal(strategy, plain) is None, strategy.name
         for name, why in strategy.cannot.items():
-            refusal = runner.refusal(strategy, call.build(len, **{name: SET[name]}))
+            refusal = protocol.refusal(strategy, call.build(len, **{name: SET[name]}))
             assert refusal is not None and refusal.startswith(f"{name} cannot be honoured ")
             assert refusal.endswith(f"({name}: {why})"), refusal
     # Given at its default, a field asks for nothing a strategy must refuse.
-    assert runner.refusal(Launched(None), call.build(len, log_dir=None, may_exit=())) is None  # type: ignore[arg-type]
-    both = runner.refusal(Launched(None), call.build(len, stream_prefix=False, debug_rank=1))  # type: ignore[arg-type]
+    assert protocol.refusal(Launched(None), call.build(len, log_dir=None, may_exit=())) is None  # type: ignore[arg-type]
+    both = protocol.refusal(Launched(None), call.build(len, stream_prefix=False, debug_rank=1))  # type: ignore[arg-type]
     assert both is not None and both.startswith("stream_prefix, debug_rank cannot be honoured")
 
 
@@ -68,11 +69,11 @@ def test_every_refused_field_is_a_field_of_the_call():
 
 def test_choose_takes_the_first_that_can_and_else_raises_the_last_refusal():
     pool = warm.WarmPool()
-    assert runner.choose([pool, FORKED], call.build(len)) is pool
-    assert runner.choose([pool, FORKED], call.build(len, may_exit={1})) is FORKED
+    assert protocol.choose([pool, FORKED], call.build(len)) is pool
+    assert protocol.choose([pool, FORKED], call.build(len, may_exit={1})) is FORKED
     job = Launched(job=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^init_method cannot be honoured under torchrun"):
-        runner.choose([job], call.build(len, init_method="tcp"))
+        protocol.choose([job], call.build(len, init_method="tcp"))
 
 
 def _settings(warm_marker: bool | None = None, gpus: int = 0) -> Settings:
@@ -193,32 +194,32 @@ class _Gives:
 
 
 def test_run_decides_what_the_strategy_gathered():
-    assert runner.run(_Gives(RUNS[0]), call.build(len)) == [1, 2]
+    assert protocol.run(_Gives(RUNS[0]), call.build(len)) == [1, 2]
     with pytest.raises(RankFailed, match="rank 1 raised ValueError: boom"):
-        runner.run(_Gives(RUNS[1]), call.build(len))
+        protocol.run(_Gives(RUNS[1]), call.build(len))
 
 
 def test_the_audit_wrapper_compares_the_two_verdicts():
     same = Audited(_Gives(RUNS[0]), _Gives(RUNS[0]))  # type: ignore[arg-type]
-    assert runner.run(same, call.build(len)) == [1, 2]
+    assert protocol.run(same, call.build(len)) == [1, 2]
     assert same.fresh.calls == 1  # type: ignore[attr-defined]
     for warm_run, fresh_run in ((RUNS[0], RUNS[1]), (RUNS[2], RUNS[0])):
         differ = Audited(_Gives(warm_run), _Gives(fresh_run))  # type: ignore[arg-type]
         with pytest.raises(WarmAuditError, match="--warm-audit: the warm world's verdict"):
-            runner.run(differ, call.build(len))
+            protocol.run(differ, call.build(len))
     # The error names the warm run's outputs; its cause is the failure of either run.
     told = _finished(_o.Returned(1), RAISED)
     told.outputs = {0: "zero said this", 1: "one said that"}
     with pytest.raises(WarmAuditError) as failed_warm:
-        runner.run(Audited(_Gives(told), _Gives(RUNS[0])), call.build(len))  # type: ignore[arg-type]
+        protocol.run(Audited(_Gives(told), _Gives(RUNS[0])), call.build(len))  # type: ignore[arg-type]
     assert failed_warm.value.outputs == told.outputs
     assert isinstance(failed_warm.value.__cause__, RankFailed)
     with pytest.raises(WarmAuditError) as failed_fresh:
-        runner.run(Audited(_Gives(RUNS[0]), _Gives(told)), call.build(len))  # type: ignore[arg-type]
+        protocol.run(Audited(_Gives(RUNS[0]), _Gives(told)), call.build(len))  # type: ignore[arg-type]
     assert isinstance(failed_fresh.value.__cause__, RankFailed)
     # Both fail alike: the warm run's own error is the verdict.
     with pytest.raises(RankFailed):
-        runner.run(Audited(_Gives(RUNS[1]), _Gives(RUNS[1])), call.build(len))  # type: ignore[arg-type]
+        protocol.run(Audited(_Gives(RUNS[1]), _Gives(RUNS[1])), call.build(len))  # type: ignore[arg-type]
     skipped = agree.Verdict(None, RankSkipped(1, "no data", {}))
     assert agree.agree(skipped, skipped) is skipped
     passed = agree.Verdict(RankResults([1]), None)
@@ -262,7 +263,7 @@ def test_decide_is_called_in_one_place():
         found = _decide_calls(ast.parse(path.read_text(), str(path)))
         if found:
             calls[path.relative_to(package).as_posix()] = found
-    where = Path(runner.__file__).relative_to(package).as_posix()
+    where = Path(protocol.__file__).relative_to(package).as_posix()
     assert calls == {where: 1}
     # The check sees both spellings of a call.
     assert _decide_calls(ast.parse("from x.verdict import decide\ndecide(r)")) == 1
@@ -273,7 +274,7 @@ def test_a_plan_that_kills_rank_0_is_refused_under_torchrun_only():
     from tutorial_impl.testing.strategies.torchrun.worker import reporter_killed
 
     killing = call.build(len, faults=Fault(0, Kill()))
-    assert runner.refusal(FORKED, killing) is None
+    assert protocol.refusal(FORKED, killing) is None
     refusal = reporter_killed(killing)
     assert refusal and refusal.startswith("faults cannot be honoured under torchrun")
 

@@ -18,7 +18,7 @@ import pytest
 import torch  # noqa: F401 - before any in-process pytester run (see below)
 
 from tutorial_impl.testing import call, proctable
-from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import protocol
 from tutorial_impl.testing.strategies.forked import FORKED
 from tutorial_impl.testing.strategies.warm import pool as warm
 
@@ -198,16 +198,16 @@ def test_only_calls_a_warm_world_can_serve_run_warm():
     # may_exit, debug_rank and stream change how ranks are run or watched: fresh worlds,
     # and the refusal names the field.
     pool = warm.WarmPool()
-    assert runner.refusal(pool, call.build(len, world_size=2, env={}, timeout=5.0)) is None
+    assert protocol.refusal(pool, call.build(len, world_size=2, env={}, timeout=5.0)) is None
     for field, value in (
         ("may_exit", {1}),
         ("debug_rank", 0),
         ("stream", __import__("io").StringIO()),
     ):
         built = call.build(len, **{field: value})
-        refusal = runner.refusal(pool, built)
+        refusal = protocol.refusal(pool, built)
         assert refusal is not None and refusal.startswith(field), refusal
-        assert runner.choose([pool, FORKED], built) is FORKED  # the fresh path honours it
+        assert protocol.choose([pool, FORKED], built) is FORKED  # the fresh path honours it
 
 
 def test_worlds_are_keyed_by_what_must_not_differ(monkeypatch):
@@ -253,7 +253,7 @@ def test_a_misused_marker_fails_its_test_naming_it(pytester):
 def test_a_bad_call_is_refused_before_any_world_starts():
     pool = warm.WarmPool()
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
-        runner.run(pool, call.build(len, world_size=0))
+        protocol.run(pool, call.build(len, world_size=0))
     assert pool.pids() == []
 
 

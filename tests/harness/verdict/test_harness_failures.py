@@ -31,7 +31,7 @@ from tutorial_impl.testing import (
     run_ranks,
 )
 from tutorial_impl.testing.call import RankFiles
-from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose import stacks
 from tutorial_impl.testing.rank import main as _ranks
 from tutorial_impl.testing.strategies import supervise
 
@@ -201,15 +201,15 @@ def test_asking_for_stacks_is_bounded_even_when_a_rank_cannot_answer(tmp_path):
             stack_path = tmp_path / "rank3.stacks"
 
         start = time.monotonic()
-        stacks = forensics.dump_stacks([Silent()], budget=0.3)
+        dumped = stacks.dump_stacks([Silent()], budget=0.3)
         elapsed = time.monotonic() - start
     finally:
         child.kill()
         child.wait()
-    assert stacks == {3: ""}
+    assert dumped == {3: ""}
     assert 0.3 <= elapsed < 1.0
-    assert forensics.DUMP_BUDGET <= 1.0  # what a failing test may pay for its forensics
-    assert "(no answer: the rank was still starting" in _errors_stacks_section(stacks)
+    assert stacks.DUMP_BUDGET <= 1.0  # what a failing test may pay for its forensics
+    assert "(no answer: the rank was still starting" in _errors_stacks_section(dumped)
 
 
 def _errors_stacks_section(stacks):

@@ -17,7 +17,7 @@ import pickle
 import pytest
 
 from tutorial_impl.testing import proctable, run_ranks, words
-from tutorial_impl.testing.diagnose import stacks as forensics
+from tutorial_impl.testing.diagnose import stacks
 from tutorial_impl.testing.diagnose.stacks import Place
 from tutorial_impl.testing.rank import outcome
 from tutorial_impl.testing.verdict import errors
@@ -126,12 +126,12 @@ Current thread 0x00007e (most recent call first):
 def test_where_reads_the_innermost_user_line_and_the_call_it_sits_in():
     """Library frames (torch, the harness, decorators' ``wrapper``) are looked through."""
     dump = DUMP.format(op="all_reduce", line=12, fn="step")
-    assert forensics.where(dump) == Place("test_sum.py", 12, "step", "all_reduce")
-    assert str(forensics.where(dump)) == "in all_reduce at test_sum.py:12"
+    assert stacks.where(dump) == Place("test_sum.py", 12, "step", "all_reduce")
+    assert str(stacks.where(dump)) == "in all_reduce at test_sum.py:12"
     own = 'Current thread 0x1 (most recent call first):\n  File "/p/t.py", line 5 in spin\n'
     own += '  File "/x/tutorial_impl/testing/rank/main.py", line 9 in rank_main\n'
-    assert str(forensics.where(own)) == "at t.py:5 in spin"
-    assert forensics.where("") is None
+    assert str(stacks.where(own)) == "at t.py:5 in spin"
+    assert stacks.where("") is None
 
 
 WARM_DUMP = """Thread 0x2 (most recent call first):
@@ -151,9 +151,9 @@ def test_a_warm_ranks_dump_is_read_from_its_own_thread():
     """A warm rank's stack ends in ``warm_rank_main``: its place is its own thread's, the
     same as a fresh rank's, never another thread's frames read with it ("in _bootstrap");
     frames below the entry are cut as a fresh rank's are."""
-    assert str(forensics.where(WARM_DUMP)) == "at test_x.py:34 in sleeping"
-    assert "multiprocessing" not in forensics.trim(WARM_DUMP)
-    assert "in warm_rank_main" in forensics.trim(WARM_DUMP)
+    assert str(stacks.where(WARM_DUMP)) == "at test_x.py:34 in sleeping"
+    assert "multiprocessing" not in stacks.trim(WARM_DUMP)
+    assert "in warm_rank_main" in stacks.trim(WARM_DUMP)
 
 
 class Unprintable(Exception):
@@ -248,9 +248,9 @@ FORMING = """Current thread 0x00007e (most recent call first):
 def test_a_group_that_cannot_form_says_why():
     """A hang in a call that forms a group names the call and its init method, and why:
     the ranks that never joined it, or, when all wait in it, that they never meet."""
-    place = forensics.where(FORMING)
+    place = stacks.where(FORMING)
     assert place == Place("test_ddp.py", 7, "test_fn", "setup_ddp", "init_process_group(env://)")
-    assert forensics.where(DUMP.format(op="all_reduce", line=3, fn="f")).joining is None
+    assert stacks.where(DUMP.format(op="all_reduce", line=3, fn="f")).joining is None
     stuck = {0: place, 1: place}
     line = words.hang([0, 1], 5, stuck)
     assert line.endswith(

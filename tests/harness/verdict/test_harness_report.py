@@ -249,7 +249,7 @@ def test_pytest_timeout_stays_above_the_harness_deadline(pytester):
 SPY = """
 import pytest
 from tutorial_impl.testing import RankResults
-from tutorial_impl.testing.strategies import protocol as runner
+from tutorial_impl.testing.strategies import protocol
 
 def echo(rank, world_size):
     pass
@@ -262,7 +262,7 @@ def spy(strategy, call):
 
 @pytest.fixture(autouse=True)
 def _spy(monkeypatch):
-    monkeypatch.setattr(runner, "run", spy)
+    monkeypatch.setattr(protocol, "run", spy)
 """
 
 DEADLINES = (
