@@ -9,7 +9,8 @@ from the recording (``tutorial_impl/pictures/``). The claims, in reading order:
    reference: the p2p timeline against gloo's rule (a blocking send waits for the receive),
    the collectives against torch's operations in one process, the RRef protocol against the
    design note's counting rule, the autograd graph against plain autograd's, DDP's buckets
-   against the rule that fills them. (The rings' trace is checked against each algorithm's
+   against the rule that fills them, the pipeline schedules against D18's closed-form
+   bubbles. (The rings' trace is checked against each algorithm's
    schedule in ``tests/dist_tuto/test_06_ring.py``.)
 3. Without matplotlib (an optional extra) the command says what to install.
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from tutorial_impl import __main__ as entry
 from tutorial_impl import pictures
+from tutorial_impl.ddp import pipeline_schedules as schedules
 from tutorial_impl.ddp import toy
 from tutorial_impl.dist_tuto import collectives
 from tutorial_impl.dist_tuto.collectives_trace import SIGNATURES
@@ -386,6 +388,34 @@ def test_ddp_buckets_one_all_reduce_per_bucket_launched_during_backward(command)
     for call in second:  # ... exactly when its last gradient was written
         last = max(order[1].index(n) for n in call.names)
         assert call.missing == len(names) - 1 - last
+
+
+def test_pipeline_schedules_every_action_once_the_bubble_in_closed_form_each_box_drawn(command):
+    """Each rank ran every micro-batch's F and B (zero bubble: F, B and W) once on each of
+    its stages; the replayed orders' bubbles are D18's closed forms (p = 2 ranks, m = 4,
+    v = 2 stages a rank), and the picture says them and labels one box per action."""
+    p, m, v = 2, record.MICROBATCHES, schedules.STAGES // 2
+    expected = {
+        "1F1B": (p - 1) / (m + p - 1),
+        "Interleaved1F1B": (p - 1) / (v * m + p - 1),
+        "InterleavedZeroBubble": (p - 1) / (3 * v * m + p - 1),
+    }
+    recorded = command.recorded.schedules
+    assert list(recorded) == list(expected) == list(record.SCHEDULES)
+    drawn = next(d for d in command.drawn if d.path.name == "pipeline_schedules.png")
+    labels = Counter(t for t in drawn.texts if re.fullmatch(r"[FBW]\d", t))
+    actions: Counter[str] = Counter()
+    for name, orders in recorded.items():
+        kinds = "FBW" if "ZeroBubble" in name else "FB"
+        for rank, order in enumerate(orders):
+            mine = schedules.stages_of(rank, p, name)
+            assert sorted(order) == sorted((s, k, b) for s in mine for k in kinds for b in range(m))
+            actions.update(f"{k}{b}" for _, k, b in order)
+        stages = p if name == "1F1B" else schedules.STAGES
+        measured = schedules.bubble(orders, stages)
+        assert measured == pytest.approx(expected[name]), name
+        assert any(t.endswith(f"bubble {measured:.0%}") for t in drawn.texts), name
+    assert labels == actions  # one label a box, one box an action
 
 
 # --- 3. Without matplotlib ------------------------------------------------------------------

@@ -47,6 +47,7 @@ def test_the_bubble_replay_on_hand_written_orders() -> None:
         lesson.bubble([order("B0.0 F0.0"), order("F1.0 B1.0")], 2)
     # A weight gradient waits for its own stage's input gradient, not for anyone else.
     split = [order("F0.0 B0.0 W0.0"), order("F1.0 B1.0 W1.0")]  # B0.0 waits for B1.0 (ends at 3)
+    assert lesson.replay(split, 2) == [[0, 3, 4], [1, 2, 3]]  # W1.0 runs while B0.0 does
     assert lesson.bubble(split, 2) == pytest.approx(1 - 6 / (2 * 5))  # W0.0 ends at 5
     with pytest.raises(ValueError, match="wait on each other"):
         lesson.bubble([order("F0.0 W0.0 B0.0"), order("F1.0 B1.0 W1.0")], 2)

@@ -27,9 +27,10 @@ input needs no gradient, it fires in W; for the last, in both).
 
 The lesson records, on every rank, the order in which its stages ran forwards and
 backwards (hooks, as in D8; zero bubble's, its stages' methods), and ``bubble`` measures
-the bubble of that recorded order: replayed with one unit a stage's forward or backward,
-each action starting once this rank is free and its inputs exist (the previous stage's
-forward, the next stage's backward).
+the bubble of that recorded order: replayed (``replay``) with one unit a stage's forward or
+backward, each action starting once this rank is free and its inputs exist (the previous
+stage's forward, the next stage's backward). ``python -m tutorial_impl pictures`` draws the
+replays (``docs/images/pipeline_schedules.png``).
 
     python -m tutorial_impl.ddp.pipeline_schedules     # 2 local ranks
 """
@@ -144,21 +145,21 @@ def run_schedule(rank: int, size: int, schedule: str, x, y, n_microbatches: int)
     return {"actions": list(actions), "params": params}
 
 
-def bubble(orders: list[list[Action]], stages: int) -> float:
-    """The idle fraction of the recorded per-rank orders, replayed with one time unit per
-    action: an action starts when its rank is free and its input exists (``F`` of stage s
-    needs ``F`` of s - 1; ``B`` of s needs ``B`` of s + 1, or for the last stage its own
-    ``F``; ``W``, zero bubble's weight gradient, needs its own ``B``).
-    Idle = 1 - busy units / (ranks x the replay's length)."""
+def replay(orders: list[list[Action]], stages: int) -> list[list[int]]:
+    """When each recorded action starts, replayed with one time unit per action: an action
+    starts when its rank is free and its input exists (``F`` of stage s needs ``F`` of
+    s - 1; ``B`` of s needs ``B`` of s + 1, or for the last stage its own ``F``; ``W``, zero
+    bubble's weight gradient, needs its own ``B``). One list of start times per rank, in
+    the rank's order."""
     done: dict[Action, int] = {}
     free = [0] * len(orders)
-    position = [0] * len(orders)
-    while any(position[r] < len(order) for r, order in enumerate(orders)):
+    starts: list[list[int]] = [[] for _ in orders]
+    while any(len(starts[r]) < len(order) for r, order in enumerate(orders)):
         progressed = False
         for r, order in enumerate(orders):
-            if position[r] == len(order):
+            if len(starts[r]) == len(order):
                 continue
-            stage, kind, mb = order[position[r]]
+            stage, kind, mb = order[len(starts[r])]
             if kind == "F":
                 needs = (stage - 1, "F", mb) if stage else None
             elif kind == "W":
@@ -168,13 +169,19 @@ def bubble(orders: list[list[Action]], stages: int) -> float:
             if needs is not None and needs not in done:
                 continue
             start = max(free[r], done[needs] if needs else 0)
-            done[order[position[r]]] = free[r] = start + 1
-            position[r] += 1
+            done[order[len(starts[r])]] = free[r] = start + 1
+            starts[r].append(start)
             progressed = True
         if not progressed:
             raise ValueError("the recorded orders wait on each other: not one pipeline step")
-    busy = sum(len(order) for order in orders)
-    return 1 - busy / (len(orders) * max(free))
+    return starts
+
+
+def bubble(orders: list[list[Action]], stages: int) -> float:
+    """The idle fraction of the recorded per-rank orders, replayed (``replay``):
+    1 - busy units / (ranks x the replay's length)."""
+    ends = [start + 1 for starts in replay(orders, stages) for start in starts]
+    return 1 - len(ends) / (len(orders) * max(ends))
 
 
 def demo(rank: int, size: int, n_microbatches: int = 4) -> None:

@@ -12,6 +12,8 @@ draws each picture from what was recorded:
 * ``autograd_graph.png``: the graph distributed autograd built for the design note's
   forward, send and recv functions included;
 * ``ddp_buckets.png``: DDP's all_reduces launched during backward, bucket by bucket;
+* ``pipeline_schedules.png``: D18's three pipeline schedules, each rank's recorded order
+  replayed, the bubble in white;
 * ``hybrid_layout.png``: the DDP + RPC tutorial's processes, laid out from
   ``rpc/hybrid_world.py`` and ``rpc/hybrid_model.py``.
 
@@ -37,6 +39,7 @@ IMAGES = (
     "rref_protocol.png",
     "autograd_graph.png",
     "ddp_buckets.png",
+    "pipeline_schedules.png",
     "hybrid_layout.png",
 )
 
@@ -55,7 +58,13 @@ def _pyplot() -> Any:
 def draw(plt: Any, recorded: Any, out: Path) -> list[Any]:
     """Every picture from ``recorded`` (a ``record.Recordings``), into ``out``, in the order
     of ``IMAGES``; what each one measured (``canvas.Drawn``)."""
-    from tutorial_impl.pictures import draw_ddp, draw_dist_tuto, draw_hybrid, draw_rpc
+    from tutorial_impl.pictures import (
+        draw_ddp,
+        draw_dist_tuto,
+        draw_hybrid,
+        draw_pipeline,
+        draw_rpc,
+    )
     from tutorial_impl.pictures.record import BUCKET_CAP_MB
 
     images = dict(zip(IMAGES, (out / name for name in IMAGES), strict=True))
@@ -74,6 +83,7 @@ def draw(plt: Any, recorded: Any, out: Path) -> list[Any]:
         draw_ddp.draw_buckets(
             plt, recorded.bucket_calls, recorded.ready, BUCKET_CAP_MB, images["ddp_buckets.png"]
         ),
+        draw_pipeline.draw_schedules(plt, recorded.schedules, images["pipeline_schedules.png"]),
         draw_hybrid.draw_hybrid_layout(plt, images["hybrid_layout.png"]),
     ]
 

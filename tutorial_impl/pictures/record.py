@@ -5,6 +5,8 @@
   (``dist_tuto/p2p_trace.py``), every collective of lesson 3
   (``dist_tuto/collectives_trace.py``), and DDP's buckets through two iterations
   (``ddp/buckets.py``'s comm hook and gradient hooks, buckets of ``BUCKET_CAP_MB``).
+* A gloo world of 2 ranks runs D18's three pipeline schedules, one step each, the order
+  of every rank's actions recorded (``ddp/pipeline_schedules.py``).
 * An RPC world of 3 workers runs the RRef lifetime lesson, observed
   (``rpc/rref_trace.py``), and the distributed autograd design note's forward, its graph
   walked on both workers (``rpc/autograd_graph.py``).
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tutorial_impl.ddp import buckets
+from tutorial_impl.ddp import buckets, pipeline_schedules, toy
 from tutorial_impl.dist_tuto.collectives_trace import Collective, trace_collectives
 from tutorial_impl.dist_tuto.p2p_trace import Span, trace_p2p
 from tutorial_impl.dist_tuto.ring_trace import Step, trace_rings
@@ -34,7 +36,9 @@ RPC_TIMEOUT = 20.0
 # has three buckets (tests/ddp/test_ddp_02_buckets.py explains the value).
 BUCKET_CAP_MB = 656 / 2**20
 # Modules every rank imports anyway: the forkserver imports them once, before any rank.
-PRELOAD = [*buckets.PRELOAD, "torch.distributed.rpc", __name__]
+PRELOAD = [*buckets.PRELOAD, *pipeline_schedules.PRELOAD, "torch.distributed.rpc", __name__]
+SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+MICROBATCHES = 4
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Recordings:
     ready: list[list[str]]  # rank 0's parameters in the order backward wrote their gradients
     rref: list[ProtocolStep]
     autograd: list[Node]
+    schedules: dict[str, list[list[pipeline_schedules.Action]]]  # per schedule, per rank
 
 
 def record_gloo(rank: int, size: int) -> dict[str, Any]:
@@ -59,6 +64,15 @@ def record_gloo(rank: int, size: int) -> dict[str, Any]:
         "collectives": trace_collectives(rank, size),
         "bucket_calls": log.per_iteration(),
         "ready": log.ready_order(),
+    }
+
+
+def record_schedules(rank: int, size: int) -> dict[str, list[pipeline_schedules.Action]]:
+    """A rank function (gloo, 2 ranks): this rank's order under each schedule, one step."""
+    x, y = toy.batch(2 * MICROBATCHES, sizes=pipeline_schedules.SIZES)
+    return {
+        s: pipeline_schedules.run_schedule(rank, size, s, x, y, MICROBATCHES)["actions"]
+        for s in SCHEDULES
     }
 
 
@@ -84,6 +98,7 @@ def record(timeout: float) -> Recordings:
 
     cli.add_preload(PRELOAD)
     gloo = cli.launch(record_gloo, WORLD, "gloo", timeout)
+    pipes = cli.launch(record_schedules, 2, "gloo", timeout)
     rpc = cli.run_local(record_rpc, world_size=RPC_WORKERS, timeout=timeout)[0]
     return Recordings(
         rings=[r["rings"] for r in gloo],
@@ -93,4 +108,5 @@ def record(timeout: float) -> Recordings:
         ready=gloo[0]["ready"],
         rref=rpc["rref"],
         autograd=rpc["autograd"],
+        schedules={s: [ranks[s] for ranks in pipes] for s in SCHEDULES},
     )
