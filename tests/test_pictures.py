@@ -46,7 +46,7 @@ from tutorial_impl.ddp import toy
 from tutorial_impl.dist_tuto import collectives
 from tutorial_impl.dist_tuto.collectives_trace import SIGNATURES
 from tutorial_impl.dist_tuto.p2p_trace import LATE
-from tutorial_impl.pictures import draw_dist_tuto, record
+from tutorial_impl.pictures import draw_dist_tuto, draw_pipeline, record
 from tutorial_impl.pictures.canvas import MIN_FONT_PT, README_WIDTH, Canvas, crossings, px
 from tutorial_impl.rpc.rref_trace import MESSAGES
 
@@ -416,6 +416,21 @@ def test_pipeline_schedules_every_action_once_the_bubble_in_closed_form_each_box
         assert measured == pytest.approx(expected[name]), name
         assert any(t.endswith(f"bubble {measured:.0%}") for t in drawn.texts), name
     assert labels == actions  # one label a box, one box an action
+    assert Counter(t for t in drawn.texts if t.startswith("rank ")) == {"rank 0": 3, "rank 1": 3}
+    # The boxes: one an action, inside the picture, none over another, and each schedule's
+    # replay across the whole time axis (its own units: first box at X0, last ending at X1).
+    assert len(drawn.boxes) == sum(actions.values())
+    assert all(0 <= x and x + w <= drawn.width and 0 <= y and y + h <= drawn.height
+               for x, y, w, h in drawn.boxes)  # fmt: skip
+    for i, (x, y, w, h) in enumerate(drawn.boxes):
+        for x2, y2, w2, h2 in drawn.boxes[i + 1 :]:
+            assert min(x + w, x2 + w2) - max(x, x2) < 0.5 or min(y + h, y2 + h2) - max(y, y2) < 0.5
+    start = 0
+    for orders in recorded.values():
+        mine = drawn.boxes[start : start + sum(map(len, orders))]
+        start += len(mine)
+        left, right = min(x for x, *_ in mine), max(x + w for x, _, w, _ in mine)
+        assert (left, right) == pytest.approx((draw_pipeline.X0, draw_pipeline.X1))
 
 
 # --- 3. Without matplotlib ------------------------------------------------------------------

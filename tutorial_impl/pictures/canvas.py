@@ -43,6 +43,7 @@ class Drawn:
     min_font_px: float
     crossings: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # every text drawn, in drawing order
+    boxes: list[tuple[float, float, float, float]] = field(default_factory=list)  # x, y, w, h
 
 
 class Canvas:
@@ -56,6 +57,7 @@ class Canvas:
         self.ax.set_ylim(height, 0)
         self.ax.axis("off")
         self.texts: list[Any] = []
+        self.boxes: list[tuple[float, float, float, float]] = []  # in drawing order
         self.paths: list[list[tuple[float, float]]] = []  # arrows and lines, checked
 
     def heading(self, lines: list[str]) -> float:
@@ -73,6 +75,7 @@ class Canvas:
         """A rectangle with its top left corner at ``(x, y)``."""
         style = {"facecolor": "white", "edgecolor": "black", "linewidth": 1.0, **style}
         self.ax.add_patch(self.plt.Rectangle((x, y), w, h, **style))
+        self.boxes.append((x, y, w, h))
 
     def text(self, x: float, y: float, s: str, size: float = MIN_FONT_PT, **style: Any) -> Any:
         """``s`` at ``(x, y)``, centred there unless ``ha``/``va`` say otherwise."""
@@ -126,6 +129,7 @@ class Canvas:
             min((px(t.get_fontsize()) for t in self.texts), default=0.0),
             crossings(self),
             [t.get_text() for t in self.texts],
+            list(self.boxes),
         )
         self.plt.close(self.fig)
         return drawn
