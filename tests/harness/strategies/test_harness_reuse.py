@@ -279,9 +279,11 @@ HARMLESS = {
     "a setting": lambda: random.seed(0),  # reset before the next task: no problem
     # Python caches ``__slotnames__`` on a class whose instance is pickled, as a rank's tensor
     # result is: a warm world retired 8 times a run for it (``_forget_slotnames`` first).
-    "pickled": lambda: pickle.dumps([torch.ones(1), torch.nn.Parameter(torch.ones(1))]),
+    # So does a class of the user's module whose instance a rank returns (a dataclass of
+    # results: the lessons' ``BucketCall`` retired a world after each first test).
+    "pickled": lambda: pickle.dumps([torch.ones(1), torch.nn.Parameter(torch.ones(1)), SETTINGS]),
 }
-PICKLED = (torch.Tensor, torch.nn.Parameter)
+PICKLED = (torch.Tensor, torch.nn.Parameter, Settings)
 
 
 def _forget_slotnames() -> None:

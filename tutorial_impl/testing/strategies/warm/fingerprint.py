@@ -43,7 +43,8 @@ def _reader(kind: type) -> Reader:
         (set, lambda v, m: _sized(v, lambda: sorted(v, key=id))),
         (bytearray, lambda v, m: (bytes(v) if len(v) <= MAX_BYTES else len(v), [])),
         ((types.ModuleType, types.BuiltinFunctionType, types.MethodType), lambda v, m: None),
-        ((type, types.FunctionType), lambda v, m: _attributes(v) if v.__module__ == m else None),
+        (type, lambda v, m: _class(v) if v.__module__ == m else None),
+        (types.FunctionType, lambda v, m: _attributes(v) if v.__module__ == m else None),
         (random.Random, lambda v, m: (v.getstate(), [])),
     ]
     if torch is not None:
@@ -63,6 +64,14 @@ def _attributes(value: Any) -> State | None:
     names = getattr(value, "__dict__", None)
     if not isinstance(names, (dict, types.MappingProxyType)):
         return None
+    return _sized(names, lambda: [*names.keys(), *names.values()])
+
+
+def _class(value: type) -> State:
+    """A class's own attributes, but ``__slotnames__``: Python caches it on the class the first
+    time one of its instances is pickled or copied, as a rank's result is when it goes back
+    to the parent (a dataclass a lesson returns retired its world after each first test)."""
+    names = {k: v for k, v in vars(value).items() if k != "__slotnames__"}
     return _sized(names, lambda: [*names.keys(), *names.values()])
 
 
