@@ -81,28 +81,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     return (cores or 1) + 2
 
 
-class WarmModulesTogether:
-    """Each module's warm tests as one xdist group, so that its warm worlds serve them all.
-
-    A warm world lives until the next test is in another module (``plugin``). Handed out
-    one test at a time, dearest first, a lesson's tests went to every worker in turn: a
-    worker's next test was almost always another module's, and each warm test paid a world of
-    its own (``warm worlds: 59 started, 4 reuses`` in a whole run). A group's tests go to one
-    worker, one after the other (``loadgroup``), as the module runs serially. Added before
-    xdist's worker tags each test with its group (``tryfirst``); a test already in a group,
-    or opted out (``warm_world(False)``), stays as it is."""
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        for item in items:
-            warm = item.get_closest_marker("warm_world")
-            if warm is None or warm.args[:1] == (False,) or _group(item) is not None:
-                continue
-            item.add_marker(pytest.mark.xdist_group(f"warm-{item.module.__name__}"))
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(WarmModulesTogether(), "tutorial-suite-warm-modules")
     # xdist registers its ``xdist_group`` marker; without it (``-p no:xdist``, the serial
     # profile's run) a grouped test would be refused by ``--strict-markers``.
     if not config.pluginmanager.hasplugin("xdist"):

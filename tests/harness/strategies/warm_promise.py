@@ -41,8 +41,9 @@ DETECTED = (
     "un-waited async collective)",
     "a thread the test started still running, daemon or not",
     "the user's module globals changed (rebound, added, removed, or changed one level inside "
-    "a dict, list, set, tensor, array or object; a module-level `nn.Module`'s parameters, "
-    "buffers and the train/eval mode of every submodule)",
+    "a dict, list, set, tensor, array, object or class, but the `__slotnames__` Python caches "
+    "on a class whose instance is pickled, as a result is; a module-level `nn.Module`'s "
+    "parameters, buffers and the train/eval mode of every submodule)",
     "attributes added, replaced or deleted (a monkeypatched `dist.all_reduce`, "
     "`torch.Tensor.equal`) in the modules {modules} and the classes {classes}, but torch's own "
     "wrapper put on by an import (torch._dynamo's on `torch.manual_seed`)",
