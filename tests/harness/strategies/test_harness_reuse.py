@@ -221,6 +221,7 @@ LEFT = {
     "generator": (lambda: torch.rand(1, generator=GENERATOR), "GENERATOR (its contents)"),
     "instance": (lambda: setattr(SETTINGS, "verbose", True), "SETTINGS (its contents)"),
     "class": (lambda: setattr(Settings, "verbose", True), "Settings (its contents)"),
+    "function": (lambda: setattr(warn, "calls", 1), "warn (its contents)"),
     "rebound": (lambda: globals().update(SEEN=[]), "SEEN (rebound)"),
     "added": (lambda: globals().update(NEW=1), "NEW (added)"),
     "all_reduce": (
