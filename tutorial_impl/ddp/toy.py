@@ -98,7 +98,7 @@ def main(
     or torchrun)."""
     from tutorial_impl import cli
 
-    return cli.exit_status(lambda: cli.launch(demo, world_size, "gloo", timeout, preload))
+    return cli.exit_status(lambda: cli.launch(demo, world_size, "gloo", timeout, preload or ()))
 
 
 def run_as_script(main: Callable[[], int | None]) -> NoReturn:

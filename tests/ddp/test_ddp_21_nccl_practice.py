@@ -1,0 +1,87 @@
+"""D21. A stuck collective: what ends it on gloo, what the NCCL watchdog reads.
+
+On gloo (here): a bounded ``wait(timeout)`` gives up at its timeout while the collective goes
+on, and ends with the right sum once the late rank joins; ``abort()`` returns at once and
+ends nothing, the collective in flight ending at the group's own timeout. The NCCL names the
+lesson teaches are torch's own: read from the ``ProcessGroupNCCL.hpp`` every torch wheel ships.
+On a CUDA machine (``pytest -m dist_gpu``) an NCCL collective returns to its caller before a
+late rank has joined: the hang is on the GPU's stream, where only the watchdog sees it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_impl.ddp import nccl_practice as lesson
+
+HEADER = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+
+
+@pytest.mark.world_size(3)
+def test_a_bounded_wait_gives_up_and_the_collective_goes_on(run_ranks):
+    first, middle, last = run_ranks(lesson.bounded_wait, 0.4, 1.5)
+    # Every rank, the late one too, must hold the sum of three ones.
+    assert [r["sum"] for r in (first, middle, last)] == [3.0, 3.0, 3.0]
+    # Rank 0 gave up at its 0.4 s, with gloo's message, long before the late rank came ...
+    assert "timed out" in first["raised"].lower(), first["raised"]
+    assert 0.4 <= first["gave_up"] < 1.4, first
+    # ... and its second wait ended only once the late rank had joined, 1.5 s in.
+    assert first["ended"] >= 1.5, first
+
+
+def test_abort_on_gloo_ends_nothing_the_groups_timeout_does(run_ranks):
+    first, second = run_ranks(lesson.abort_in_flight, 0.3, 1.5)
+    for rank in (first, second):
+        assert 0.3 <= rank["aborted"] < 1.0, rank  # abort() returned at once, on every rank
+    assert second["ended"] is None and second["error"] is None  # rank 1 never entered
+    # Rank 0's all_reduce went on after the abort: it ended at the group's 1.5 s timeout.
+    assert first["ended"] >= 1.5, first
+    assert "timed out" in first["error"].lower(), first["error"]
+
+
+def test_the_watchdogs_settings_are_torchs_own():
+    """Each variable the lesson names is declared in torch's NCCL header, and the error
+    handling modes have the values the lesson gives; what the header says of ``wait`` and
+    ``abort`` is what the lesson quotes."""
+    if not HEADER.is_file():
+        pytest.skip(f"this torch ships no C++ headers ({HEADER})")
+    text = HEADER.read_text()
+    declared = set(re.findall(r"static std::vector<std::string> (TORCH_NCCL_\w+) = \{", text))
+    assert set(lesson.NCCL_ENV) <= declared, set(lesson.NCCL_ENV) - declared
+    enum = re.search(r"enum ErrorHandlingMode \{(.*?)\};", text, re.S)
+    assert enum is not None
+    modes = dict(re.findall(r"(\w+) = (\d+)", enum.group(1)))
+    assert {k: int(v) for k, v in modes.items()} == lesson.ERROR_HANDLING
+    flat = " ".join(text.split()).replace("// ", "")
+    assert "it will block the CPU thread until the NCCL work is completed or timed out" in flat
+    assert "abort the ProcessGroup (similar to ncclCommAbort)" in flat
+    assert "the default value (3 - SkipCleanUp)" in flat
+
+
+def returns_before_the_late_rank(rank: int, size: int, late: float = 1.0) -> dict:
+    """On NCCL: the last rank joins ``late`` s after rank 0, whose all_reduce call returns at
+    once (queued on the stream); synchronizing then waits for the late rank."""
+    tensor = torch.ones(1, device=lesson.rank_device())
+    if rank == size - 1:
+        time.sleep(late)
+    start = time.monotonic()
+    dist.all_reduce(tensor)
+    returned = time.monotonic() - start
+    torch.cuda.synchronize()
+    return {"returned": returned, "synced": time.monotonic() - start, "sum": tensor.item()}
+
+
+@pytest.mark.dist_gpu(2)
+@pytest.mark.dist_backend("nccl")
+@pytest.mark.world_size(2)
+def test_on_nccl_a_collective_returns_before_a_late_rank_joins(run_ranks):
+    first, second = run_ranks(returns_before_the_late_rank, 1.0)
+    assert first["sum"] == second["sum"] == 2.0
+    assert first["returned"] < 0.5, first  # the call queued the collective and returned
+    assert first["synced"] >= 0.9, first  # the stream waited for the late rank
