@@ -28,9 +28,9 @@ def test_a_bounded_wait_gives_up_and_the_collective_goes_on(run_ranks):
     first, middle, last = run_ranks(lesson.bounded_wait, 0.4, 1.5)
     # Every rank, the late one too, must hold the sum of three ones.
     assert [r["sum"] for r in (first, middle, last)] == [3.0, 3.0, 3.0]
-    # Rank 0 gave up at its 0.4 s, with gloo's message, long before the late rank came ...
-    assert "timed out" in first["raised"].lower(), first["raised"]
-    assert 0.4 <= first["gave_up"] < 1.4, first
+    # Rank 0 gave up at its 0.4 s, with gloo's message, before the late rank came ...
+    assert first["raised"] is not None and "timed out" in first["raised"].lower(), first
+    assert 0.4 <= first["gave_up"] < 1.5, first
     # ... and its second wait ended only once the late rank had joined, 1.5 s in.
     assert first["ended"] >= 1.5, first
 
@@ -38,11 +38,11 @@ def test_a_bounded_wait_gives_up_and_the_collective_goes_on(run_ranks):
 def test_abort_on_gloo_ends_nothing_the_groups_timeout_does(run_ranks):
     first, second = run_ranks(lesson.abort_in_flight, 0.3, 1.5)
     for rank in (first, second):
-        assert 0.3 <= rank["aborted"] < 1.0, rank  # abort() returned at once, on every rank
+        assert 0.3 <= rank["aborted"] < 1.5, rank  # abort() returned at once, on every rank
     assert second["ended"] is None and second["error"] is None  # rank 1 never entered
     # Rank 0's all_reduce went on after the abort: it ended at the group's 1.5 s timeout.
-    assert first["ended"] >= 1.5, first
-    assert "timed out" in first["error"].lower(), first["error"]
+    assert first["aborted"] < 1.5 <= first["ended"], first
+    assert first["error"] is not None and "timed out" in first["error"].lower(), first
 
 
 def test_the_watchdogs_settings_are_torchs_own():
@@ -65,11 +65,17 @@ def test_the_watchdogs_settings_are_torchs_own():
 
 
 def returns_before_the_late_rank(rank: int, size: int, late: float = 1.0) -> dict:
-    """On NCCL: the last rank joins ``late`` s after rank 0, whose all_reduce call returns at
-    once (queued on the stream); synchronizing then waits for the late rank."""
+    """On NCCL: the last rank joins ``late`` s after rank 0 starts its all_reduce (a note sent
+    first, as in ``bounded_wait``); rank 0's call returns at once (queued on the stream), and
+    synchronizing then waits for the late rank."""
     tensor = torch.ones(1, device=lesson.rank_device())
+    note = torch.zeros(1, device=lesson.rank_device())
     if rank == size - 1:
+        dist.recv(note, src=0)
+        torch.cuda.synchronize()  # the note has arrived: rank 0 is starting
         time.sleep(late)
+    elif rank == 0:
+        dist.send(note, dst=size - 1)
     start = time.monotonic()
     dist.all_reduce(tensor)
     returned = time.monotonic() - start
