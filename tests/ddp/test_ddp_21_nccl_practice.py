@@ -32,17 +32,45 @@ def test_a_bounded_wait_gives_up_and_the_collective_goes_on(run_ranks):
     assert first["raised"] is not None and "timed out" in first["raised"].lower(), first
     assert 0.4 <= first["gave_up"] < 1.5, first
     # ... and its second wait ended only once the late rank had joined, 1.5 s in.
-    assert first["ended"] >= 1.5, first
+    assert 1.5 <= first["ended"] < 10, first
+
+
+def abort_then_count_groups(rank: int, size: int) -> dict:
+    """The lesson's abort, then how many process groups this rank still has."""
+    seen = lesson.abort_in_flight(rank, size, 0.3, 1.5)
+    return {**seen, "groups": len(dist.distributed_c10d._world.pg_map)}
 
 
 def test_abort_on_gloo_ends_nothing_the_groups_timeout_does(run_ranks):
-    first, second = run_ranks(lesson.abort_in_flight, 0.3, 1.5)
+    first, second = run_ranks(abort_then_count_groups)
     for rank in (first, second):
         assert 0.3 <= rank["aborted"] < 1.5, rank  # abort() returned at once, on every rank
+        assert rank["groups"] == 1, rank  # the aborted group was destroyed: the world's is left
     assert second["ended"] is None and second["error"] is None  # rank 1 never entered
     # Rank 0's all_reduce went on after the abort: it ended at the group's 1.5 s timeout.
-    assert first["aborted"] < 1.5 <= first["ended"], first
+    assert first["aborted"] < 1.5 <= first["ended"] < 10, first
     assert first["error"] is not None and "timed out" in first["error"].lower(), first
+
+
+def test_the_demo_prints_both_on_rank_0(run_ranks):
+    """``python -m tutorial_impl.ddp.nccl_practice`` prints, on rank 0 only, the bounded wait
+    (its gloo message, the late end, the sum of two ranks) and the abort that ended nothing."""
+    results = run_ranks(lesson.demo)
+    assert results.outputs[1] == ""
+    waited, aborted = results.outputs[0].splitlines()
+    found = re.fullmatch(
+        r"wait\(0\.4 s\) gave up after ([\d.]+) s: Operation timed out!; "
+        r"the all_reduce ended after ([\d.]+) s, sum 2",
+        waited,
+    )
+    assert found is not None, waited
+    assert float(found[1]) < 1.5 <= float(found[2]), waited
+    found = re.fullmatch(
+        r"gloo: abort\(\) returned after ([\d.]+) s; the all_reduce ended after ([\d.]+) s",
+        aborted,
+    )
+    assert found is not None, aborted
+    assert float(found[1]) < 1.5 <= float(found[2]), aborted
 
 
 def test_the_watchdogs_settings_are_torchs_own():
