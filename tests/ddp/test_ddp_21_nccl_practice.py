@@ -98,15 +98,16 @@ def returns_before_the_late_rank(rank: int, size: int, late: float = 1.0) -> dic
     synchronizing then waits for the late rank."""
     tensor = torch.ones(1, device=lesson.rank_device())
     note = torch.zeros(1, device=lesson.rank_device())
+    start = time.monotonic()  # the late rank joins ``late`` s after this at the earliest
     if rank == size - 1:
         dist.recv(note, src=0)
         torch.cuda.synchronize()  # the note has arrived: rank 0 is starting
         time.sleep(late)
     elif rank == 0:
         dist.send(note, dst=size - 1)
-    start = time.monotonic()
+    called = time.monotonic()
     dist.all_reduce(tensor)
-    returned = time.monotonic() - start
+    returned = time.monotonic() - called
     torch.cuda.synchronize()
     return {"returned": returned, "synced": time.monotonic() - start, "sum": tensor.item()}
 

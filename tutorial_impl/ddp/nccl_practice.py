@@ -66,16 +66,16 @@ def bounded_wait(rank: int, size: int, timeout: float = 0.4, late: float = 1.5) 
     """One all_reduce of ones; the last rank joins ``late`` seconds after rank 0 started it
     (rank 0 tells it when, with a note sent first). Rank 0 waits at most ``timeout`` for the
     all_reduce, then waits again until it ends. Every rank returns the sum; rank 0 also what
-    the bounded wait raised, when it gave up and when the collective ended (seconds from the
-    moment it started it)."""
+    the bounded wait raised, when it gave up and when the collective ended (seconds from just
+    before its note, so that the late rank joins ``late`` seconds after that at the earliest)."""
     tensor = torch.ones(1, device=rank_device())
     note = torch.zeros(1, device=rank_device())
+    start = time.monotonic()
     if rank == size - 1:
         dist.recv(note, src=0)  # rank 0 is about to start the all_reduce
         time.sleep(late)  # the late rank
     elif rank == 0:
-        dist.send(note, dst=size - 1)
-    start = time.monotonic()
+        dist.send(note, dst=size - 1)  # its lateness counts from after ``start``
     work = dist.all_reduce(tensor, async_op=True)
     if rank != 0:
         work.wait()
